@@ -1,0 +1,81 @@
+"""Request and engine configuration: small frozen dataclasses, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import InvalidRequest
+
+SPEC_METHODS = ("sparrow", "none")
+KV_CACHE_KINDS = ("static", "dynamic")
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise InvalidRequest(message)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples. temperature 0 is greedy (the lossless golden path)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0                      # 0: off
+    top_p: float = 1.0                  # 1.0: off
+    seed: int | None = None             # seeds the request's own torch.Generator
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()          # stop strings, matched on the decoded text
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Speculative decoding settings for an engine.
+
+    method: "sparrow" (draft + verify) or "none" (plain autoregressive decoding through the
+    same prefill and KV path: the baseline every benchmark compares against).
+    window/anchors/glimpse: the draft's text-anchored window attention sees at most
+    `anchors` prompt text tokens + the last `window` tokens + `glimpse` bridge-layer visual
+    states, whatever the length of the video.
+    """
+
+    method: str = "sparrow"
+    num_draft_tokens: int = 4
+    window: int = 32
+    anchors: int = 64
+    glimpse: int = 0
+    # Draft architecture, used when a fresh draft is built with SparrowDraft.for_target.
+    draft_layers: int = 1
+    feature_layers: tuple[int, ...] | None = None   # indices into the target's hidden_states; None: low/mid/high
+    # Engine internals.
+    kv_cache: str = "static"       # "static": preallocated per request; "dynamic": HF DynamicCache
+    attention_backend: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPEC_METHODS, f"method must be one of {SPEC_METHODS}, got {self.method!r}")
+        _check(1 <= self.num_draft_tokens <= 32, f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
+        _check(self.window >= 1, f"window must be >= 1, got {self.window}")
+        _check(self.anchors >= 0, f"anchors must be >= 0, got {self.anchors}")
+        _check(self.glimpse >= 0, f"glimpse must be >= 0, got {self.glimpse}")
+        _check(self.draft_layers >= 1, f"draft_layers must be >= 1, got {self.draft_layers}")
+        _check(self.kv_cache in KV_CACHE_KINDS, f"kv_cache must be one of {KV_CACHE_KINDS}")
+        if self.feature_layers is not None:
+            _check(len(self.feature_layers) >= 1 and all(i >= 0 for i in self.feature_layers),
+                   "feature_layers must be a non-empty tuple of hidden-state indices")
+
+    @property
+    def speculative(self) -> bool:
+        return self.method != "none"

@@ -1,0 +1,228 @@
+"""The engine: one request's generation loop, read as its phases.
+
+    prefill -> loop { propose -> verify -> accept -> advance -> yield } -> complete
+
+It knows token ids, the target, a proposer and the acceptance functions; nothing of Ray or
+gRPC. Transports consume `Engine.stream`, a plain iterator of TokenDelta whose final result
+(`Generation.output`) carries the finish reason, usage and metrics.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .config import SamplingParams, SpecConfig
+from .errors import InvalidRequest, RequestAborted
+from .metrics import SpecMetrics
+from .models.target import TargetModel
+from .spec.accept import AcceptResult, accept_greedy, accept_speculative
+from .spec.propose import SparrowProposer, build_context
+from .spec.sampling import logits_to_probs, new_generator, sample
+from .video import Frames, ProcessedVideo, VideoOptions, load_frames
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    token_ids: list[int]
+    text: str
+    finish_reason: str               # "stop" | "length" | "abort"
+    metrics: SpecMetrics
+
+
+@dataclass(slots=True)
+class Generation:
+    """An in-flight request: iterate for deltas; `output` is set when iteration ends."""
+
+    _it: Iterator[TokenDelta]
+    _abort: threading.Event = field(default_factory=threading.Event)
+    output: GenerationOutput | None = None
+
+    def __iter__(self) -> Iterator[TokenDelta]:
+        return self
+
+    def __next__(self) -> TokenDelta:
+        return next(self._it)
+
+    def abort(self) -> None:
+        """Stop at the next step boundary (thread-safe); the output's finish_reason is "abort"."""
+        self._abort.set()
+
+    def close(self) -> None:
+        self._it.close()
+
+
+class _Detokenizer:
+    """Incremental text: decode everything so far, emit what is new, hold back a partial
+    UTF-8 sequence (shown as U+FFFD) until its bytes complete."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""
+
+    def push(self, all_ids: list[int]) -> str:
+        text = self.tokenizer.decode(all_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta
+
+
+class Engine:
+    def __init__(self, target: TargetModel, draft=None, spec: SpecConfig | None = None, proposer=None):
+        self.target = target
+        self.spec = spec or SpecConfig()
+        if self.spec.speculative and proposer is None:
+            if draft is None:
+                raise InvalidRequest(f"method {self.spec.method!r} needs a draft (or a proposer)")
+            if not draft.bound:
+                draft.bind(target)
+            proposer = SparrowProposer(draft, self.spec)
+        self.proposer = proposer if self.spec.speculative else None
+
+    # ----- inputs ------------------------------------------------------------------------------
+    def process_video(self, video, options: VideoOptions | None = None) -> ProcessedVideo:
+        if isinstance(video, ProcessedVideo):
+            return video
+        frames = video if isinstance(video, Frames) else load_frames(video, options or VideoOptions())
+        return self.target.processor.process(frames)
+
+    def prepare(self, video, prompt: str, options: VideoOptions | None = None) -> dict[str, torch.Tensor]:
+        """The exact kwargs handed to target.hf: `target.hf.generate(**engine.prepare(...))` works."""
+        return self.target.build_inputs(self.process_video(video, options), prompt)
+
+    # ----- public entry points -------------------------------------------------------------------
+    def stream(self, video, prompt: str, sampling: SamplingParams | None = None,
+               options: VideoOptions | None = None) -> Generation:
+        """Start a request. Validation and video decoding happen on the first `next()`."""
+        gen = Generation(iter(()))
+        gen._it = self._run(gen, video, prompt, sampling or SamplingParams(), options)
+        return gen
+
+    def generate(self, video, prompt: str, sampling: SamplingParams | None = None,
+                 options: VideoOptions | None = None) -> GenerationOutput:
+        gen = self.stream(video, prompt, sampling, options)
+        for _ in gen:
+            pass
+        return gen.output
+
+    # ----- the loop --------------------------------------------------------------------------------
+    def _run(self, gen: Generation, video, prompt: str, sampling: SamplingParams,
+             options: VideoOptions | None) -> Iterator[TokenDelta]:
+        target, proposer, m = self.target, self.proposer, SpecMetrics()
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidRequest("prompt must be a non-empty string")
+        k = self.spec.num_draft_tokens if proposer is not None else 0
+        m.num_draft_tokens = k
+
+        t0 = time.perf_counter()
+        processed = self.process_video(video, options)
+        inputs = target.build_inputs(processed, prompt)
+        m.video_seconds = time.perf_counter() - t0
+        m.prompt_tokens, m.visual_tokens = inputs["input_ids"].shape[1], processed.num_visual_tokens
+        target.check_fits(m.prompt_tokens, sampling.max_new_tokens)
+
+        # prefill
+        t0 = time.perf_counter()
+        feature_layers = proposer.feature_layers if proposer is not None else ()
+        bridge_layer = proposer.bridge_layer if proposer is not None else None
+        pre = target.prefill(inputs, capacity=m.prompt_tokens + sampling.max_new_tokens + k + 1,
+                             feature_layers=feature_layers, bridge_layer=bridge_layer, kv_cache=self.spec.kv_cache)
+        rng = new_generator(sampling.seed)
+        token = self._sample_one(pre.logits, sampling, rng)
+        dstate = None
+        if proposer is not None:
+            ctx = build_context(pre, token, self.spec.glimpse) if feature_layers else None
+            dstate = proposer.begin(ctx)
+        m.prefill_seconds = time.perf_counter() - t0
+
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(target.eos_token_ids))
+        out: list[int] = []
+        detok = _Detokenizer(target.tokenizer)
+        finish = None
+        t_decode = time.perf_counter()
+        new_tokens = [token]
+        while True:
+            # yield: emit this step's tokens up to a stop condition
+            new_tokens, finish = self._truncate(new_tokens, out, stop_ids, sampling)
+            out.extend(new_tokens)
+            delta = detok.push(out)
+            if finish is None and sampling.stop:
+                finish = self._stop_string(detok.text, sampling.stop)
+            if new_tokens or delta:
+                yield TokenDelta(tuple(new_tokens), delta)
+            if finish is None and gen._abort.is_set():
+                finish = "abort"
+            if finish is not None:
+                break
+            token = out[-1]
+            remaining = sampling.max_new_tokens - len(out)
+            k_step = min(k, remaining - 1)      # never draft past max_new_tokens
+            if k_step <= 0:
+                logits, _ = target.step(pre.state, torch.tensor([token]))
+                new_tokens = [self._sample_one(logits[0], sampling, rng)]
+                m.record_step(0, 0)
+                continue
+            # propose
+            t1 = time.perf_counter()
+            proposal = proposer.propose(dstate, k_step, sampling, rng)
+            t2 = time.perf_counter()
+            # verify: the last emitted token + k draft tokens, one forward
+            logits, feats = target.step(pre.state, torch.cat([torch.tensor([token]), proposal.tokens]),
+                                        feature_layers)
+            # accept
+            result = self._accept(proposal, logits, sampling, rng)
+            t3 = time.perf_counter()
+            # advance: drop rejected drafts from the target cache, feed the draft what was kept
+            target.rollback(pre.state, k_step - result.num_accepted)
+            new_tokens = result.tokens(proposal.tokens)
+            proposer.commit(dstate, new_tokens, feats[: len(new_tokens)] if feats is not None else None)
+            m.draft_seconds += (t2 - t1) + (time.perf_counter() - t3)
+            m.verify_seconds += t3 - t2
+            m.record_step(k_step, result.num_accepted)
+
+        m.decode_seconds = time.perf_counter() - t_decode
+        m.completion_tokens = len(out)
+        if dstate is not None and hasattr(dstate, "kv"):
+            m.draft_max_keys = dstate.kv.max_visible
+        gen.output = GenerationOutput(out, detok.text, finish, m)
+
+    # ----- small helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _sample_one(logits: torch.Tensor, sampling: SamplingParams, rng: torch.Generator) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        return sample(logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p), rng)
+
+    @staticmethod
+    def _accept(proposal, logits: torch.Tensor, sampling: SamplingParams, rng: torch.Generator) -> AcceptResult:
+        if sampling.greedy:
+            return accept_greedy(proposal.tokens, logits)
+        p = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        return accept_speculative(proposal.tokens, proposal.probs, p, rng)
+
+    @staticmethod
+    def _truncate(new: list[int], out: list[int], stop_ids: set[int],
+                  sampling: SamplingParams) -> tuple[list[int], str | None]:
+        """Cut a step's tokens at a stop token (kept, as HF generate keeps EOS) or the length cap."""
+        for i, t in enumerate(new):
+            if t in stop_ids:
+                return new[: i + 1], "stop"
+        room = sampling.max_new_tokens - len(out)
+        if len(new) >= room:
+            return new[:room], "length"
+        return new, None
+
+    @staticmethod
+    def _stop_string(text: str, stops: tuple[str, ...]) -> str | None:
+        return "stop" if any(s in text for s in stops) else None

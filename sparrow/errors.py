@@ -1,0 +1,46 @@
+"""Typed errors. Every failure a caller can cause has a class here, so transports can map
+them to status codes (gRPC: see sparrow.services) without parsing messages."""
+
+
+class SparrowError(Exception):
+    """Base of every error the library raises on purpose."""
+
+
+class InvalidRequest(SparrowError, ValueError):
+    """The request itself is malformed: empty prompt, bad sampling parameters, ..."""
+
+
+class ContextOverflow(InvalidRequest):
+    """Prompt + video + max_new_tokens do not fit the model's context. Never truncated silently."""
+
+
+class ResourceExhausted(SparrowError):
+    """A size or token budget was exceeded (bytes, frames, visual tokens)."""
+
+
+class VideoError(InvalidRequest):
+    """The video could not be turned into frames. Subclasses say why."""
+
+
+class VideoUnreadable(VideoError):
+    """Not a video container PyAV can open, or the file is truncated/corrupt."""
+
+
+class NoVideoStream(VideoError):
+    """The container has no video stream (e.g. audio only)."""
+
+
+class NoFrames(VideoError):
+    """The container or the selected time range holds zero decodable frames."""
+
+
+class VideoTooLarge(VideoError, ResourceExhausted):
+    """Over a configured bound: bytes, duration, frame size or decoded frames."""
+
+
+class SourceNotAllowed(InvalidRequest, PermissionError):
+    """A path or URL outside the configured allowlists."""
+
+
+class RequestAborted(SparrowError):
+    """The request was aborted by the caller while generating."""

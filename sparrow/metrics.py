@@ -1,0 +1,63 @@
+"""Per-request speculative-decoding metrics, in DESIGN.md's terms.
+
+  mean_acceptance_length (tau) = tokens emitted per verify step = 1 + accepted / steps
+  accepted_per_step            = accepted / steps  (the convention without the bonus token)
+  acceptance_rate_per_position[i] = fraction of steps whose i-th draft token was accepted
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class SpecMetrics:
+    num_draft_tokens: int = 0             # k configured
+    steps: int = 0                        # verify steps (plain decoding: decode steps)
+    draft_tokens: int = 0                 # draft tokens proposed
+    accepted_tokens: int = 0              # draft tokens accepted
+    accepted_per_position: list[int] = field(default_factory=list)   # counts, index = draft position
+    prompt_tokens: int = 0                # incl. visual tokens
+    visual_tokens: int = 0
+    completion_tokens: int = 0
+    video_seconds: float = 0.0            # decode + sample + patchify
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0           # after prefill until the last token
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_max_keys: int = 0               # most keys one draft query attended to
+
+    def record_step(self, proposed: int, accepted: int) -> None:
+        self.steps += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def accepted_per_step(self) -> float:
+        return self.accepted_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted_per_step if self.steps else 0.0
+
+    tau = mean_acceptance_length
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [c / self.steps for c in self.accepted_per_position] if self.steps else []
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # The first token comes from prefill; decode produced the rest.
+        return (self.completion_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(mean_acceptance_length=self.mean_acceptance_length, accepted_per_step=self.accepted_per_step,
+                 acceptance_rate_per_position=self.acceptance_rate_per_position,
+                 decode_tokens_per_second=self.decode_tokens_per_second)
+        return d

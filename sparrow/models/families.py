@@ -1,0 +1,61 @@
+"""What differs between the target model families, in one place.
+
+The engine never branches on the model type: it asks the family for the placeholder token,
+the extra model inputs and the positions. Qwen2.5-VL uses 3-axis M-RoPE positions, computed
+here explicitly from the prefill's rope delta, so nothing is read from or left on the HF
+model between calls (`model.model.rope_deltas` would be shared by concurrent requests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Family:
+    model_type: str
+    video_token_attr: str
+
+    def video_token_id(self, config) -> int:
+        return int(getattr(config, self.video_token_attr))
+
+    def extra_inputs(self, input_ids: torch.Tensor, video_token_id: int) -> dict[str, torch.Tensor]:
+        return {}
+
+    def prefill_positions(self, hf, inputs: dict) -> tuple[torch.Tensor, int]:
+        """(position_ids for the prompt, rope delta): position of sequence index i >= prompt is i + delta."""
+        n = inputs["input_ids"].shape[1]
+        return torch.arange(n).view(1, n), 0
+
+    def step_positions(self, start: int, n: int, delta: int) -> torch.Tensor:
+        return torch.arange(start + delta, start + delta + n).view(1, n)
+
+
+class QwenVLFamily(Family):
+    model_type = "qwen2_5_vl"
+    video_token_attr = "video_token_id"
+
+    def extra_inputs(self, input_ids: torch.Tensor, video_token_id: int) -> dict[str, torch.Tensor]:
+        # transformers 5 builds 3-axis positions only when it sees these (0 text, 1 image, 2 video).
+        return {"mm_token_type_ids": (input_ids == video_token_id).to(torch.int32) * 2}
+
+    def prefill_positions(self, hf, inputs: dict) -> tuple[torch.Tensor, int]:
+        position_ids, deltas = hf.model.get_rope_index(   # pure: returns, stores nothing
+            inputs["input_ids"],
+            inputs["mm_token_type_ids"],
+            video_grid_thw=inputs.get("video_grid_thw"),
+            second_per_grid_ts=inputs.get("second_per_grid_ts"),
+            attention_mask=inputs.get("attention_mask"),
+        )
+        return position_ids, int(deltas.view(-1)[0])    # position_ids: (3, 1, T)
+
+    def step_positions(self, start: int, n: int, delta: int) -> torch.Tensor:
+        # After the prompt every token is text: the three axes share one position.
+        return super().step_positions(start, n, delta).view(1, 1, n).expand(3, 1, n)
+
+
+class LlavaOnevisionFamily(Family):
+    model_type = "llava_onevision"
+    video_token_attr = "video_token_index"
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (QwenVLFamily(), LlavaOnevisionFamily())}

@@ -1,0 +1,204 @@
+"""The target (verifier): a Hugging Face video LLM behind three calls the engine needs.
+
+    prepare(video, prompt) -> the exact kwargs the HF model takes
+    prefill(inputs)        -> KV cache, last logits, the draft's features at text positions
+    step(state, tokens)    -> logits (and features) for a few tokens on top of the cache
+
+The HF model is used only through public arguments (input_ids, position_ids,
+past_key_values, output_hidden_states, logits_to_keep); no modeling file is forked and no
+per-request state is left on the model, so one TargetModel serves many requests at once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+from ..errors import ContextOverflow, InvalidRequest
+from ..video import ProcessedVideo, VideoProcessor, processor_for
+from .families import FAMILIES, Family
+from .kv_cache import new_kv_cache
+
+
+@dataclass(slots=True)
+class TargetState:
+    """One request's target-side state: its KV cache and where the sequence stands."""
+
+    kv: object            # transformers Cache
+    length: int           # tokens in the KV cache
+    rope_delta: int       # position of sequence index i (after the prompt) is i + rope_delta
+
+
+@dataclass(slots=True)
+class PrefillOutput:
+    state: TargetState
+    logits: torch.Tensor              # (V,) next-token logits after the prompt
+    text_token_ids: torch.Tensor      # (n,) the prompt's text tokens (t >= 1), in order
+    text_features: torch.Tensor       # (n, F*H) target features at position t-1 of each text token t
+    last_feature: torch.Tensor        # (F*H,) features at the prompt's last position
+    bridge_text: torch.Tensor | None  # (n, H) bridge-layer states at the text positions
+    bridge_visual: torch.Tensor | None  # (Nv, H) bridge-layer states at the visual positions
+
+
+class TargetModel:
+    def __init__(self, hf, tokenizer, processor: VideoProcessor | None = None):
+        family = FAMILIES.get(hf.config.model_type)
+        if family is None:
+            raise InvalidRequest(f"unsupported target model type {hf.config.model_type!r}; "
+                                 f"supported: {sorted(FAMILIES)}")
+        self.hf = hf.eval()
+        self.tokenizer = tokenizer
+        self.family: Family = family
+        self.processor = processor or processor_for(hf.config)
+        self.text_config = hf.config.get_text_config()
+        self.video_token_id = family.video_token_id(hf.config)
+        self.eos_token_ids = _eos_ids(hf, tokenizer)
+
+    # ----- loading ---------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        attn_implementation: str = "sdpa", device: str = "cpu") -> "TargetModel":
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise InvalidRequest(f"{path} is not a saved model directory (no config.json)")
+        config = AutoConfig.from_pretrained(path)
+        if config.model_type not in FAMILIES:
+            raise InvalidRequest(f"unsupported target model type {config.model_type!r}")
+        hf = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if tokenizer.chat_template is None:
+            tokenizer.chat_template = _read_chat_template(path)
+        return cls(hf, tokenizer)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.hf.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+    # ----- shape facts -------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.text_config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_context(self) -> int:
+        return int(self.text_config.max_position_embeddings)
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.device
+
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.hf.get_input_embeddings()
+
+    def lm_head(self) -> torch.nn.Module:
+        return self.hf.get_output_embeddings()
+
+    # ----- inputs ------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str, num_visual_tokens: int) -> list[int]:
+        """Token ids of the chat-formatted prompt with the video placeholder expanded."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidRequest("prompt must be a non-empty string")
+        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if ids.count(self.video_token_id) != 1:
+            raise InvalidRequest("the prompt must not contain the video placeholder token itself")
+        i = ids.index(self.video_token_id)
+        return ids[:i] + [self.video_token_id] * num_visual_tokens + ids[i + 1:]
+
+    def build_inputs(self, video: ProcessedVideo, prompt: str) -> dict[str, torch.Tensor]:
+        input_ids = torch.tensor([self.prompt_ids(prompt, video.num_visual_tokens)], device=self.device)
+        inputs = {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "pixel_values_videos": video.pixel_values_videos.to(self.device, self.hf.dtype),
+        }
+        inputs.update({k: v.to(self.device) for k, v in video.model_kwargs.items()})
+        inputs.update(self.family.extra_inputs(input_ids, self.video_token_id))
+        return inputs
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int, extra: int = 0) -> None:
+        need = prompt_len + max_new_tokens + extra
+        if need > self.max_context:
+            raise ContextOverflow(
+                f"prompt ({prompt_len} tokens incl. video) + max_new_tokens ({max_new_tokens}) = {need} "
+                f"exceeds the model's context of {self.max_context} tokens; use fewer frames, a "
+                f"smaller resolution or fewer new tokens")
+
+    # ----- forward passes ----------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, inputs: dict, capacity: int, feature_layers: tuple[int, ...] = (),
+                bridge_layer: int | None = None, kv_cache: str = "static") -> PrefillOutput:
+        """One forward over the prompt. capacity: KV slots to reserve for the whole request."""
+        position_ids, delta = self.family.prefill_positions(self.hf, inputs)
+        kv = new_kv_cache(kv_cache, self.num_layers, capacity)
+        want_hidden = bool(feature_layers) or bridge_layer is not None
+        out = self.hf(**inputs, position_ids=position_ids, past_key_values=kv, use_cache=True,
+                      output_hidden_states=want_hidden, logits_to_keep=1)
+        ids = inputs["input_ids"][0]
+        n = ids.shape[0]
+        state = TargetState(kv=out.past_key_values, length=n, rope_delta=delta)
+        text_pos = torch.nonzero(ids != self.video_token_id).view(-1)
+        text_pos = text_pos[text_pos >= 1]                                # t-1 must exist
+        feats = bridge_t = bridge_v = last = None
+        if feature_layers:
+            hs = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)   # (T, F*H)
+            feats, last = hs[text_pos - 1], hs[n - 1]
+        if bridge_layer is not None:
+            bridge = out.hidden_states[bridge_layer][0]                  # (T, H)
+            bridge_t, bridge_v = bridge[text_pos], bridge[ids == self.video_token_id]
+        return PrefillOutput(state, out.logits[0, -1].float(), ids[text_pos], feats, last, bridge_t, bridge_v)
+
+    @torch.inference_mode()
+    def step(self, state: TargetState, token_ids: torch.Tensor,
+             feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Score n tokens on top of the cache in ONE forward (n = 1: a decode step; n = k + 1:
+        a verify step). Returns logits (n, V) and, if asked, features (n, F*H)."""
+        n = token_ids.shape[-1]
+        position_ids = self.family.step_positions(state.length, n, state.rope_delta).to(self.device)
+        out = self.hf(input_ids=token_ids.view(1, n).to(self.device), position_ids=position_ids,
+                      past_key_values=state.kv, use_cache=True,
+                      output_hidden_states=bool(feature_layers))
+        state.length += n
+        feats = None
+        if feature_layers:
+            feats = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)
+        return out.logits[0].float(), feats
+
+    def rollback(self, state: TargetState, n_remove: int) -> None:
+        """Drop the last n_remove tokens (rejected drafts) from the KV cache."""
+        if n_remove > 0:
+            state.kv.crop(-n_remove)
+            state.length -= n_remove
+
+
+def _eos_ids(hf, tokenizer) -> frozenset[int]:
+    ids = set()
+    for source in (hf.generation_config, hf.config.get_text_config(), hf.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _read_chat_template(path: Path) -> str | None:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    if (path / "chat_template.json").is_file():
+        return json.loads((path / "chat_template.json").read_text()).get("chat_template")
+    return None

@@ -1,0 +1,6 @@
+"""Speculative decoding pieces: proposing (propose.py), accepting (accept.py), sampling."""
+
+from .accept import AcceptResult, accept_greedy, accept_speculative
+from .sampling import logits_to_probs, new_generator, sample
+
+__all__ = ["AcceptResult", "accept_greedy", "accept_speculative", "logits_to_probs", "new_generator", "sample"]

@@ -1,0 +1,42 @@
+"""Logits to probabilities and sampling, with an explicit per-request generator.
+
+The global RNG is never touched: every random draw takes the request's torch.Generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p.
+
+    temperature must be > 0 here; greedy decoding takes the argmax and never calls this.
+    """
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token id from (V,) probabilities."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def new_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()          # fresh nondeterministic seed for this request only
+    else:
+        gen.manual_seed(seed)
+    return gen

@@ -1,0 +1,80 @@
+"""The acceptance functions: greedy prefix matching and lossless speculative sampling."""
+
+import pytest
+import torch
+
+from sparrow.spec.accept import accept_greedy, accept_speculative
+from sparrow.spec.sampling import logits_to_probs
+
+
+def _one_hot_logits(tokens, vocab=8):
+    logits = torch.zeros(len(tokens), vocab)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
+    return logits
+
+
+@pytest.mark.parametrize("draft,target,n,nxt", [
+    ([1, 2, 3], [1, 2, 3, 4], 3, 4),     # all accepted, bonus 4
+    ([1, 2, 3], [1, 5, 3, 4], 1, 5),     # second rejected, recovered 5
+    ([7, 2, 3], [1, 2, 3, 4], 0, 1),     # none accepted
+])
+def test_greedy_prefix(draft, target, n, nxt):
+    r = accept_greedy(torch.tensor(draft), _one_hot_logits(target))
+    assert (r.num_accepted, r.next_token) == (n, nxt)
+    assert r.tokens(torch.tensor(draft)) == draft[:n] + [nxt]
+
+
+def _empirical(fn, trials, vocab):
+    counts = torch.zeros(vocab)
+    for _ in range(trials):
+        counts[fn()] += 1
+    return counts / trials
+
+
+@pytest.mark.parametrize("deterministic_draft", [False, True])
+def test_speculative_sampling_preserves_target_distribution(deterministic_draft):
+    """First and second emitted tokens follow the target's p, whatever the draft's q."""
+    vocab, trials = 6, 20000
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, vocab, generator=g) * 1.5, -1)     # target, k=2 -> 3 rows
+    q = torch.softmax(torch.randn(2, vocab, generator=g) * 1.5, -1)     # draft, far from p
+    rng = torch.Generator().manual_seed(1)
+    first = torch.zeros(vocab)
+    second = torch.zeros(vocab, vocab)
+    for _ in range(trials):
+        if deterministic_draft:
+            d = torch.tensor([2, 4])
+            r = accept_speculative(d, None, p, rng)
+        else:
+            d = torch.multinomial(q, 1, generator=rng).view(-1)
+            r = accept_speculative(d, q, p, rng)
+        toks = r.tokens(d)
+        first[toks[0]] += 1
+        if len(toks) > 1:
+            second[toks[0], toks[1]] += 1
+    first /= trials
+    assert torch.allclose(first, p[0], atol=0.015), (first, p[0])
+    # Given the first token was the draft's accepted token x, the second follows p[1].
+    x = int(second.sum(1).argmax())
+    cond = second[x] / second[x].sum()
+    assert second[x].sum() > 2000
+    assert torch.allclose(cond, p[1], atol=0.03), (cond, p[1])
+
+
+def test_sampling_rejects_everything_when_draft_has_zero_target_mass():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]])
+    rng = torch.Generator().manual_seed(0)
+    r = accept_speculative(torch.tensor([2]), torch.tensor([[0.0, 0.0, 1.0]]), p, rng)
+    assert r.num_accepted == 0 and r.next_token == 1
+
+
+def test_logits_to_probs_top_k_top_p():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    pk = logits_to_probs(logits, 1.0, top_k=2)
+    assert (pk[2:] == 0).all() and abs(float(pk.sum()) - 1) < 1e-6
+    pp = logits_to_probs(logits, 1.0, top_p=0.7)
+    full = torch.softmax(logits, -1)
+    assert full[0] < 0.7 < full[0] + full[1]
+    assert (pp[2:] == 0).all() and (pp[:2] > 0).all()
+    hot = logits_to_probs(logits, 0.01)
+    assert float(hot[0]) > 0.999
