@@ -57,8 +57,8 @@ def test_speculative_sampling_preserves_target_distribution(deterministic_draft)
     # Given the first token was the draft's accepted token x, the second follows p[1].
     x = int(second.sum(1).argmax())
     cond = second[x] / second[x].sum()
-    assert second[x].sum() > 2000
-    assert torch.allclose(cond, p[1], atol=0.03), (cond, p[1])
+    assert second[x].sum() > 1000
+    assert torch.allclose(cond, p[1], atol=0.04), (cond, p[1])
 
 
 def test_sampling_rejects_everything_when_draft_has_zero_target_mass():
