@@ -1,0 +1,230 @@
+"""Synthetic test videos: coloured shapes that appear, move, change colour and disappear at
+known times, so a test or a training run can ask questions whose answers are known."""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import av
+import numpy as np
+
+from sparrow.errors import InvalidRequest
+
+PALETTE: dict[str, tuple[int, int, int]] = {
+    "red": (230, 40, 40),
+    "green": (40, 200, 60),
+    "blue": (40, 80, 230),
+    "yellow": (240, 220, 40),
+    "magenta": (220, 50, 220),
+    "cyan": (40, 220, 230),
+    "white": (245, 245, 245),
+    "orange": (245, 140, 30),
+}
+BACKGROUND = (24, 24, 24)
+SHAPES = ("rectangle", "circle")
+
+
+@dataclass(frozen=True)
+class SyntheticVideo:
+    """An encoded synthetic video and the script of what happens in it."""
+
+    path: pathlib.Path | None  # set when written to a file
+    data: bytes | None  # the container bytes when no path was given
+    events: list[dict] = field(repr=False)  # time-ordered: {"t", "frame", "kind", "shape", "color", ...}
+    fps: float
+    num_frames: int
+    width: int
+    height: int
+
+    @property
+    def source(self) -> pathlib.Path | bytes:
+        """What to hand to load_frames."""
+        return self.path if self.path is not None else self.data
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_frames / self.fps
+
+
+@dataclass
+class _Actor:
+    """One shape's script, in frame indices; positions are centres in pixels."""
+
+    shape: str
+    color: str
+    radius: int  # half the side for rectangles
+    appear: int
+    disappear: int  # first frame it is gone; num_frames if it stays
+    move_start: int
+    move_end: int
+    origin: np.ndarray  # float [2] (x, y)
+    destination: np.ndarray  # float [2]
+    recolor_at: int
+    new_color: str
+
+    def center(self, frame: int) -> np.ndarray:
+        span = max(self.move_end - self.move_start, 1)
+        progress = np.clip((frame - self.move_start) / span, 0.0, 1.0)
+        return self.origin + progress * (self.destination - self.origin)
+
+    def color_at(self, frame: int) -> str:
+        return self.new_color if frame >= self.recolor_at else self.color
+
+
+def write_synthetic_video(
+    path: str | os.PathLike | None,
+    *,
+    num_frames: int,
+    width: int,
+    height: int,
+    fps: float,
+    seed: int = 0,
+    num_shapes: int = 3,
+    codec: str | None = None,
+) -> SyntheticVideo:
+    """Render and encode a synthetic video (yuv420p, a keyframe at least every 12 frames).
+
+    `path=None` returns the mp4 bytes instead of writing a file. The same arguments give the
+    same script and the same pixels. `codec` defaults to libx264, else mpeg4. Shapes may
+    overlap (later ones are drawn on top), so an event's centre can be hidden by another shape.
+    """
+    _validate(num_frames, width, height, fps, num_shapes)
+    rng = np.random.default_rng(seed)
+    colors = rng.permutation(list(PALETTE))
+    actors = [_make_actor(rng, i, colors, num_frames, width, height) for i in range(num_shapes)]
+    events = _events(actors, num_frames, fps)
+    frames = (_render(actors, i, width, height) for i in range(num_frames))
+    target = io.BytesIO() if path is None else pathlib.Path(path)
+    _encode(target, frames, width, height, fps, codec or _default_codec())
+    return SyntheticVideo(
+        path=None if path is None else pathlib.Path(path),
+        data=target.getvalue() if path is None else None,
+        events=events,
+        fps=float(fps),
+        num_frames=num_frames,
+        width=width,
+        height=height,
+    )
+
+
+def _validate(num_frames: int, width: int, height: int, fps: float, num_shapes: int) -> None:
+    if num_frames < 1 or fps <= 0:
+        raise InvalidRequest(f"need num_frames >= 1 and fps > 0, got {num_frames}, {fps}")
+    # yuv420p stores chroma at half resolution, so both sides must be even.
+    if width < 16 or height < 16 or width % 2 or height % 2:
+        raise InvalidRequest(f"width and height must be even and >= 16, got {width}x{height}")
+    if not 1 <= num_shapes <= len(PALETTE) // 2:
+        raise InvalidRequest(f"num_shapes must be in [1, {len(PALETTE) // 2}], got {num_shapes}")
+
+
+def _make_actor(rng: np.random.Generator, index: int, colors: np.ndarray, n: int, w: int, h: int) -> _Actor:
+    radius = int(rng.integers(max(2, min(w, h) // 16), max(3, min(w, h) // 7) + 1))
+
+    def spot() -> np.ndarray:  # a centre that keeps the whole shape inside the frame
+        return np.array([rng.uniform(radius, w - radius), rng.uniform(radius, h - radius)])
+
+    # The first shape is there from frame 0, so no frame is empty.
+    appear = 0 if index == 0 else int(rng.integers(0, max(1, n // 2)))
+    disappear = int(rng.integers(appear + max(1, n // 4), n + 1)) if rng.random() < 0.5 else n
+    move_start = int(rng.integers(appear, max(appear + 1, disappear - 1)))
+    move_end = min(disappear, move_start + max(1, n // 4))
+    # Colours come in disjoint pairs per actor, so a colour names one shape at any time.
+    return _Actor(
+        shape=SHAPES[int(rng.integers(len(SHAPES)))],
+        color=str(colors[2 * index]),
+        radius=radius,
+        appear=appear,
+        disappear=disappear,
+        move_start=move_start,
+        move_end=move_end,
+        origin=spot(),
+        destination=spot(),
+        # n means "never"; a recolour needs a visible frame before and after it.
+        recolor_at=int(rng.integers(appear + 1, disappear)) if disappear > appear + 1 else n,
+        new_color=str(colors[2 * index + 1]),
+    )
+
+
+def _events(actors: list[_Actor], n: int, fps: float) -> list[dict]:
+    events = [event for actor in actors for event in _actor_events(actor, n, fps)]
+    return sorted(events, key=lambda e: (e["frame"], e["kind"], e["color"]))
+
+
+def _actor_events(actor: _Actor, n: int, fps: float) -> list[dict]:
+    def event(frame: int, kind: str, **extra: object) -> dict:
+        # where the shape is at `frame` (for "disappear": where it was last seen)
+        center = _xy(actor.center(min(frame, actor.disappear - 1)))
+        return {"t": frame / fps, "frame": frame, "kind": kind, "shape": actor.shape, "center": center, **extra}
+
+    script = [
+        event(actor.appear, "appear", color=actor.color),
+        event(actor.move_start, "move", color=actor.color_at(actor.move_start), direction=_direction(actor),
+              start=_xy(actor.origin), end=_xy(actor.destination), until_t=actor.move_end / fps),
+        event(actor.recolor_at, "color", color=actor.new_color, previous=actor.color),
+        event(actor.disappear, "disappear", color=actor.color_at(actor.disappear - 1)),
+    ]
+    return [e for e in script if e["frame"] < n]  # changes scripted past the end never show
+
+
+def _xy(point: np.ndarray) -> tuple[int, int]:
+    return int(round(point[0])), int(round(point[1]))
+
+
+def _direction(actor: _Actor) -> str:
+    dx, dy = actor.destination - actor.origin
+    if abs(dx) >= abs(dy):
+        return "right" if dx > 0 else "left"
+    return "down" if dy > 0 else "up"
+
+
+def _render(actors: list[_Actor], frame: int, w: int, h: int) -> np.ndarray:
+    """uint8 [h, w, 3] RGB picture of every visible actor, later actors on top."""
+    canvas = np.empty((h, w, 3), dtype=np.uint8)
+    canvas[:] = BACKGROUND
+    for actor in actors:
+        if not actor.appear <= frame < actor.disappear:
+            continue
+        cx, cy = actor.center(frame)
+        r = actor.radius
+        x0, x1 = max(0, int(cx - r)), min(w, int(cx + r) + 1)
+        y0, y1 = max(0, int(cy - r)), min(h, int(cy + r) + 1)
+        box = canvas[y0:y1, x0:x1]  # view into the canvas
+        if actor.shape == "circle":
+            ys, xs = np.ogrid[y0:y1, x0:x1]
+            box[(xs - cx) ** 2 + (ys - cy) ** 2 <= r * r] = PALETTE[actor.color_at(frame)]
+        else:
+            box[:] = PALETTE[actor.color_at(frame)]
+    return canvas
+
+
+def _default_codec() -> str:
+    return "libx264" if "libx264" in av.codecs_available else "mpeg4"
+
+
+def _encode(
+    target: io.BytesIO | pathlib.Path, frames: Iterable[np.ndarray], width: int, height: int, fps: float, codec: str
+) -> None:
+    rate = Fraction(fps).limit_denominator(1001)
+    in_memory = isinstance(target, io.BytesIO)
+    # Files get their index (moov) up front, as web video does; that needs a second pass
+    # over the file, so in-memory mp4 keeps it at the end.
+    faststart = not in_memory and target.suffix.lower() in (".mp4", ".mov", ".m4v")
+    options = {"movflags": "faststart"} if faststart else {}
+    with av.open(target, mode="w", format="mp4" if in_memory else None, options=options) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.gop_size = max(1, min(12, round(fps)))  # seeking lands near its target
+        if codec == "libx264":
+            stream.options = {"preset": "ultrafast", "crf": "18"}
+        else:
+            stream.codec_context.bit_rate = max(200_000, int(width * height * float(rate) * 2))
+        for index, picture in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
+            frame.pts = index  # in units of 1/rate, the codec's time base
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())  # flush delayed packets
