@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	$(PIP) install -q -c constraints.txt -e ".[dev,kernels]"
 	touch $@
 
 demo: setup

@@ -12,6 +12,7 @@ visual tokens the video had. Training and inference both build their masks with
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 import torch
@@ -57,8 +58,43 @@ def register_backend(name: str, fn: AttentionFn) -> None:
     ATTENTION_BACKENDS[name] = fn
 
 
-def get_backend(name: str) -> AttentionFn:
+# Optional kernels (sparrow.kernels), imported on first use: not selecting one costs nothing,
+# and selecting one whose package is missing fails with that package's name.
+# name -> (module, function, package that must be importable, how to get it)
+OPTIONAL_BACKENDS: dict[str, tuple[str, str, str, str]] = {
+    "flex": ("sparrow.kernels.flex", "masked_attention_flex", "torch.nn.attention.flex_attention", "torch>=2.5"),
+    "triton": ("sparrow.kernels.triton_attention", "masked_attention_triton", "triton",
+               "pip install -c constraints.txt 'sparrow[kernels]' (on CPU also TRITON_INTERPRET=1)"),
+    "flash_attn": ("sparrow.kernels.flash", "masked_attention_flash", "flash_attn",
+                   "pip install 'sparrow[cuda]' (CUDA only)"),
+}
+
+
+def _load_optional(name: str) -> AttentionFn:
+    module, fn, package, hint = OPTIONAL_BACKENDS[name]
     try:
+        backend = getattr(importlib.import_module(module), fn)
+    except ImportError as e:
+        raise ImportError(f"attention backend {name!r} needs {package!r}: {hint} ({e})") from e
+    register_backend(name, backend)
+    return backend
+
+
+def available_backends() -> list[str]:
+    """Registered backends plus the optional ones whose package is installed (nothing is imported)."""
+    def installed(package: str) -> bool:
+        try:
+            return importlib.util.find_spec(package) is not None
+        except ModuleNotFoundError:        # a missing parent package
+            return False
+    optional = [n for n, (_, _, package, _) in OPTIONAL_BACKENDS.items() if installed(package)]
+    return sorted(set(ATTENTION_BACKENDS) | set(optional))
+
+
+def get_backend(name: str) -> AttentionFn:
+    if name in ATTENTION_BACKENDS:
         return ATTENTION_BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(ATTENTION_BACKENDS)}") from None
+    if name in OPTIONAL_BACKENDS:
+        return _load_optional(name)
+    known = sorted(set(ATTENTION_BACKENDS) | set(OPTIONAL_BACKENDS))
+    raise ValueError(f"unknown attention backend {name!r}; known: {known}")
