@@ -32,11 +32,8 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_pinned: torch.Tensor
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # q: (B, H, nq, D); k, v: (B, Hkv, nk, D); mask: (nq, nk) bool
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # q: (B, H, nq, D); k, v: (B, Hkv, nk, D); mask: (nq, nk) bool. GQA without copying K/V.
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -104,12 +104,17 @@ class DraftKV:
     pinned: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))  # (N,)
     max_visible: int = 0     # most keys any query has attended to (for checks and metrics)
 
+    @classmethod
+    def empty(cls, device: torch.device | str) -> "DraftKV":
+        return cls(pos=torch.empty(0, dtype=torch.long, device=device),
+                   pinned=torch.empty(0, dtype=torch.bool, device=device))
+
     def __len__(self) -> int:
         return self.pos.shape[0]
 
     def append_meta(self, pos: torch.Tensor, pinned: torch.Tensor) -> None:
-        self.pos = torch.cat([self.pos, pos.to(self.pos.device)])
-        self.pinned = torch.cat([self.pinned, pinned.to(self.pinned.device)])
+        self.pos = torch.cat([self.pos, pos])
+        self.pinned = torch.cat([self.pinned, pinned])
 
     def truncate(self, n: int) -> None:
         """Keep the first n entries (drop speculative ones appended after)."""

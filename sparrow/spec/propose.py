@@ -83,8 +83,8 @@ class SparrowProposer:
         """Process glimpse + anchors + window of the context. Entries that are neither an
         anchor nor in the final window are never visible to a later query: skipped."""
         spec, draft, n = self.spec, self.draft, ctx.token_ids.shape[0]
-        kv = DraftKV()
         device = ctx.features.device
+        kv = DraftKV.empty(device)
         if ctx.glimpse.shape[0] > 0:
             g = ctx.glimpse.shape[0]
             draft.forward_entries(draft.inputs_from_glimpse(ctx.glimpse), torch.full((g,), -1, device=device),
