@@ -38,6 +38,18 @@ class VideoTooLarge(VideoError, ResourceExhausted):
     """Over a configured bound: bytes, duration, frame size or decoded frames."""
 
 
+class VideoTimeout(VideoError, TimeoutError):
+    """The source did not answer, stalled, or decoding ran past the configured timeouts."""
+
+
+class SourceUnavailable(VideoError):
+    """A URL could not be fetched: connection refused, HTTP error, redirect (never followed)."""
+
+
+class VideoUnsupported(VideoError):
+    """A readable video this service will not process, e.g. an aspect ratio over 200:1."""
+
+
 class SourceNotAllowed(InvalidRequest, PermissionError):
     """A path or URL outside the configured allowlists."""
 

@@ -1,29 +1,46 @@
-"""Video in, model inputs out: decode and sample with PyAV, patchify like the target's HF
-processor. Imports no model code, so it can run in a separate decode worker."""
+"""Video in, model inputs out: decode and sample with PyAV (paths, URLs, bytes, file
+objects, live streams; allowlisted, bounded, with timeouts), patchify like the target's HF
+processor within a visual-token budget. Imports no model code, so it can run in a
+separate decode worker.
 
-from sparrow.video.decode import ALLOWED_DEMUXERS, Source, load_frames
-from sparrow.video.options import Frames, VideoOptions
+    prepare_video(source, processor, options, policy=policy) -> ProcessedVideo
+    load_frames(source, options, policy=policy) -> Frames; processor.process(frames)
+"""
+
+from sparrow.video.decode import Source, load_frames
+from sparrow.video.live import LiveSource
+from sparrow.video.options import QWEN_MAX_VISUAL_TOKENS, Frames, VideoOptions
+from sparrow.video.pipeline import prepare_video
+from sparrow.video.policy import URL_SCHEMES, SourcePolicy
 from sparrow.video.processors import (
     LlavaOnevisionVideoProcessor,
     ProcessedVideo,
     QwenVLVideoProcessor,
+    VideoPlan,
     VideoProcessor,
     processor_for,
     smart_resize,
 )
+from sparrow.video.sources import ALLOWED_DEMUXERS
 from sparrow.video.synthetic import SyntheticVideo, write_synthetic_video
 
 __all__ = [
     "ALLOWED_DEMUXERS",
+    "QWEN_MAX_VISUAL_TOKENS",
+    "URL_SCHEMES",
     "Frames",
+    "LiveSource",
     "LlavaOnevisionVideoProcessor",
     "ProcessedVideo",
     "QwenVLVideoProcessor",
     "Source",
+    "SourcePolicy",
     "SyntheticVideo",
     "VideoOptions",
+    "VideoPlan",
     "VideoProcessor",
     "load_frames",
+    "prepare_video",
     "processor_for",
     "smart_resize",
     "write_synthetic_video",

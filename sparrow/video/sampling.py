@@ -15,7 +15,7 @@ from typing import TypeVar
 import numpy as np
 
 from sparrow.errors import VideoTooLarge
-from sparrow.video.options import VideoOptions
+from sparrow.video.options import Frames, VideoOptions
 
 Item = TypeVar("Item")
 Kept = TypeVar("Kept")
@@ -32,20 +32,29 @@ FRAME_MULTIPLE = 2
 
 def sample_count(duration_s: float, available: int | None, options: VideoOptions) -> int:
     """Number of frames to sample over a range of `duration_s` seconds holding about
-    `available` frames (None when unknown). Always even and >= 2."""
+    `available` frames (None when unknown). Always even and >= 2. Bounds (token budget,
+    max_decoded_frames) are applied by the caller, after this count."""
     if options.num_frames is not None:
         # An explicit request is honoured, rounded *up* so nobody gets fewer than asked.
-        n = options.num_frames + options.num_frames % FRAME_MULTIPLE
-    else:
-        # The epsilon keeps 8 s * 2 fps from flooring to 15.
-        n = math.floor(duration_s * options.fps + 1e-6)
-        n = min(max(n, options.min_frames), options.max_frames)
-        if available is not None:
-            n = min(n, available)
-        n = max(n - n % FRAME_MULTIPLE, FRAME_MULTIPLE)
-    if n > options.max_decoded_frames:
-        raise VideoTooLarge(f"{n} frames requested, over the limit of {options.max_decoded_frames} per video")
-    return n
+        return options.num_frames + options.num_frames % FRAME_MULTIPLE
+    # The epsilon keeps 8 s * 2 fps from flooring to 15.
+    n = math.floor(duration_s * options.fps + 1e-6)
+    n = min(max(n, options.min_frames), options.max_frames)
+    if available is not None:
+        n = min(n, available)
+    return max(n - n % FRAME_MULTIPLE, FRAME_MULTIPLE)
+
+
+def check_kept(count: int, height: int, width: int, options: VideoOptions) -> None:
+    """Refuse, before decoding, to keep more frames or frame bytes than the options allow."""
+    if count > options.max_decoded_frames:
+        raise VideoTooLarge(f"{count} frames requested, over the limit of {options.max_decoded_frames} per video")
+    size = count * height * width * 3  # uint8 RGB
+    if size > options.max_frame_bytes:
+        raise VideoTooLarge(
+            f"keeping {count} frames of {width}x{height} takes {size} bytes, over the limit of "
+            f"{options.max_frame_bytes}; lower fps, num_frames or max_frames, or send a smaller video"
+        )
 
 
 def sample_times(start_s: float, end_s: float, count: int) -> np.ndarray:
@@ -102,3 +111,13 @@ def pad_to_multiple(
     frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
     times = np.concatenate([times, np.repeat(times[-1:], pad)])
     return frames, times
+
+
+def thin(frames: Frames, count: int) -> Frames:
+    """Keep `count` of the frames, spread like bin centres (the sampling rule above), with
+    their timestamps; the effective rate drops in proportion."""
+    total = len(frames)
+    if count >= total:
+        return frames
+    index = ((np.arange(count) + 0.5) * total / count).astype(np.int64)  # [count], increasing
+    return Frames(frames.frames[index], frames.timestamps[index], frames.sample_fps * count / total, frames.options)

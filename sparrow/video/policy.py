@@ -1,0 +1,137 @@
+"""Which paths and URLs a video may be read from.
+
+The service always passes a SourcePolicy; `load_frames(..., policy=None)` is the library's
+permissive local default: any local path (as `open()` would take it), and no URL at all.
+Bytes, file-like objects, frame arrays and live sources carry their data with them and
+need no allowlist.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import urllib.parse
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from sparrow.errors import InvalidRequest, SourceNotAllowed
+
+# Schemes FFmpeg may fetch for us. "file" is never allowed: local files go through the
+# media root, which resolves symlinks and "..", and FFmpeg's own file protocol would not.
+URL_SCHEMES = frozenset({"http", "https", "rtsp"})
+
+# A string is a URL when it starts with "scheme://"; anything else is a path. Paths are
+# opened by Python, never handed to FFmpeg, so "concat:a|b" is just an odd file name.
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+# Characters on which URL parsers disagree (Python vs FFmpeg): refusing them keeps the URL
+# we checked the URL FFmpeg fetches.
+_AMBIGUOUS = re.compile(r"[\x00-\x20\x7f\\@]")
+
+
+def is_url(source: object) -> bool:
+    return isinstance(source, str) and bool(_URL.match(source))
+
+
+@dataclass(frozen=True)
+class SourcePolicy:
+    """Allowlists for video sources.
+
+    media_root: local paths are allowed only inside this directory (None: no local paths).
+        Relative paths are taken relative to it; symlinks and ".." are resolved first, so a
+        link that points out of the root is refused.
+    allowed_schemes: URL schemes, a subset of {"http", "https", "rtsp"}.
+    allowed_hosts: host names, exact ("cdn.example.com"), with a port ("cdn.example.com:8443"
+        allows only that port), a subdomain wildcard ("*.example.com", not example.com itself),
+        or "*" for any host. URLs with user info ("user@host") are refused, and redirects are
+        never followed (FFmpeg could not check where they lead): give the final URL.
+    tls_ca_file: PEM bundle of the CAs that https servers' certificates must chain to (None:
+        the system's). Certificates are always verified: FFmpeg's own default is not to.
+    """
+
+    media_root: str | os.PathLike | None = None
+    allowed_schemes: Iterable[str] = frozenset()
+    allowed_hosts: Iterable[str] = frozenset()
+    tls_ca_file: str | os.PathLike | None = None
+
+    def __post_init__(self) -> None:
+        schemes = frozenset(s.lower() for s in self.allowed_schemes)
+        if not schemes <= URL_SCHEMES:
+            raise InvalidRequest(f"allowed_schemes must be a subset of {sorted(URL_SCHEMES)}, got {sorted(schemes)}")
+        object.__setattr__(self, "allowed_schemes", schemes)
+        hosts = frozenset(h.lower() for h in self.allowed_hosts)
+        for entry in hosts:
+            _host_entry(entry)  # refuse a malformed entry now, not on the first request
+        object.__setattr__(self, "allowed_hosts", hosts)
+        if self.tls_ca_file is not None and not os.path.isfile(self.tls_ca_file):
+            raise InvalidRequest(f"tls_ca_file {os.fspath(self.tls_ca_file)!r} is not a file")
+        if self.media_root is not None:
+            root = os.path.realpath(self.media_root)
+            if not os.path.isdir(root):
+                raise InvalidRequest(f"media_root {os.fspath(self.media_root)!r} is not a directory")
+            object.__setattr__(self, "media_root", pathlib.Path(root))
+
+    def resolve(self, source: str | os.PathLike) -> pathlib.Path | str:
+        """The real path (pathlib.Path) or the canonical URL (str) to read `source` from.
+        Raises SourceNotAllowed for anything outside the allowlists."""
+        if is_url(source):
+            return self._resolve_url(source)
+        if isinstance(source, (str, os.PathLike)):
+            return self._resolve_path(source)
+        raise InvalidRequest(f"a policy resolves paths and URLs, got {type(source).__name__}")
+
+    def contains(self, path: str | os.PathLike) -> bool:
+        """Whether the real path of `path` lies inside the media root."""
+        if self.media_root is None:
+            return False
+        real = os.path.realpath(path)
+        return os.path.commonpath([real, self.media_root]) == str(self.media_root)
+
+    def _resolve_path(self, path: str | os.PathLike) -> pathlib.Path:
+        raw = os.fspath(path)
+        if isinstance(raw, bytes) or "\x00" in raw:
+            raise SourceNotAllowed("a video path must be a text path without NUL characters")
+        if self.media_root is None:
+            raise SourceNotAllowed("local video paths are not allowed here; send the video's bytes or a URL")
+        joined = self.media_root / raw  # an absolute `raw` replaces the root, then must lie inside it
+        if not self.contains(joined):
+            raise SourceNotAllowed(f"{raw!r} is outside the allowed media directory")
+        return pathlib.Path(os.path.realpath(joined))
+
+    def _resolve_url(self, url: str) -> str:
+        scheme = url.split(":", 1)[0].lower()
+        if scheme == "file":
+            raise SourceNotAllowed("file:// URLs are not allowed; send a path inside the media directory")
+        if scheme not in self.allowed_schemes:
+            allowed = ", ".join(sorted(self.allowed_schemes)) or "none"
+            raise SourceNotAllowed(f"URL scheme {scheme!r} is not allowed (allowed: {allowed})")
+        if _AMBIGUOUS.search(url) or not url.isascii():
+            raise SourceNotAllowed("URLs with spaces, control characters, backslashes, user info ('@') "
+                                   "or non-ASCII characters are not allowed; percent-encode them")
+        try:
+            parts = urllib.parse.urlsplit(url)
+            host, port = parts.hostname, parts.port
+        except ValueError as exc:  # e.g. a port that is not a number
+            raise SourceNotAllowed(f"malformed URL: {exc}") from exc
+        if not host or not self._host_allowed(host, port):
+            raise SourceNotAllowed(f"host {host!r} is not in the allowed hosts")
+        return urllib.parse.urlunsplit((scheme, parts.netloc.lower(), parts.path, parts.query, ""))
+
+    def _host_allowed(self, host: str, port: int | None) -> bool:
+        for entry in self.allowed_hosts:
+            name, entry_port = _host_entry(entry)
+            if entry_port is not None and entry_port != port:
+                continue  # a port-restricted entry needs the URL to name that port
+            if name == "*" or name == host or (name.startswith("*.") and host.endswith(name[1:])):
+                return True
+        return False
+
+
+def _host_entry(entry: str) -> tuple[str, int | None]:
+    """("cdn.example.com", 8443) from "cdn.example.com:8443"; IPv6 literals keep no brackets."""
+    parts = urllib.parse.urlsplit("//" + entry)
+    try:
+        return (parts.hostname or entry), parts.port
+    except ValueError as exc:
+        raise InvalidRequest(f"allowed host {entry!r} is malformed: {exc}") from exc
