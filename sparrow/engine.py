@@ -5,6 +5,9 @@
 It knows token ids, the target, a proposer and the acceptance functions; nothing of Ray or
 gRPC. Transports consume `Engine.stream`, a plain iterator of TokenDelta whose final result
 (`Generation.output`) carries the finish reason, usage and metrics.
+
+With a PrefixCache, a request that names its video (`video_key`) reuses an earlier prefill
+of that video: only the prompt's own text is prefilled, and the video is not even decoded.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import torch
 from .config import SamplingParams, SpecConfig
 from .errors import InvalidRequest, RequestAborted
 from .metrics import SpecMetrics
-from .models.target import TargetModel
+from .models.target import PrefillOutput, TargetModel
+from .prefix_cache import PrefixCache, PrefixEntry
 from .spec.accept import AcceptResult, accept_greedy, accept_speculative
 from .spec.propose import SparrowProposer, build_context
 from .spec.sampling import logits_to_probs, new_generator, sample
-from .video import Frames, ProcessedVideo, VideoOptions, load_frames
+from .video import ProcessedVideo, VideoOptions, prepare_video
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +83,10 @@ class _Detokenizer:
 
 
 class Engine:
-    def __init__(self, target: TargetModel, draft=None, spec: SpecConfig | None = None, proposer=None):
+    def __init__(self, target: TargetModel, draft=None, spec: SpecConfig | None = None, proposer=None,
+                 prefix_cache: PrefixCache | None = None):
         self.target = target
+        self.prefix_cache = prefix_cache
         self.spec = spec or SpecConfig()
         if self.spec.speculative and proposer is None:
             if draft is None:
@@ -92,10 +98,11 @@ class Engine:
 
     # ----- inputs ------------------------------------------------------------------------------
     def process_video(self, video, options: VideoOptions | None = None) -> ProcessedVideo:
+        if callable(video):         # deferred: decoded only when no cached prefill can be used
+            video = video()
         if isinstance(video, ProcessedVideo):
             return video
-        frames = video if isinstance(video, Frames) else load_frames(video, options or VideoOptions())
-        return self.target.processor.process(frames)
+        return prepare_video(video, self.target.processor, options or VideoOptions())
 
     def prepare(self, video, prompt: str, options: VideoOptions | None = None) -> dict[str, torch.Tensor]:
         """The exact kwargs handed to target.hf: `target.hf.generate(**engine.prepare(...))` works."""
@@ -103,49 +110,55 @@ class Engine:
 
     # ----- public entry points -------------------------------------------------------------------
     def stream(self, video, prompt: str, sampling: SamplingParams | None = None,
-               options: VideoOptions | None = None) -> Generation:
-        """Start a request. Validation and video decoding happen on the first `next()`."""
+               options: VideoOptions | None = None, *, video_key: str | None = None,
+               num_draft_tokens: int | None = None) -> Generation:
+        """Start a request. Validation and video decoding happen on the first `next()`.
+
+        video_key: names the video's content (and how it is sampled) so the prefix cache can
+        reuse its prefill; `video` may then be a zero-argument callable, called on a miss only.
+        num_draft_tokens: this request's k; 0 decodes without drafting. Default: the engine's.
+        """
         gen = Generation(iter(()))
-        gen._it = self._run(gen, video, prompt, sampling or SamplingParams(), options)
+        gen._it = self._run(gen, video, prompt, sampling or SamplingParams(), options, video_key, num_draft_tokens)
         return gen
 
     def generate(self, video, prompt: str, sampling: SamplingParams | None = None,
-                 options: VideoOptions | None = None) -> GenerationOutput:
-        gen = self.stream(video, prompt, sampling, options)
+                 options: VideoOptions | None = None, *, video_key: str | None = None,
+                 num_draft_tokens: int | None = None) -> GenerationOutput:
+        gen = self.stream(video, prompt, sampling, options, video_key=video_key, num_draft_tokens=num_draft_tokens)
         for _ in gen:
             pass
         return gen.output
 
     # ----- the loop --------------------------------------------------------------------------------
     def _run(self, gen: Generation, video, prompt: str, sampling: SamplingParams,
-             options: VideoOptions | None) -> Iterator[TokenDelta]:
-        target, proposer, m = self.target, self.proposer, SpecMetrics()
+             options: VideoOptions | None, video_key: str | None, num_draft_tokens: int | None) -> Iterator[TokenDelta]:
+        m = SpecMetrics()
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidRequest("prompt must be a non-empty string")
-        k = self.spec.num_draft_tokens if proposer is not None else 0
+        k = self._draft_tokens(num_draft_tokens)
+        proposer = self.proposer if k > 0 else None
         m.num_draft_tokens = k
 
-        t0 = time.perf_counter()
-        processed = self.process_video(video, options)
-        inputs = target.build_inputs(processed, prompt)
-        m.video_seconds = time.perf_counter() - t0
-        m.prompt_tokens, m.visual_tokens = inputs["input_ids"].shape[1], processed.num_visual_tokens
-        target.check_fits(m.prompt_tokens, sampling.max_new_tokens)
-
         # prefill
+        pre = self._prefill(video, prompt, options, video_key, sampling.max_new_tokens, k, m)
         t0 = time.perf_counter()
-        feature_layers = proposer.feature_layers if proposer is not None else ()
-        bridge_layer = proposer.bridge_layer if proposer is not None else None
-        pre = target.prefill(inputs, capacity=m.prompt_tokens + sampling.max_new_tokens + k + 1,
-                             feature_layers=feature_layers, bridge_layer=bridge_layer, kv_cache=self.spec.kv_cache)
         rng = new_generator(sampling.seed)
         token = self._sample_one(pre.logits, sampling, rng)
         dstate = None
         if proposer is not None:
-            ctx = build_context(pre, token, self.spec.glimpse) if feature_layers else None
+            ctx = build_context(pre, token, self.spec.glimpse) if proposer.feature_layers else None
             dstate = proposer.begin(ctx)
-        m.prefill_seconds = time.perf_counter() - t0
+        m.prefill_seconds += time.perf_counter() - t0
+        try:
+            yield from self._decode(gen, proposer, dstate, pre, token, k, sampling, rng, m)
+        finally:   # however the request ends (done, aborted, closed): a remote draft frees its state
+            if dstate is not None and hasattr(proposer, "end"):
+                proposer.end(dstate)
 
+    def _decode(self, gen: Generation, proposer, dstate, pre: PrefillOutput, token: int, k: int,
+                sampling: SamplingParams, rng: torch.Generator, m: SpecMetrics) -> Iterator[TokenDelta]:
+        target = self.target
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(target.eos_token_ids))
         out: list[int] = []
         detok = _Detokenizer(target.tokenizer)
@@ -179,7 +192,7 @@ class Engine:
             t2 = time.perf_counter()
             # verify: the last emitted token + k draft tokens, one forward
             logits, feats = target.step(pre.state, torch.cat([torch.tensor([token]), proposal.tokens]),
-                                        feature_layers)
+                                        proposer.feature_layers)
             # accept
             result = self._accept(proposal, logits, sampling, rng)
             t3 = time.perf_counter()
@@ -196,6 +209,49 @@ class Engine:
         if dstate is not None and hasattr(dstate, "kv"):
             m.draft_max_keys = dstate.kv.max_visible
         gen.output = GenerationOutput(out, detok.text, finish, m)
+
+    # ----- phases ---------------------------------------------------------------------------------
+    def _draft_tokens(self, requested: int | None) -> int:
+        if requested is None:
+            return self.spec.num_draft_tokens if self.proposer is not None else 0
+        if not 0 <= requested <= 32:
+            raise InvalidRequest(f"num_draft_tokens must be in [0, 32], got {requested}")
+        if requested > 0 and self.proposer is None:
+            raise InvalidRequest("this engine has no draft: num_draft_tokens must be 0")
+        return requested
+
+    def _prefill(self, video, prompt: str, options: VideoOptions | None, video_key: str | None,
+                 max_new_tokens: int, k: int, m: SpecMetrics) -> PrefillOutput:
+        """Video -> prompt -> one prefill; through the prefix cache when the video has a key.
+        With a prefix cache the draft's features are kept even for a request that does not
+        draft, so the cached prefix serves every later request."""
+        target, proposer = self.target, self.proposer
+        use_prefix = self.prefix_cache is not None and video_key is not None
+        want = proposer is not None and (k > 0 or use_prefix)
+        feature_layers = proposer.feature_layers if want else ()
+        bridge_layer = proposer.bridge_layer if want else None
+        t0 = time.perf_counter()
+        entry = self.prefix_cache.get(video_key) if use_prefix else None
+        processed = entry.video if entry is not None else self.process_video(video, options)
+        inputs = target.build_inputs(processed, prompt)
+        if entry is not None and not entry.prefix.matches(inputs["input_ids"][0], target.video_token_id):
+            entry, processed = None, self.process_video(video, options)   # a template that puts text first
+            inputs = target.build_inputs(processed, prompt)
+        m.video_seconds = time.perf_counter() - t0
+        m.prompt_tokens, m.visual_tokens = inputs["input_ids"].shape[1], processed.num_visual_tokens
+        target.check_fits(m.prompt_tokens, max_new_tokens)
+
+        t0 = time.perf_counter()
+        if use_prefix and entry is None:
+            entry = PrefixEntry.of(processed, target.prefill_prefix(inputs, feature_layers, bridge_layer))
+            self.prefix_cache.put(video_key, entry)
+        elif entry is not None:
+            m.cached_prompt_tokens = entry.prefix.length
+        pre = target.prefill(inputs, capacity=m.prompt_tokens + max_new_tokens + k + 1, feature_layers=feature_layers,
+                             bridge_layer=bridge_layer, kv_cache=self.spec.kv_cache,
+                             prefix=entry.prefix if entry is not None else None)
+        m.prefill_seconds = time.perf_counter() - t0
+        return pre
 
     # ----- small helpers ------------------------------------------------------------------------
     @staticmethod

@@ -20,6 +20,7 @@ class SpecMetrics:
     prompt_tokens: int = 0                # incl. visual tokens
     visual_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0         # prompt tokens whose prefill was reused (same video)
     video_seconds: float = 0.0            # decode + sample + patchify
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0           # after prefill until the last token

@@ -1,8 +1,15 @@
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on CPU; the flag must precede triton's first import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tiny models: one intra-op thread avoids OpenMP spin-waiting against the test's other
+# processes (Ray workers, redis, gRPC servers) on a 2-core machine.
+torch.set_num_threads(1)
 
 from sparrow.testing import synthetic_frames, tiny_target  # noqa: E402
 
@@ -30,3 +37,7 @@ def small_video():
 @pytest.fixture(scope="session")
 def large_video():
     return synthetic_frames(8, 84, 112, seed=2)
+
+
+# Serving fixtures (redis-server, saved tiny models, Ray) live in their own module.
+pytest_plugins = ["conftest_services"]

@@ -44,6 +44,45 @@ class PrefillOutput:
     bridge_visual: torch.Tensor | None  # (Nv, H) bridge-layer states at the visual positions
 
 
+# Model inputs with one entry per prompt token (the rest describe the whole video).
+_PER_TOKEN_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids")
+
+
+@dataclass(slots=True)
+class VideoPrefix:
+    """The prompt up to and including its last video token, prefilled once. The system
+    prompt and the video fix these tokens, so later questions about the same video start
+    from a copy of this KV cache and prefill only their own text."""
+
+    input_ids: torch.Tensor               # (P,)
+    keys: list[torch.Tensor]              # per layer (1, Hkv, P, D)
+    values: list[torch.Tensor]
+    features: torch.Tensor | None         # (m, F*H) features at t-1 for the text tokens t in [1, P]
+    bridge_text: torch.Tensor | None      # (m', H) bridge-layer states at the text tokens in [1, P)
+    bridge_visual: torch.Tensor | None    # (Nv, H) bridge-layer states at the visual tokens
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.input_ids, *self.keys, *self.values, self.features, self.bridge_text, self.bridge_visual]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def matches(self, ids: torch.Tensor, video_token_id: int) -> bool:
+        """Whether a prompt (n,) starts with exactly this prefix and has no video after it."""
+        n = self.length
+        return (ids.shape[0] > n and torch.equal(ids[:n], self.input_ids.to(ids.device))
+                and not bool((ids[n:] == video_token_id).any()))
+
+    def load_into(self, kv) -> int:
+        """Copy the prefix into a fresh KV cache (the cached tensors are never written)."""
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            kv.update(k, v, i)
+        return self.length
+
+
 class TargetModel:
     def __init__(self, hf, tokenizer, processor: VideoProcessor | None = None):
         family = FAMILIES.get(hf.config.model_type)
@@ -141,26 +180,70 @@ class TargetModel:
     # ----- forward passes ----------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, inputs: dict, capacity: int, feature_layers: tuple[int, ...] = (),
-                bridge_layer: int | None = None, kv_cache: str = "static") -> PrefillOutput:
-        """One forward over the prompt. capacity: KV slots to reserve for the whole request."""
-        position_ids, delta = self.family.prefill_positions(self.hf, inputs)
+                bridge_layer: int | None = None, kv_cache: str = "static",
+                prefix: VideoPrefix | None = None) -> PrefillOutput:
+        """One forward over the prompt. capacity: KV slots to reserve for the whole request.
+
+        With `prefix` (this video's tokens, prefilled before: see `prefill_prefix`) the KV
+        cache starts as a copy of the prefix's and only the rest of the prompt is run.
+        """
+        position_ids, delta = self.family.prefill_positions(self.hf, inputs)   # pure, needs no pixels
         kv = new_kv_cache(kv_cache, self.num_layers, capacity)
-        want_hidden = bool(feature_layers) or bridge_layer is not None
-        out = self.hf(**inputs, position_ids=position_ids, past_key_values=kv, use_cache=True,
-                      output_hidden_states=want_hidden, logits_to_keep=1)
         ids = inputs["input_ids"][0]
-        n = ids.shape[0]
-        state = TargetState(kv=out.past_key_values, length=n, rope_delta=delta)
+        start = 0
+        if prefix is not None:
+            if not prefix.matches(ids, self.video_token_id):
+                raise ValueError("this video prefix was prefilled for a different prompt start")
+            start = prefix.load_into(kv)
+            inputs = {"input_ids": inputs["input_ids"][:, start:]}    # text only: the video is in the KV
+        want_hidden = bool(feature_layers) or bridge_layer is not None
+        out = self.hf(**inputs, position_ids=position_ids[..., start:], past_key_values=kv, use_cache=True,
+                      output_hidden_states=want_hidden, logits_to_keep=1)
+        state = TargetState(kv=out.past_key_values, length=ids.shape[0], rope_delta=delta)
         text_pos = torch.nonzero(ids != self.video_token_id).view(-1)
         text_pos = text_pos[text_pos >= 1]                                # t-1 must exist
         feats = bridge_t = bridge_v = last = None
         if feature_layers:
-            hs = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)   # (T, F*H)
-            feats, last = hs[text_pos - 1], hs[n - 1]
+            hs = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)   # (n - start, F*H)
+            feats, last = hs[text_pos[text_pos > start] - 1 - start], hs[-1]
+            if prefix is not None:                       # features at t-1 for text tokens t <= start
+                feats = torch.cat([prefix.features, feats])
         if bridge_layer is not None:
-            bridge = out.hidden_states[bridge_layer][0]                  # (T, H)
-            bridge_t, bridge_v = bridge[text_pos], bridge[ids == self.video_token_id]
+            bridge = out.hidden_states[bridge_layer][0]                  # (n - start, H)
+            bridge_t, bridge_v = bridge[text_pos[text_pos >= start] - start], bridge[ids[start:] == self.video_token_id]
+            if prefix is not None:
+                bridge_t, bridge_v = torch.cat([prefix.bridge_text, bridge_t]), prefix.bridge_visual
         return PrefillOutput(state, out.logits[0, -1].float(), ids[text_pos], feats, last, bridge_t, bridge_v)
+
+    @torch.inference_mode()
+    def prefill_prefix(self, inputs: dict, feature_layers: tuple[int, ...] = (),
+                       bridge_layer: int | None = None) -> VideoPrefix:
+        """Prefill the prompt up to its last video token and keep what `prefill` needs to
+        continue from there: the KV cache and the few hidden-state rows of that span that
+        the draft reads (never the hidden states of the visual positions, except the bridge's)."""
+        ids = inputs["input_ids"][0]
+        video_pos = torch.nonzero(ids == self.video_token_id).view(-1)
+        if video_pos.numel() == 0:
+            raise InvalidRequest("the prompt holds no video tokens")
+        end = int(video_pos[-1]) + 1
+        position_ids, _ = self.family.prefill_positions(self.hf, inputs)
+        span = {k: (v[:, :end] if k in _PER_TOKEN_INPUTS else v) for k, v in inputs.items()}
+        kv = new_kv_cache("dynamic", self.num_layers, end)
+        want_hidden = bool(feature_layers) or bridge_layer is not None
+        out = self.hf(**span, position_ids=position_ids[..., :end], past_key_values=kv, use_cache=True,
+                      output_hidden_states=want_hidden, logits_to_keep=1)
+        text_pos = torch.nonzero(ids != self.video_token_id).view(-1)
+        text_pos = text_pos[text_pos >= 1]
+        feats = bridge_t = bridge_v = None
+        if feature_layers:   # rows t-1 for text tokens t <= end (ids[end] is text: the video ended)
+            hs = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)   # (end, F*H)
+            feats = hs[text_pos[text_pos <= end] - 1]      # indexing copies: the (end, F*H) rows are freed
+        if bridge_layer is not None:
+            bridge = out.hidden_states[bridge_layer][0]                  # (end, H)
+            bridge_t, bridge_v = bridge[text_pos[text_pos < end]], bridge[ids[:end] == self.video_token_id]
+        layers = out.past_key_values.layers
+        return VideoPrefix(ids[:end].clone(), [layer.keys for layer in layers], [layer.values for layer in layers],
+                           feats, bridge_t, bridge_v)
 
     @torch.inference_mode()
     def step(self, state: TargetState, token_ids: torch.Tensor,

@@ -1,0 +1,145 @@
+"""A small blocking client for programs (and `sparrow generate`).
+
+    client = SparrowClient("127.0.0.1:50051")
+    video_id = client.upload("clip.mp4")                  # content-hashed; free the second time
+    for response in client.stream("What happens?", video_id=video_id, max_new_tokens=64):
+        ...                                               # chunks, then one completion
+    result = client.generate("What happens?", video_id=video_id)   # all at once
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .protos import pb, pb_grpc
+from .server import message_options
+
+MiB = 1 << 20
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    completion: pb.Completion
+
+    @property
+    def finish_reason(self) -> str:
+        return pb.FinishReason.Name(self.completion.finish_reason).removeprefix("FINISH_REASON_").lower()
+
+
+class SparrowClient:
+    def __init__(self, address: str, *, max_message_bytes: int = 64 * MiB, metadata: tuple = ()):
+        self.channel = grpc.insecure_channel(address, options=message_options(max_message_bytes))
+        self.stub = pb_grpc.SparrowStub(self.channel)
+        self.max_message_bytes = max_message_bytes
+        self.metadata = tuple(metadata)        # e.g. (("application", "sparrow"),) behind Ray Serve
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "SparrowClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----- videos ------------------------------------------------------------------------------
+    def upload(self, video: str | Path | bytes, chunk_bytes: int = 8 * MiB, timeout: float | None = None) -> str:
+        """Upload a file (or its bytes) in chunks; returns its video_id. The first chunk
+        carries the SHA-256, so a video the server already holds is not sent again."""
+        read = _file_chunks(Path(video), chunk_bytes) if isinstance(video, (str, Path)) else _byte_chunks(video, chunk_bytes)
+        digest = hashlib.sha256()
+        for part in read():
+            digest.update(part)
+
+        def messages():
+            for i, part in enumerate(read()):
+                yield pb.VideoChunk(data=part, sha256=digest.hexdigest() if i == 0 else "")
+
+        return self.stub.UploadVideo(messages(), timeout=timeout, metadata=self.metadata).video_id
+
+    # ----- generation --------------------------------------------------------------------------
+    def stream(self, prompt: str, *, video_id: str | None = None, path: str | None = None, url: str | None = None,
+               data: bytes | None = None, request_id: str = "", timeout: float | None = None,
+               video_options: pb.VideoOptions | None = None, spec: pb.SpecOptions | None = None,
+               **sampling) -> "GenerateStream":
+        """The response stream; sampling: the fields of pb.SamplingParams (max_new_tokens,
+        temperature, top_p, top_k, seed, stop, ...)."""
+        given = {k: v for k, v in dict(video_id=video_id, path=path, url=url, data=data).items() if v is not None}
+        if len(given) != 1:
+            raise ValueError("name the video exactly one way: video_id, path, url or data")
+        request_id = request_id or uuid.uuid4().hex          # known here, so cancel() can Abort it
+        request = pb.GenerateRequest(request_id=request_id, prompt=prompt, video=pb.VideoSource(**given),
+                                     sampling=pb.SamplingParams(**sampling), video_options=video_options, spec=spec)
+        # The deadline again as metadata: behind Ray Serve's proxy the server may not see the gRPC one.
+        metadata = self.metadata + ((("sparrow-timeout-ms", str(int(timeout * 1000))),) if timeout else ())
+        return GenerateStream(self, request_id, self.stub.Generate(request, timeout=timeout, metadata=metadata))
+
+    def generate(self, prompt: str, **kwargs) -> GenerateResult:
+        """Stream to the end and collect: token ids, text and the completion."""
+        token_ids, text, request_id, done = [], [], "", None
+        for response in self.stream(prompt, **kwargs):
+            request_id = response.request_id
+            if response.HasField("chunk"):
+                token_ids.extend(response.chunk.token_ids)
+                text.append(response.chunk.text)
+            else:
+                done = response.completion
+        if done is None:
+            raise RuntimeError("the stream ended without a completion")
+        return GenerateResult(request_id, token_ids, "".join(text), done)
+
+    def abort(self, request_id: str, timeout: float | None = 10.0) -> bool:
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata).found
+
+    def model_info(self, timeout: float | None = 10.0) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+
+    def health(self, service: str = "", timeout: float | None = 10.0) -> str:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self.metadata)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+class GenerateStream:
+    """Responses of one Generate call. `cancel()` cancels the call and also sends Abort for
+    its request id, because a proxy in between (Ray Serve's) may not pass the cancel on."""
+
+    def __init__(self, client: SparrowClient, request_id: str, call):
+        self.client, self.request_id, self.call = client, request_id, call
+
+    def __iter__(self) -> "GenerateStream":
+        return self
+
+    def __next__(self) -> pb.GenerateResponse:
+        return next(self.call)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        try:
+            self.client.abort(self.request_id, timeout=5.0)
+        except grpc.RpcError:
+            pass                   # the server may be gone; the cancel stands
+
+
+def _file_chunks(path: Path, size: int):
+    def read():
+        with open(path, "rb") as f:
+            while part := f.read(size):
+                yield part
+    return read
+
+
+def _byte_chunks(data: bytes, size: int):
+    def read():
+        for i in range(0, len(data), size):
+            yield data[i:i + size]
+    return read

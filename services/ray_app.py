@@ -1,0 +1,191 @@
+"""The Ray host (`sparrow serve --ray`): a Ray Serve application behind Serve's gRPC proxy.
+
+    gRPC client -> Serve gRPC proxy -> TargetDeployment (ingress: the servicer + engine)
+                                            |  one call per verify step (handle, session affinity)
+                                            v
+                                       DraftDeployment (draft replicas, no video, no target)
+
+TargetDeployment owns the target, runs each request's loop in its own process (the KV cache
+never moves) and keeps recent video prefills in its prefix cache. DraftDeployment replicas
+rebuild a request's draft context from the state cache (Redis when there is more than one
+replica) the first time they see it. Both scale from their deployment options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import weakref
+
+import ray
+from grpc_health.v1 import health_pb2
+from ray import serve
+from ray.serve.config import gRPCOptions, HTTPOptions
+
+from sparrow.cache import open_cache
+from sparrow.spec.propose import SparrowProposer
+
+from . import prom
+from .draft import DraftSession, DraftStep, DraftWorker
+from .errors import status_for
+from .models import load_draft, load_heads
+from .servicer import SparrowService, deadline_from_metadata
+from .settings import AppSettings, build_engine
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "sparrow"
+SERVICER_FUNCTIONS = [
+    "sparrow.v1.sparrow_pb2_grpc.add_SparrowServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+def _set_status(grpc_context, exc: Exception) -> None:
+    """Serve's proxy sends the code set here when the method then raises."""
+    code, details = status_for(exc)
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+
+
+@serve.deployment(name="TargetDeployment")
+class TargetDeployment:
+    def __init__(self, settings: AppSettings, draft=None):
+        client = RayDraftClient(draft, settings.draft_call_timeout_s) if draft is not None else None
+        engine, cache = build_engine(settings, client)
+        placement = "remote" if client is not None else settings.placement
+        self.service = SparrowService(engine, cache, settings.service, host="ray", draft_placement=placement)
+        self.metrics = prom.Recorder(prom.RaySink(), model_name=settings.target)
+
+    async def Generate(self, request, grpc_context):
+        try:
+            # Serve's proxy does not always pass a client's cancel or deadline on to the
+            # replica (it misses those that land while it is writing a response): a deadline
+            # sent as metadata is enforced here, and SparrowClient's cancel also sends Abort.
+            deadline = deadline_from_metadata(grpc_context.invocation_metadata())
+            async with contextlib.aclosing(prom.observe_stream(self.service.generate(request, deadline), self.metrics)) as responses:
+                async for response in responses:
+                    yield response
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            raise
+
+    async def UploadVideo(self, request_stream, grpc_context):
+        try:
+            return await self.service.upload_video(request_stream)
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            raise
+
+    async def Abort(self, request, grpc_context):
+        try:
+            return await self.service.abort(request)
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            raise
+
+    async def GetModelInfo(self, request):
+        return self.service.model_info()
+
+    # grpc.health.v1 (the proxy routes it here, to the application's ingress)
+    async def Check(self, request):
+        serving = health_pb2.HealthCheckResponse.SERVING if self.service.ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=serving)
+
+    async def Watch(self, request):
+        yield await self.Check(request)
+
+    def stats(self) -> dict:
+        """This replica's requests and generation threads, and how its remote draft has fared."""
+        proposer = self.service.engine.proposer
+        return {"requests": len(self.service.live), "threads": self.service.runner.active,
+                "last_released": self.service.last_released,        # time.monotonic(), same clock host-wide
+                "draft_failovers": getattr(proposer, "failovers", 0),
+                "draft_fallbacks": getattr(proposer, "fallbacks", 0), "draft_rebuilds": getattr(proposer, "rebuilds", 0),
+                "draft_sessions": sorted(getattr(proposer, "sessions", ()))}
+
+
+@serve.deployment(name="DraftDeployment", max_ongoing_requests=128)
+class DraftDeployment:
+    """Draft replicas: sessions are keyed by the multiplexed model id (the session id), which
+    gives requests affinity to the replica that holds their draft state; the multiplexing
+    LRU bounds the sessions a replica keeps."""
+
+    def __init__(self, settings: AppSettings):
+        draft = load_draft(settings.draft, load_heads(settings.target), settings.spec)
+        self.worker = DraftWorker(SparrowProposer(draft, settings.spec), open_cache(settings.cache))
+        self.replica = ray.get_runtime_context().get_actor_name() or ""
+        self.sessions: weakref.WeakValueDictionary[str, DraftSession] = weakref.WeakValueDictionary()
+        self.idle_s, self._swept = settings.draft_session_idle_s, 0.0
+
+    @serve.multiplexed(max_num_models_per_replica=256)
+    async def session(self, session_id: str) -> DraftSession:
+        session = DraftSession(session_id)
+        self.sessions[session_id] = session
+        return session
+
+    async def step(self, call: DraftStep):
+        session = await self.session(serve.get_multiplexed_model_id())
+        reply = await asyncio.to_thread(self.worker.step, session, call)
+        reply.replica = self.replica
+        self._drop_idle()
+        return reply
+
+    def _drop_idle(self) -> None:
+        """Free sessions no step has touched for a while. `end` is routed by session
+        affinity, which is best effort, and a session may have been rebuilt on several
+        replicas: this bounds the time their state outlives the request."""
+        now = time.monotonic()
+        if now - self._swept < 1.0:
+            return
+        self._swept = now
+        for session in list(self.sessions.values()):
+            if session.state is not None and now - session.touched > self.idle_s:
+                session.clear()
+
+    async def end(self, session_id: str) -> None:
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.clear()
+
+    def describe(self) -> dict:
+        """This replica's actor name and the sessions it holds state for, with the seconds
+        since each was last used."""
+        now = time.monotonic()
+        live = {sid: now - s.touched for sid, s in list(self.sessions.items()) if s.state is not None}
+        return {"replica": self.replica, "sessions": live}
+
+
+class RayDraftClient:
+    """DraftDeployment calls from the target's request threads (blocking there is fine:
+    they are not the replica's event loop)."""
+
+    def __init__(self, handle, timeout_s: float):
+        self.handle, self.timeout_s = handle, timeout_s
+
+    def step(self, call: DraftStep):
+        return self.handle.options(multiplexed_model_id=call.session).step.remote(call).result(timeout_s=self.timeout_s)
+
+    def end(self, session: str) -> None:
+        self.handle.options(multiplexed_model_id=session).end.remote(session)      # not awaited
+
+
+def build_app(settings: AppSettings):
+    draft = None
+    if settings.draft is not None and settings.draft_placement == "remote":
+        draft = DraftDeployment.options(**settings.draft_deployment).bind(settings)
+    # Serve queues generations past a replica's limit (rather than the service refusing
+    # them), leaving headroom for Abort, uploads and health checks.
+    target = {"max_ongoing_requests": settings.service.max_concurrent + 16, **settings.target_deployment}
+    return TargetDeployment.options(**target).bind(settings, draft)
+
+
+def start(settings: AppSettings, *, grpc_port: int, http_host: str = "127.0.0.1", http_port: int = 8000,
+          name: str = APP_NAME):
+    """Start Serve's proxies and deploy the app on the connected Ray cluster; returns the
+    ingress handle. (Serve's gRPC proxy listens on all interfaces; HTTP on http_host.)"""
+    serve.start(grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS),
+                http_options=HTTPOptions(host=http_host, port=http_port))
+    return serve.run(build_app(settings), name=name, route_prefix=f"/{name}")

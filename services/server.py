@@ -1,0 +1,137 @@
+"""The embedded host: a grpc.aio server around the in-process engine (`sparrow serve`).
+
+Serves sparrow.v1.Sparrow, grpc.health.v1 and server reflection. Nothing else is needed:
+no Ray, no Redis (the state cache is in memory unless a Redis URL is given).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from . import prom
+from .errors import status_for
+from .protos import SERVICE_NAME, pb_grpc
+from .servicer import SparrowService
+
+log = logging.getLogger(__name__)
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC channel/server options bounding message sizes (set on both ends)."""
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+async def abort_with_status(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code, details = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("request failed", exc_info=exc)
+    await context.abort(code, details)
+
+
+class GrpcSparrow(pb_grpc.SparrowServicer):
+    """sparrow.v1.Sparrow on grpc.aio. A client cancel or deadline cancels the handler's
+    task; the CancelledError passes through (it is no Exception) and closes the service's
+    generator, which aborts the generation."""
+
+    def __init__(self, service: SparrowService):
+        self.service = service
+
+    async def Generate(self, request, context):
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        try:
+            async with contextlib.aclosing(prom.observe_stream(self.service.generate(request, deadline))) as responses:
+                async for response in responses:
+                    yield response
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+            await abort_with_status(context, exc)
+
+    async def UploadVideo(self, request_iterator, context):
+        try:
+            return await self.service.upload_video(request_iterator)
+        except Exception as exc:  # noqa: BLE001
+            await abort_with_status(context, exc)
+
+    async def Abort(self, request, context):
+        try:
+            return await self.service.abort(request)
+        except Exception as exc:  # noqa: BLE001
+            await abort_with_status(context, exc)
+
+    async def GetModelInfo(self, request, context):
+        return self.service.model_info()
+
+
+async def start_server(service: SparrowService, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the bound port (port 0 picks a free one)."""
+    server = grpc.aio.server(options=message_options(service.config.max_message_bytes))
+    pb_grpc.add_SparrowServicer_to_server(GrpcSparrow(service), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+async def serve_forever(service: SparrowService, host: str, port: int) -> None:
+    server, bound = await start_server(service, host, port)
+    log.info("sparrow serving on %s:%d (embedded)", host, bound)
+    print(f"sparrow: serving sparrow.v1.Sparrow on {host}:{bound} (embedded)", flush=True)
+    try:
+        await server.wait_for_termination()
+    finally:
+        service.close()
+        await server.stop(grace=2)
+
+
+class BackgroundServer:
+    """The embedded server on its own thread and event loop, for tests, benchmarks and
+    programs that are not async themselves."""
+
+    def __init__(self, service: SparrowService, host: str = "127.0.0.1", port: int = 0):
+        self.service, self.host, self.port = service, host, port
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sparrow-grpc", daemon=True)
+        self._server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> "BackgroundServer":
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(start_server(self.service, self.host, self.port), self._loop)
+        self._server, self.port = future.result(timeout=30)
+        return self
+
+    def call(self, coro, timeout: float = 10.0):
+        """Run a coroutine on the server's loop (to inspect service state without races)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self.service.close()
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace=1), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

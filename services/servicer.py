@@ -1,0 +1,328 @@
+"""The Sparrow service, whatever hosts it: protobuf requests in, protobuf responses out,
+typed errors (sparrow.errors, services.errors) for everything a caller can get wrong.
+
+One servicer, two hosts: services.server (a grpc.aio server, the embedded default) and
+services.ray_app (Ray Serve's gRPC proxy in front of the TargetDeployment). Hosts only move
+messages and turn exceptions into status codes with `status_for`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from sparrow.cache import StateCache
+from sparrow.config import SamplingParams
+from sparrow.engine import Engine, GenerationOutput
+from sparrow.errors import InvalidRequest, ResourceExhausted, VideoTooLarge, VideoUnreadable
+from sparrow.metrics import SpecMetrics
+from sparrow.video import SourcePolicy, VideoOptions, prepare_video
+
+from . import logs
+from .errors import NotReady, VideoNotFound
+from .protos import pb
+from .runner import EngineRunner, RunningRequest
+from .sources import VideoStore, content_id, path_id
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Limits and policies of one service (the same on every replica)."""
+
+    default_max_new_tokens: int = 128
+    max_new_tokens: int = 2048             # above: RESOURCE_EXHAUSTED
+    max_visual_tokens: int = 24576        # per video; requests may ask for fewer
+    max_frames: int = 768
+    max_video_bytes: int = 2 << 30
+    max_duration_s: float = 4 * 3600.0
+    max_message_bytes: int = 64 * MiB      # gRPC messages, both directions (uploads go in chunks)
+    max_prompt_chars: int = 16384
+    max_stop_strings: int = 16
+    max_concurrent: int = 16               # running requests per replica; above: RESOURCE_EXHAUSTED
+    media_root: str | None = None          # paths are read only inside it (None: no paths)
+    allowed_url_schemes: tuple[str, ...] = ()   # of http, https, rtsp (none: no URLs)
+    allowed_url_hosts: tuple[str, ...] = ()     # see sparrow.video.SourcePolicy
+    decode_timeout_s: float = 300.0
+    video_ttl_s: float = 3600.0            # how long uploads stay in the state cache
+    abort_poll_s: float = 0.2              # shared cache: how often a request looks for an Abort sent elsewhere
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
+            raise ValueError("need 1 <= default_max_new_tokens <= max_new_tokens")
+        if min(self.max_visual_tokens, self.max_frames, self.max_video_bytes, self.max_message_bytes,
+               self.max_prompt_chars, self.max_concurrent) < 1:
+            raise ValueError("limits must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """A validated request, ready for the engine."""
+
+    prompt: str
+    sampling: SamplingParams
+    options: VideoOptions
+    num_draft_tokens: int | None
+    video: object          # zero-argument callable -> ProcessedVideo, called only on a prefix-cache miss
+    video_key: str | None
+
+
+class SparrowService:
+    def __init__(self, engine: Engine, cache: StateCache, config: ServiceConfig | None = None, *,
+                 host: str = "embedded", draft_placement: str = "colocated"):
+        self.engine, self.cache = engine, cache
+        self.config = config or ServiceConfig()
+        self.host, self.draft_placement = host, draft_placement
+        self.runner = EngineRunner(engine, self.config.max_concurrent)
+        self.videos = VideoStore(cache, self.config.video_ttl_s)
+        self.policy = SourcePolicy(self.config.media_root, self.config.allowed_url_schemes,
+                                   self.config.allowed_url_hosts)
+        self.live: dict[str, RunningRequest | None] = {}     # None: admitted, still preparing
+        self.last_released = 0.0
+        self.ready = True
+
+    # ----- Generate ------------------------------------------------------------------------------
+    async def generate(self, request: pb.GenerateRequest,
+                       deadline: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """deadline: time.monotonic() past which the client has given up; the generation
+        is aborted then, whether or not the host noticed the client go."""
+        request_id = request.request_id or uuid.uuid4().hex
+        logs.request_id_var.set(request_id)      # log lines of this request carry its id
+        self._admit(request_id)
+        try:
+            job = await self._job(request)
+            running = self.runner.start(job.video, job.prompt, job.sampling, job.options,
+                                        video_key=job.video_key, num_draft_tokens=job.num_draft_tokens)
+            self.live[request_id] = running
+            # aclosing: however this generator ends, the nested ones end now, not at GC time
+            async with contextlib.aclosing(self._respond(request_id, running, deadline)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self.live.pop(request_id, None)
+            self.last_released = time.monotonic()     # the request's thread and state are gone
+
+    def _admit(self, request_id: str) -> None:
+        # No await between the checks and the insert: atomic on the event loop.
+        if not self.ready:
+            raise NotReady("the service is not ready")
+        if len(request_id) > 128:
+            raise InvalidRequest("request_id is longer than 128 characters")
+        if request_id in self.live:
+            raise InvalidRequest(f"request_id {request_id!r} is already running")
+        if len(self.live) >= self.config.max_concurrent:
+            raise ResourceExhausted(f"{len(self.live)} requests running, the limit of this replica; retry later")
+        self.live[request_id] = None
+
+    async def _respond(self, request_id: str, running: RunningRequest,
+                       deadline: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        watchers = [asyncio.create_task(self._watch_abort(request_id, running))] if self.cache.shared else []
+        if deadline is not None:
+            watchers.append(asyncio.create_task(_abort_at(deadline, running)))
+        sent = False
+        try:
+            async with contextlib.aclosing(running.events()) as events:
+                async for item in events:
+                    if isinstance(item, GenerationOutput):
+                        yield pb.GenerateResponse(request_id=request_id, completion=completion(item))
+                    else:
+                        sent = True
+                        yield pb.GenerateResponse(request_id=request_id,
+                                                  chunk=pb.Chunk(token_ids=item.token_ids, text=item.text))
+        except Exception as exc:
+            if not sent:
+                raise                       # nothing streamed yet: the caller gets a status code
+            log.exception("request %s failed after streaming began", request_id)
+            yield pb.GenerateResponse(request_id=request_id, completion=pb.Completion(
+                finish_reason=pb.FINISH_REASON_ERROR, error=str(exc) or type(exc).__name__))
+        finally:
+            for watcher in watchers:
+                watcher.cancel()
+
+    async def _watch_abort(self, request_id: str, running: RunningRequest) -> None:
+        """With a shared cache, Abort may reach another replica: it leaves a mark there."""
+        await asyncio.to_thread(self.cache.delete, _abort_key(request_id))   # a mark left for an earlier use of the id
+        while True:
+            await asyncio.sleep(self.config.abort_poll_s)
+            if await asyncio.to_thread(self.cache.contains, _abort_key(request_id)):
+                running.abort()
+                return
+
+    # ----- request -> job -----------------------------------------------------------------------
+    async def _job(self, request: pb.GenerateRequest) -> _Job:
+        cfg = self.config
+        if not request.prompt.strip():
+            raise InvalidRequest("prompt must be a non-empty string")
+        if len(request.prompt) > cfg.max_prompt_chars:
+            raise ResourceExhausted(f"prompt is {len(request.prompt)} characters, over the limit of {cfg.max_prompt_chars}")
+        sampling = self._sampling(request.sampling)
+        options = self._video_options(request.video_options)
+        source, content = await self._source(request.video)
+        processor, policy = self.engine.target.processor, self.policy
+
+        def decode():
+            return prepare_video(source(), processor, options, policy=policy)
+
+        # The prefix cache key: the video's content and everything that shapes its tokens.
+        key = None if content is None else hashlib.sha256(f"{content}|{options!r}".encode()).hexdigest()
+        return _Job(request.prompt, sampling, options, self._draft_tokens(request.spec), decode, key)
+
+    def _sampling(self, s: pb.SamplingParams) -> SamplingParams:
+        cfg = self.config
+        max_new = s.max_new_tokens or cfg.default_max_new_tokens
+        if max_new > cfg.max_new_tokens:
+            raise ResourceExhausted(f"max_new_tokens {max_new} is over the limit of {cfg.max_new_tokens}")
+        if len(s.stop) > cfg.max_stop_strings:
+            raise InvalidRequest(f"at most {cfg.max_stop_strings} stop strings")
+        return SamplingParams(max_new_tokens=max_new, temperature=s.temperature, top_k=s.top_k,
+                              top_p=s.top_p or 1.0, seed=s.seed if s.HasField("seed") else None,
+                              stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+    def _video_options(self, v: pb.VideoOptions) -> VideoOptions:
+        cfg = self.config
+        for name, limit in (("num_frames", cfg.max_frames), ("max_frames", cfg.max_frames),
+                            ("max_visual_tokens", cfg.max_visual_tokens)):
+            if v.HasField(name) and getattr(v, name) > limit:
+                raise ResourceExhausted(f"{name} {getattr(v, name)} is over the limit of {limit}")
+        given = {name: getattr(v, name) for name in ("fps", "num_frames", "start_s", "end_s", "min_pixels",
+                                                      "max_pixels") if v.HasField(name)}
+        return VideoOptions(**given, max_frames=v.max_frames if v.HasField("max_frames") else cfg.max_frames,
+                            min_frames=min(4, cfg.max_frames),
+                            max_visual_tokens=v.max_visual_tokens or cfg.max_visual_tokens,
+                            max_bytes=cfg.max_video_bytes, max_duration_s=cfg.max_duration_s,
+                            timeout_s=cfg.decode_timeout_s)
+
+    def _draft_tokens(self, spec: pb.SpecOptions) -> int | None:
+        if spec.HasField("enabled") and not spec.enabled:
+            return 0
+        if spec.HasField("num_draft_tokens"):
+            return spec.num_draft_tokens
+        if spec.HasField("enabled") and self.engine.proposer is None:
+            raise InvalidRequest("this server has no draft model: speculative decoding cannot be enabled")
+        return None
+
+    async def _source(self, video: pb.VideoSource):
+        """(zero-argument loader of the video, content id or None) for the request's video.
+        Nothing is decoded here; loading waits for a prefix-cache miss. URLs get no content
+        id (their bytes are not known before decoding), so their prefill is not reused."""
+        cfg, which = self.config, video.WhichOneof("source")
+        if which == "video_id":
+            video_id = video.video_id
+            if not await asyncio.to_thread(self.videos.contains, video_id):
+                raise VideoNotFound(f"no video with id {video_id}: upload it (again) first")
+            return (lambda: self.videos.get(video_id)), video_id
+        if which == "data":
+            data = video.data
+            if len(data) > cfg.max_video_bytes:
+                raise VideoTooLarge(f"video is {len(data)} bytes, over the limit of {cfg.max_video_bytes}")
+            return (lambda: data), await asyncio.to_thread(content_id, data)
+        if which == "path":
+            path = self.policy.resolve(video.path)           # SourceNotAllowed outside the media root
+            if not path.is_file():
+                raise VideoUnreadable(f"{video.path!r} is not a readable file")
+            return (lambda: path), path_id(path)
+        if which == "url":
+            url = self.policy.resolve(video.url)             # SourceNotAllowed off the allowlists
+            return (lambda: url), None
+        raise InvalidRequest("the request names no video (set video_id, path, url or data)")
+
+    # ----- the other calls -----------------------------------------------------------------------
+    async def upload_video(self, chunks: AsyncIterator[pb.VideoChunk]) -> pb.VideoRef:
+        cfg, digest, parts, size, claimed = self.config, hashlib.sha256(), [], 0, None
+        async for chunk in chunks:
+            if claimed is None:
+                claimed = chunk.sha256.lower()
+                if claimed and await asyncio.to_thread(self.videos.contains, claimed):
+                    return pb.VideoRef(video_id=claimed, already_stored=True)    # the rest need not come
+            size += len(chunk.data)
+            if size > cfg.max_video_bytes:
+                raise VideoTooLarge(f"upload is over the limit of {cfg.max_video_bytes} bytes")
+            digest.update(chunk.data)
+            parts.append(chunk.data)
+        if size == 0:
+            raise InvalidRequest("the upload holds no bytes")
+        video_id = digest.hexdigest()
+        if claimed and claimed != video_id:
+            raise InvalidRequest(f"the upload's SHA-256 is {video_id}, not the {claimed} its first chunk claimed")
+        stored = await asyncio.to_thread(self.videos.contains, video_id)
+        if not stored:
+            await asyncio.to_thread(self.videos.put, b"".join(parts))
+        return pb.VideoRef(video_id=video_id, size_bytes=size, already_stored=stored)
+
+    async def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
+        running = self.live.get(request.request_id)
+        if running is not None:
+            running.abort()
+            return pb.AbortResponse(found=True)
+        if self.cache.shared:       # it may be running on another replica
+            await asyncio.to_thread(self.cache.put, _abort_key(request.request_id), {}, 60.0)
+        return pb.AbortResponse(found=False)
+
+    def model_info(self) -> pb.ModelInfo:
+        engine, target, cfg = self.engine, self.engine.target, self.config
+        speculative = engine.proposer is not None
+        return pb.ModelInfo(
+            target_model_type=target.family.model_type, target_layers=target.num_layers,
+            vocab_size=target.vocab_size, max_context=target.max_context,
+            spec_method=engine.spec.method if speculative else "none",
+            num_draft_tokens=engine.spec.num_draft_tokens if speculative else 0,
+            draft_placement=self.draft_placement if speculative else "none", host=self.host,
+            max_new_tokens=cfg.max_new_tokens, max_visual_tokens=cfg.max_visual_tokens,
+            max_video_bytes=cfg.max_video_bytes, max_message_bytes=cfg.max_message_bytes)
+
+    def close(self) -> None:
+        self.ready = False
+        for running in list(self.live.values()):
+            if running is not None:
+                running.abort()
+        self.runner.shutdown()
+
+
+def _abort_key(request_id: str) -> str:
+    return f"abort:{request_id}"
+
+
+# The host's own deadline handling answers DEADLINE_EXCEEDED; this backstop aborts a little
+# later, for when the host did not notice (and so never sends a normal end instead).
+DEADLINE_GRACE_S = 0.25
+
+
+async def _abort_at(deadline: float, running: RunningRequest) -> None:
+    await asyncio.sleep(max(0.0, deadline + DEADLINE_GRACE_S - time.monotonic()))
+    running.abort()
+
+
+def deadline_from_metadata(metadata, key: str = "sparrow-timeout-ms") -> float | None:
+    """A deadline a client sent as metadata (for hosts that do not see the gRPC deadline)."""
+    for name, value in metadata or ():
+        if name == key:
+            try:
+                return time.monotonic() + max(0, int(value)) / 1000
+            except ValueError:
+                raise InvalidRequest(f"{key} must be an integer number of milliseconds") from None
+    return None
+
+
+def completion(output: GenerationOutput) -> pb.Completion:
+    m: SpecMetrics = output.metrics
+    return pb.Completion(
+        finish_reason=FINISH.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        usage=pb.Usage(prompt_tokens=m.prompt_tokens, visual_tokens=m.visual_tokens,
+                       completion_tokens=m.completion_tokens, cached_prompt_tokens=m.cached_prompt_tokens),
+        metrics=pb.SpecMetrics(
+            num_draft_tokens=m.num_draft_tokens, steps=m.steps, draft_tokens=m.draft_tokens,
+            accepted_tokens=m.accepted_tokens, mean_acceptance_length=m.mean_acceptance_length,
+            accepted_per_step=m.accepted_per_step, acceptance_rate_per_position=m.acceptance_rate_per_position,
+            video_seconds=m.video_seconds, prefill_seconds=m.prefill_seconds, decode_seconds=m.decode_seconds,
+            draft_seconds=m.draft_seconds, verify_seconds=m.verify_seconds,
+            decode_tokens_per_second=m.decode_tokens_per_second))

@@ -1,0 +1,60 @@
+"""What a server runs, for both hosts, and how its engine is built from that."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sparrow.cache import StateCache, open_cache
+from sparrow.config import SpecConfig
+from sparrow.engine import Engine
+from sparrow.prefix_cache import PrefixCache
+from sparrow.spec.propose import SparrowProposer
+
+from .models import load_draft, load_target
+from .servicer import ServiceConfig
+
+PLACEMENTS = ("colocated", "remote")
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    """target / draft: model specs (see services.models); draft None decodes without one.
+    draft_placement: "colocated" (in the target's process) or "remote" (a DraftDeployment;
+    Ray only). cache: "memory" or a redis:// URL. *_deployment: Ray Serve deployment options
+    (num_replicas or autoscaling_config, ray_actor_options, max_ongoing_requests, ...)."""
+
+    target: str
+    draft: str | None = None
+    draft_placement: str = "colocated"
+    spec: SpecConfig = SpecConfig()
+    cache: str = "memory"
+    service: ServiceConfig = ServiceConfig()
+    prefix_cache_bytes: int = 8 << 30
+    prefix_cache_entries: int = 32
+    draft_call_timeout_s: float = 10.0
+    draft_session_idle_s: float = 30.0         # a draft replica frees a session idle this long
+    target_deployment: dict = field(default_factory=dict)
+    draft_deployment: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.draft_placement not in PLACEMENTS:
+            raise ValueError(f"draft_placement must be one of {PLACEMENTS}, got {self.draft_placement!r}")
+
+    @property
+    def placement(self) -> str:
+        return "none" if self.draft is None else self.draft_placement
+
+
+def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, StateCache]:
+    """The target's engine and state cache. With a draft_client (remote placement) the
+    engine drafts through it, keeping a colocated draft as the fallback."""
+    from .draft import RemoteDraftProposer
+
+    target = load_target(settings.target)
+    cache = open_cache(settings.cache)
+    prefix = PrefixCache(settings.prefix_cache_bytes, settings.prefix_cache_entries)
+    if settings.draft is None:
+        return Engine(target, spec=SpecConfig(method="none"), prefix_cache=prefix), cache
+    local = SparrowProposer(load_draft(settings.draft, target, settings.spec), settings.spec)
+    proposer = local if draft_client is None else RemoteDraftProposer(draft_client, local, settings.spec, cache)
+    return Engine(target, spec=settings.spec, proposer=proposer, prefix_cache=prefix), cache

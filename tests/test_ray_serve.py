@@ -1,0 +1,249 @@
+"""The Ray host (`sparrow serve --ray`): a real Ray instance (2 CPUs), Serve's gRPC proxy on a
+loopback port, a TargetDeployment and two DraftDeployment replicas, and a real redis-server
+as the shared state cache.
+
+What must hold: the answer through the proxy equals engine.generate token for token (a
+seeded sample too: the generator state travels with every draft call); 8 concurrent streams
+are all right; cancel and Abort free the target's state within a second; a second question
+on the same video skips prefill; bad input gets its code and the app keeps serving; killing
+the draft replica that serves a stream does not change the answer; nor does stopping Redis.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from conftest_services import SPEC_KWARGS, RedisServer, free_port, start_redis
+
+from sparrow import SamplingParams, SpecConfig
+from sparrow.services.client import SparrowClient
+from sparrow.services.protos import SERVICE_NAME, pb
+
+pytestmark = pytest.mark.slow
+MiB = 1 << 20
+PROMPTS = ("What happens in the video?", "Which shape moves first, and where does it go?")
+
+
+@dataclass
+class RayApp:
+    address: str
+    redis: RedisServer
+
+    def target(self):
+        from ray import serve
+        return serve.get_deployment_handle("TargetDeployment", app_name="sparrow")
+
+    def drafts(self):
+        from ray import serve
+        return serve.get_deployment_handle("DraftDeployment", app_name="sparrow")
+
+    def stats(self) -> dict:
+        return self.target().stats.remote().result(timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def app(ray_instance, tiny_model_dirs, clips, tmp_path_factory):
+    from ray import serve
+
+    from sparrow.services import ray_app
+    from sparrow.services.servicer import ServiceConfig
+    from sparrow.services.settings import AppSettings
+
+    redis = start_redis(tmp_path_factory.mktemp("ray-redis"))
+    no_cpu = {"ray_actor_options": {"num_cpus": 0}}       # three replicas share the 2 CPUs
+    settings = AppSettings(
+        target=str(tiny_model_dirs[0]), draft=str(tiny_model_dirs[1]), draft_placement="remote",
+        spec=SpecConfig(**SPEC_KWARGS), cache=redis.url, draft_call_timeout_s=20.0,
+        service=ServiceConfig(max_new_tokens=2000, max_video_bytes=2 * MiB, max_frames=64, media_root=str(clips.root)),
+        target_deployment=no_cpu, draft_deployment={"num_replicas": 2, **no_cpu})
+    port = free_port()
+    ray_app.start(settings, grpc_port=port, http_port=free_port())
+    yield RayApp(f"127.0.0.1:{port}", redis)
+    serve.delete("sparrow")
+    redis.stop()
+
+
+@pytest.fixture
+def client(app):
+    with SparrowClient(app.address) as c:
+        yield c
+
+
+def reference(engine, video: bytes, prompt: str, **sampling):
+    return engine.generate(video, prompt, SamplingParams(**sampling))
+
+
+def wait_target_freed(app, since: float | None = None, within: float = 1.0) -> None:
+    """The target replica holds no request. With `since` (time.monotonic() here, the same
+    clock in the replica's process), it let go of the last one within `within` seconds of it;
+    timed by the replica, so the latency of asking it does not count."""
+    deadline = time.monotonic() + 30
+    while (stats := app.stats())["requests"] or stats["threads"]:
+        assert time.monotonic() < deadline, "target state never freed"
+        time.sleep(0.02)
+    if since is not None:
+        assert stats["last_released"] - since < within, f"freed {stats['last_released'] - since:.2f} s after"
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()
+
+
+# ----- 1. the answer equals engine.generate ------------------------------------------------------------
+def test_answer_through_ray_equals_engine_generate(client, clips, reference_engine):
+    video = clips.data["a"]
+    sources = [{"video_id": client.upload(video)}, {"path": "a.mp4"}, {"data": video}]
+    for source, prompt in zip(sources, PROMPTS + PROMPTS[:1]):
+        expected = reference(reference_engine, video, prompt, max_new_tokens=24)
+        got = client.generate(prompt, max_new_tokens=24, **source)
+        assert got.token_ids == expected.token_ids and got.text == expected.text
+        assert got.completion.metrics.draft_tokens > 0
+    sampled = reference(reference_engine, video, PROMPTS[1], max_new_tokens=20, temperature=1.0, seed=11)
+    got = client.generate(PROMPTS[1], data=video, max_new_tokens=20, temperature=1.0, seed=11)
+    assert got.token_ids == sampled.token_ids
+    assert (got.completion.metrics.accepted_tokens, got.completion.metrics.steps) == (
+        sampled.metrics.accepted_tokens, sampled.metrics.steps)
+
+
+def test_health_reflection_and_model_info_through_the_proxy(client):
+    assert client.health() == "SERVING"
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    assert SERVICE_NAME in set(ProtoReflectionDescriptorDatabase(client.channel).get_services())
+    info = client.model_info()
+    assert (info.host, info.draft_placement, info.spec_method) == ("ray", "remote", "sparrow")
+
+
+# ----- 2. concurrency, the prefix cache, cancel and Abort -------------------------------------------------
+def test_eight_concurrent_streams_through_ray(app, clips, reference_engine):
+    jobs = [(name, PROMPTS[i % 2]) for i, name in enumerate("abcdabcd")]
+    expected = [reference(reference_engine, clips.data[n], p, max_new_tokens=16).token_ids for n, p in jobs]
+    barrier = threading.Barrier(len(jobs))
+
+    def ask(job):
+        name, prompt = job
+        with SparrowClient(app.address) as c:
+            barrier.wait(timeout=60)
+            return c.generate(prompt, data=clips.data[name], max_new_tokens=16, timeout=180).token_ids
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        assert list(pool.map(ask, jobs)) == expected
+    wait_target_freed(app)
+
+
+def test_second_question_on_same_video_skips_prefill_on_ray(client, clips, reference_engine):
+    video_id = client.upload(clips.data["e"])
+    first = client.generate(PROMPTS[0], video_id=video_id, max_new_tokens=10)
+    second = client.generate(PROMPTS[1], video_id=video_id, max_new_tokens=10)
+    assert first.completion.usage.cached_prompt_tokens == 0
+    assert second.completion.usage.visual_tokens < second.completion.usage.cached_prompt_tokens
+    assert second.token_ids == reference(reference_engine, clips.data["e"], PROMPTS[1], max_new_tokens=10).token_ids
+
+
+def test_cancel_abort_and_deadline_free_state_on_ray(app, client, clips):
+    call = client.stream(PROMPTS[0], data=clips.data["a"], max_new_tokens=2000, ignore_eos=True)
+    assert next(call).HasField("chunk") and (app.stats()["requests"], app.stats()["threads"]) == (1, 1)
+    cancelled = time.monotonic()
+    call.cancel()        # gRPC cancel + Abort: Serve's proxy may miss a bare cancel (see ray_app.Generate)
+    wait_target_freed(app, since=cancelled)
+
+    call = client.stream(PROMPTS[0], data=clips.data["a"], max_new_tokens=2000, ignore_eos=True, request_id="ray-abort")
+    assert next(call).request_id == "ray-abort"
+    aborted = time.monotonic()
+    assert client.abort("ray-abort")
+    done = list(call)[-1].completion
+    assert done.finish_reason == pb.FINISH_REASON_ABORT and done.usage.completion_tokens < 2000
+    wait_target_freed(app, since=aborted)
+
+    started = time.monotonic()
+    call = client.stream(PROMPTS[0], data=clips.data["a"], max_new_tokens=2000, ignore_eos=True, timeout=2.0)
+    assert code_of(lambda: list(call)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_target_freed(app, since=started + 2.0)
+
+
+# ----- 4. bad input ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, code", [
+    (dict(prompt=" "), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(data=b"not a video at all" * 20), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(path="/etc/passwd"), grpc.StatusCode.PERMISSION_DENIED),
+    (dict(video_id="f" * 64), grpc.StatusCode.NOT_FOUND),
+    (dict(max_new_tokens=10_000), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (dict(data=b"\x00" * (3 * MiB)), grpc.StatusCode.RESOURCE_EXHAUSTED),
+], ids=["prompt", "not a video", "path", "unknown id", "tokens", "bytes"])
+def test_bad_input_gets_its_code_through_ray(client, clips, reference_engine, kwargs, code):
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt", PROMPTS[0])
+    if not {"data", "path", "video_id"} & set(kwargs):
+        kwargs["data"] = clips.data["b"]
+    assert code_of(lambda: list(client.stream(prompt, **kwargs))) == code
+    good = client.generate(PROMPTS[0], data=clips.data["b"], max_new_tokens=8)
+    assert good.token_ids == reference(reference_engine, clips.data["b"], PROMPTS[0], max_new_tokens=8).token_ids
+
+
+# ----- 3. a draft replica dies mid-stream --------------------------------------------------------------------
+def serving_replica(app, within: float = 10.0) -> str:
+    """The draft replica serving the one running stream: the one where its draft session
+    was used last (asking both replicas through the handle, whose routing is random)."""
+    (session,) = app.stats()["draft_sessions"]
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        found = [app.drafts().describe.remote().result(timeout_s=30) for _ in range(6)]
+        ages = [(d["sessions"][session], d["replica"]) for d in found if session in d["sessions"]]
+        if ages:
+            return min(ages)[1]
+    raise AssertionError(f"no draft replica holds session {session}")
+
+
+def test_killing_the_draft_replica_mid_stream_keeps_the_answer(app, client, clips, reference_engine):
+    import ray
+
+    with ThreadPoolExecutor(1) as pool:      # torch off the main thread: much faster on a busy CPU
+        expected = pool.submit(reference, reference_engine, clips.data["c"], PROMPTS[1],
+                               max_new_tokens=1000, ignore_eos=True).result()
+    call = client.stream(PROMPTS[1], data=clips.data["c"], max_new_tokens=1000, ignore_eos=True)
+    tokens = list(next(call).chunk.token_ids)
+    before = app.stats()
+    victim = serving_replica(app)
+    assert app.stats()["requests"] == 1, "the stream ended before the kill: make it longer"
+    ray.kill(ray.get_actor(victim, namespace="serve"))
+    killed_at = time.monotonic()
+    after_kill = 0
+    for response in call:
+        if response.HasField("chunk"):
+            tokens += response.chunk.token_ids
+            after_kill += time.monotonic() > killed_at
+        else:
+            done = response.completion
+    assert tokens == expected.token_ids and done.finish_reason == pb.FINISH_REASON_LENGTH
+    assert after_kill > 0                                       # the stream was still running
+    stats = app.stats()
+    # The other replica rebuilt the session (after a failed call, or one Serve rerouted; Serve's
+    # session affinity is best effort, so sessions may also move between live replicas) ...
+    assert stats["draft_failovers"] + stats["draft_rebuilds"] > before["draft_failovers"] + before["draft_rebuilds"]
+    assert stats["draft_fallbacks"] == before["draft_fallbacks"]       # ... without the colocated fallback
+
+
+# ----- 5. Redis stops mid-run ----------------------------------------------------------------------------------
+def test_redis_stopped_mid_run_requests_still_complete_on_ray(app, client, clips, reference_engine):
+    from sparrow.video import write_synthetic_video
+
+    video_id = client.upload(clips.data["d"])
+    assert app.redis.client().exists(f"sparrow:video:{video_id}:m")
+    app.redis.stop()
+    for source, video, prompt in [({"video_id": video_id}, clips.data["d"], PROMPTS[0]),
+                                  ({"data": clips.data["b"]}, clips.data["b"], PROMPTS[1])]:
+        expected = reference(reference_engine, video, prompt, max_new_tokens=16).token_ids
+        assert client.generate(prompt, max_new_tokens=16, **source).token_ids == expected
+    app.redis.restart()
+    time.sleep(2.5)                       # the cache retries Redis 2 s after an error
+    fresh = write_synthetic_video(None, num_frames=8, width=56, height=56, fps=4.0, seed=99).data
+    fresh_id = client.upload(fresh)
+    assert app.redis.client().exists(f"sparrow:video:{fresh_id}:m")        # back to Redis
+    expected = reference(reference_engine, fresh, PROMPTS[0], max_new_tokens=8).token_ids
+    assert client.generate(PROMPTS[0], video_id=fresh_id, max_new_tokens=8).token_ids == expected
