@@ -97,8 +97,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared 2-core box)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     reps = 5 if args.quick else 15
     target = tiny_target("qwen2_5_vl", seed=0)
     videos = {"short": synthetic_frames(8, 112, 112), "long": synthetic_frames(64 if args.quick else 192, 224, 224)}
@@ -124,7 +125,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        cmd = "python -m benchmarks.core" + (" --quick" if args.quick else "")
+        cmd = f"python -m benchmarks.core --threads {args.threads}" + (" --quick" if args.quick else "")
         write_section(args.out, "core", "Core engine (tiny model)", cmd, text)
 
 
