@@ -4,6 +4,8 @@
     sparrow serve [--ray]        the gRPC service (embedded: grpc.aio + in-process engine;
                                  --ray: Ray Serve, target and draft as separate deployments)
     sparrow generate --server HOST:PORT VIDEO "question"    stream an answer from a server
+    sparrow train-draft ...      train a Sparrow draft for a target (sparrow.training)
+    sparrow world ...            the synthetic world: make-data, train-target, train-draft, eval, demo
 """
 
 from __future__ import annotations
@@ -240,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
     _add_serve(sub)
     _add_generate(sub)
+    from sparrow.training.cli import add_commands as _add_training   # train-draft, world
+    _add_training(sub)
     return parser
 
 

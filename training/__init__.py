@@ -1,0 +1,10 @@
+"""Sparrow draft training (online distillation from a frozen target) and the synthetic video
+world that gives a tiny target something real to know.   import: sparrow.training"""
+
+from .config import TrainConfig
+from .data import Sample, load_samples, write_manifest
+from .evaluate import TauReport, held_out_tau
+from .trainer import DraftTrainer, new_draft
+
+__all__ = ["DraftTrainer", "Sample", "TauReport", "TrainConfig", "held_out_tau", "load_samples", "new_draft",
+           "write_manifest"]

@@ -1,0 +1,77 @@
+"""The synthetic world: its words are true to the video, and the committed model pair knows it."""
+
+import random
+from pathlib import Path
+
+import pytest
+
+from sparrow.training.world import (QUESTION_KINDS, WorldVideo, actors, caption, questions, world_tokenizer)
+from sparrow.video.synthetic import PALETTE
+
+WORLD = Path(__file__).resolve().parents[1] / "models" / "world"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_questions_and_caption_follow_the_events(seed):
+    video = WorldVideo().make(seed)
+    cast = actors(video.events)
+    assert {a.color for a in cast} == {e["color"] for e in video.events if e["kind"] == "appear"}
+    for a in cast:
+        assert a.new_color is None or a.new_color in PALETTE and a.new_color != a.color
+    text = caption(video.events)
+    assert text.count(" appears .") == len(cast)
+    assert text.count(" disappears .") == sum(a.vanishes for a in cast)
+    qa = questions(video.events, random.Random(seed))
+    assert {k for k, _, _ in qa} == set(QUESTION_KINDS)
+    (actor,) = cast
+    answers = {k: a for k, _, a in qa if k != "present"}
+    assert answers["start"] == actor.color and text.startswith(f"a {actor.color} {actor.shape} appears")
+    assert answers["end"] == (actor.new_color or actor.color)
+    assert sorted(a for k, _, a in qa if k == "present") == ["no", "yes"]
+
+
+def test_world_tokenizer_has_every_word_and_the_chat_format():
+    tok = world_tokenizer()
+    video = WorldVideo().make(3)
+    texts = [caption(video.events)] + [q + " " + a for _, q, a in questions(video.events, random.Random(0))]
+    unk = tok.convert_tokens_to_ids("<unk>")
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert unk not in ids
+        assert tok.decode(ids) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "hi"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = tok(chat, add_special_tokens=False)["input_ids"]
+    for special in ("<|im_start|>", "<|vision_start|>", "<|video_pad|>", "<|vision_end|>", "<|im_end|>"):
+        assert tok.convert_tokens_to_ids(special) in ids
+
+
+needs_pair = pytest.mark.skipif(not (WORLD / "target" / "config.json").is_file(),
+                                reason="models/world not trained yet (sparrow world train-target)")
+
+
+@pytest.fixture(scope="module")
+def world_pair():
+    from sparrow.models import SparrowDraft, TargetModel
+
+    target = TargetModel.from_pretrained(WORLD / "target")
+    return target, SparrowDraft.from_pretrained(WORLD / "draft", target)
+
+
+@needs_pair
+def test_committed_world_target_answers_fresh_videos(world_pair):
+    from sparrow.training.world_target import world_accuracy
+
+    target, _ = world_pair
+    report = world_accuracy(target, WorldVideo(), list(range(2 * 10**9, 2 * 10**9 + 5)))
+    assert report["questions"] >= 15
+    assert report["accuracy"] >= 0.8, report
+
+
+@needs_pair
+def test_committed_draft_beats_an_untrained_one(world_pair):
+    from sparrow.training.world_data import tau_rows
+
+    target, draft = world_pair
+    rows = tau_rows(target, draft, WorldVideo(), list(range(2 * 10**9, 2 * 10**9 + 3)), k=4)
+    assert rows["tau"] >= 2.0 and rows["tau"] >= rows["tau_untrained"] + 0.7, rows

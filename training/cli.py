@@ -1,0 +1,187 @@
+"""Command-line entry points, registered on the `sparrow` parser by sparrow.services.cli:
+
+    sparrow train-draft --target DIR --data MANIFEST|FOLDER --out DIR [--heldout ...] [--resume CKPT]
+    sparrow world make-data    --out DIR [--videos N]          synthetic videos + JSONL manifest
+    sparrow world train-target --out DIR [--steps N]           tiny Qwen2.5-VL from scratch
+    sparrow world train-draft  --target DIR --out DIR          the train-draft path on world data
+    sparrow world eval         --target DIR [--draft DIR]      accuracy by video length, held-out tau
+    sparrow world demo         [--seed N]                      the committed pair on a fresh video
+
+Every TrainConfig / WorldTargetConfig field is an option of the same name (dashes for
+underscores), so the commands and the dataclasses cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+
+def _parse_type(annotation: str):
+    if annotation.startswith("tuple"):
+        item = int if annotation.startswith("tuple[int") else str
+        return lambda s: tuple(item(x.strip()) for x in s.split(",") if x.strip())
+    base = annotation.split("|")[0].strip()
+    return {"int": int, "float": float, "str": str, "bool": lambda s: s.lower() in ("1", "true", "yes")}[base]
+
+
+def _add_config_options(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group(f"{cls.__name__} (defaults as in the dataclass)")
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not MISSING else None
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f"cfg_{f.name}", type=_parse_type(str(f.type)),
+                           default=None, metavar=f.name.upper(), help=f"default {default}")
+
+
+def _config(cls, args: argparse.Namespace, **overrides):
+    given = {f.name: getattr(args, f"cfg_{f.name}") for f in fields(cls)
+             if getattr(args, f"cfg_{f.name}", None) is not None}
+    return cls(**{**overrides, **given})
+
+
+# ----- train-draft ---------------------------------------------------------------------------------
+def train_draft(target_dir: str | Path, data: str | Path, out: str | Path, cfg, heldout: str | Path | None = None,
+                resume: str | Path | None = None, log=None) -> dict:
+    """Load the target, read the samples, train (or resume), save the draft to `out`."""
+    from .data import load_samples
+    from .trainer import DraftTrainer
+    from sparrow.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(target_dir)
+    samples = load_samples(data)
+    held = load_samples(heldout) if heldout else []
+    kw = dict(heldout=held, out_dir=out, log=log)
+    trainer = (DraftTrainer.resume(target, resume, samples, cfg, **kw) if resume
+               else DraftTrainer.fresh(target, samples, cfg, **kw))
+    summary = trainer.fit()
+    Path(out, "train_summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg)}, indent=2))
+    return summary
+
+
+def _jsonable(cfg) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+
+
+def _cmd_train_draft(args: argparse.Namespace) -> int:
+    from .config import TrainConfig
+
+    summary = train_draft(args.target, args.data, args.out, _config(TrainConfig, args), args.heldout, args.resume)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+# ----- world -----------------------------------------------------------------------------------------
+def _cmd_world_make_data(args: argparse.Namespace) -> int:
+    from .world_data import make_world_data
+
+    path = make_world_data(args.out, args.videos, args.frames, args.seed, args.questions_per_video)
+    print(f"wrote {path}")
+    return 0
+
+
+def _cmd_world_train_target(args: argparse.Namespace) -> int:
+    from .world_target import WorldTargetConfig, train_world_target_cli
+
+    report = train_world_target_cli(_config(WorldTargetConfig, args), args.out, eval_videos=args.final_eval_videos)
+    print(json.dumps(report, indent=2))
+    return 0 if report["accuracy"]["accuracy"] >= 0.9 else 1
+
+
+def _cmd_world_train_draft(args: argparse.Namespace) -> int:
+    from .world_data import world_draft_config, make_world_data
+
+    cfg = _config(type(world_draft_config()), args, **_jsonable(world_draft_config(seed=args.seed)))
+    data = make_world_data(Path(args.out) / "data" / "train", args.videos, (8,), args.seed, args.questions_per_video)
+    held = make_world_data(Path(args.out) / "data" / "heldout", cfg.eval_samples, (8,), args.seed + 10**6, 0)
+    summary = train_draft(args.target, data, args.out, cfg, held, args.resume)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _cmd_world_eval(args: argparse.Namespace) -> int:
+    from .world_data import evaluate_world
+
+    report = evaluate_world(args.target, args.draft, args.frames, args.videos, args.seed)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _cmd_world_demo(args: argparse.Namespace) -> int:
+    from .world_demo import DEFAULT_MODELS, run_world_demo
+
+    report = run_world_demo(args.seed, args.models or DEFAULT_MODELS, k=args.k,
+                            print_fn=lambda *a, **kw: print(*a, **kw, flush=True))
+    return 0 if all(r["lossless"] for r in report["results"]) else 1
+
+
+def add_commands(sub) -> None:
+    """Register `train-draft` and the `world` group on the `sparrow` subparsers."""
+    from .config import TrainConfig
+    from .world_target import WorldTargetConfig
+
+    p = sub.add_parser("train-draft", help="train a Sparrow draft for a target (online distillation)")
+    p.add_argument("--target", required=True, help="target model directory (save_pretrained form)")
+    p.add_argument("--data", required=True, help="JSONL manifest or folder of videos")
+    p.add_argument("--heldout", help="JSONL manifest or folder for the periodic held-out tau")
+    p.add_argument("--out", required=True, help="where the draft, checkpoint and log go")
+    p.add_argument("--resume", help="checkpoint directory to continue from (OUT/checkpoint)")
+    _add_config_options(p, TrainConfig)
+    p.set_defaults(func=_cmd_train_draft)
+
+    world = sub.add_parser("world", help="the synthetic video world: data, a trained target and draft")
+    wsub = world.add_subparsers(dest="world_command", required=True)
+    p = wsub.add_parser("make-data", help="synthetic videos + a JSONL manifest of questions and answers")
+    p.add_argument("--out", required=True)
+    p.add_argument("--videos", type=int, default=64)
+    p.add_argument("--frames", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8,))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--questions-per-video", type=int, default=1, help="QA samples per video besides its caption")
+    p.set_defaults(func=_cmd_world_make_data)
+
+    p = wsub.add_parser("train-target", help="train a tiny Qwen2.5-VL target on the world from scratch")
+    p.add_argument("--out", required=True)
+    p.add_argument("--final-eval-videos", type=int, default=40, help="fresh short videos for the final accuracy")
+    _add_config_options(p, WorldTargetConfig)
+    p.set_defaults(func=_cmd_world_train_target)
+
+    p = wsub.add_parser("train-draft", help="train the world draft through the train-draft path")
+    p.add_argument("--target", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--videos", type=int, default=96, help="training videos (each with a caption and questions)")
+    p.add_argument("--questions-per-video", type=int, default=1, help="QA samples per video besides its caption")
+    p.add_argument("--resume")
+    p.add_argument("--seed", type=int, default=0, dest="seed")
+    _add_config_options(p, TrainConfig, skip=("seed",))
+    p.set_defaults(func=_cmd_world_train_draft)
+
+    p = wsub.add_parser("eval", help="world accuracy by video length and held-out tau")
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft")
+    p.add_argument("--frames", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8,))
+    p.add_argument("--videos", type=int, default=20)
+    p.add_argument("--seed", type=int, default=10**6)
+    p.set_defaults(func=_cmd_world_eval)
+
+    p = wsub.add_parser("demo", help="stream answers about a fresh world video with the committed pair")
+    p.add_argument("--seed", type=int, help="video seed (default: a fresh random one)")
+    p.add_argument("--models", help="folder with target/ and draft/ (default: models/world)")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    p.set_defaults(func=_cmd_world_demo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone: python -m sparrow.training.cli ... (the same commands as `sparrow ...`)."""
+    parser = argparse.ArgumentParser(prog="sparrow-training", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

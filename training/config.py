@@ -1,0 +1,79 @@
+"""Draft-training configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparrow.config import SpecConfig
+from sparrow.errors import InvalidRequest
+
+RESPONSE_SOURCES = ("target", "answer")
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise InvalidRequest(message)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """How a Sparrow draft is trained against a frozen target (online distillation).
+
+    unroll: draft steps per chain in the training-time test (1 = plain next-token training,
+        >1 = multi-token prediction: steps >= 1 read the draft's own previous output).
+    bridge_tokens: bridge-layer (L/2) visual states the draft sees as a pinned prefix during
+        training (0 = no bridging); chosen with the same rule as the inference glimpse.
+    ce_weight / hidden_weight: loss = ce_weight * CE(target dist, draft) + hidden_weight *
+        SmoothL1(draft hidden, target final hidden). EAGLE-3 is (1, 0); EAGLE-1 is (0.1, 1).
+    window / anchors / glimpse: the draft's attention at inference (and, via the same mask
+        function, at training).
+    """
+
+    steps: int = 300                    # optimizer steps
+    grad_accum: int = 4                 # samples per optimizer step
+    lr: float = 1e-3
+    warmup: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    unroll: int = 3
+    step_decay: float = 0.8             # loss weight of unroll step j is step_decay ** j (EAGLE-3)
+    ce_weight: float = 1.0
+    hidden_weight: float = 0.0
+    bridge_tokens: int = 64
+    window: int = 32
+    anchors: int = 64
+    glimpse: int = 0
+    # draft shape (a fresh draft; ignored when resuming)
+    draft_layers: int = 1
+    feature_layers: tuple[int, ...] | None = None
+    draft_intermediate: int | None = None      # None: the target's intermediate size
+    # data
+    responses: str = "target"           # "target": the target's own greedy generation; "answer": the manifest's
+    max_new_tokens: int = 64            # length cap of the target's responses
+    fps: float | None = 2.0             # video sampling (sparrow.video.VideoOptions)
+    num_frames: int | None = None
+    # bookkeeping
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100               # 0: never
+    eval_samples: int = 8
+    eval_draft_tokens: int = 4
+    save_every: int = 100               # 0: only at the end
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1 and self.grad_accum >= 1, "steps and grad_accum must be >= 1")
+        _check(self.lr > 0 and self.warmup >= 0 and self.grad_clip >= 0, "bad lr / warmup / grad_clip")
+        _check(1 <= self.unroll <= 16, f"unroll must be in [1, 16], got {self.unroll}")
+        _check(0 < self.step_decay <= 1, "step_decay must be in (0, 1]")
+        _check(self.ce_weight >= 0 and self.hidden_weight >= 0 and self.ce_weight + self.hidden_weight > 0,
+               "ce_weight and hidden_weight must be >= 0, not both 0")
+        _check(self.bridge_tokens >= 0, "bridge_tokens must be >= 0")
+        _check(self.responses in RESPONSE_SOURCES, f"responses must be one of {RESPONSE_SOURCES}")
+        _check(self.max_new_tokens >= 2, "max_new_tokens must be >= 2 (a chain needs two tokens)")
+        self.spec()          # window / anchors / glimpse / layers are validated by SpecConfig
+
+    def spec(self, num_draft_tokens: int | None = None) -> SpecConfig:
+        """The inference settings this draft is trained for."""
+        return SpecConfig(method="sparrow", num_draft_tokens=num_draft_tokens or self.eval_draft_tokens,
+                          window=self.window, anchors=self.anchors, glimpse=self.glimpse,
+                          draft_layers=self.draft_layers, feature_layers=self.feature_layers)

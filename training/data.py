@@ -1,0 +1,70 @@
+"""Training data: (video, prompt, optional answer) samples from a JSONL manifest or a folder.
+
+    manifest.jsonl   one object per line: {"video": "clips/a.mp4", "prompt": "...", "answer": "..."}
+                     (relative video paths are relative to the manifest; "answer" is optional)
+    folder/          every video file; prompts from a sidecar `<name>.txt` (one per line, each
+                     a sample) or, without one, the default prompts
+
+Nothing is opened here: an unreadable video or an empty prompt is found when the sample is
+first used, and the trainer skips it with a count rather than stopping the run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparrow.errors import InvalidRequest
+
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".mov", ".avi", ".m4v", ".gif", ".ts", ".flv")
+DEFAULT_PROMPTS = ("Describe the video in detail.",)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    video: object                 # anything Engine.process_video takes: a path, bytes, frames
+    prompt: str
+    answer: str | None = None
+
+
+def load_samples(source: str | Path, prompts: tuple[str, ...] = DEFAULT_PROMPTS) -> list[Sample]:
+    """Samples from a JSONL manifest file or a folder of videos."""
+    source = Path(source)
+    if source.is_dir():
+        return _from_folder(source, prompts)
+    if source.is_file():
+        return _from_manifest(source)
+    raise InvalidRequest(f"training data {source} is neither a manifest file nor a folder")
+
+
+def _from_manifest(path: Path) -> list[Sample]:
+    samples = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            video = Path(row["video"])
+            # A malformed prompt is kept as it is: the trainer counts it as a bad sample.
+            samples.append(Sample(video if video.is_absolute() else path.parent / video,
+                                  row.get("prompt", ""), row.get("answer")))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise InvalidRequest(f"{path}:{line_no}: not a manifest row ({exc})") from exc
+    return samples
+
+
+def _from_folder(folder: Path, prompts: tuple[str, ...]) -> list[Sample]:
+    samples = []
+    for video in sorted(p for p in folder.iterdir() if p.suffix.lower() in VIDEO_SUFFIXES):
+        sidecar = video.with_suffix(".txt")
+        lines = [ln for ln in sidecar.read_text().splitlines() if ln.strip()] if sidecar.is_file() else prompts
+        samples.extend(Sample(video, prompt) for prompt in lines)
+    return samples
+
+
+def write_manifest(path: str | Path, samples: list[Sample]) -> None:
+    """A JSONL manifest of samples whose videos are paths."""
+    rows = [{"video": str(s.video), "prompt": s.prompt, **({"answer": s.answer} if s.answer is not None else {})}
+            for s in samples]
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,0 +1,78 @@
+"""The training signal, produced on the fly by the frozen target (nothing goes to disk).
+
+One teacher-forced target forward over prompt + response gives, at text positions only,
+exactly what inference hands the draft (DraftContext: token x_t paired with the target's
+features at t-1) plus what the draft must learn to predict (the target's next-token
+distribution and final hidden state). Visual positions contribute only the bridge-layer
+states that form the bridging prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparrow.models.target import TargetModel
+from sparrow.spec.glimpse import select_glimpse, text_to_visual_attention
+from sparrow.video import ProcessedVideo
+
+
+@dataclass(slots=True)
+class TargetSignals:
+    """Per sequence. Entries are the text tokens (t >= 1) of prompt + response, in order;
+    the first `num_prompt` are the prompt's, the rest the response's."""
+
+    token_ids: torch.Tensor        # (N,) long
+    features: torch.Tensor         # (N, F*H) target features at position t-1 of each entry
+    num_prompt: int                # P
+    logits: torch.Tensor           # (N - P, V) target next-token logits at response entries P..N-1
+    final_hidden: torch.Tensor     # (N - P, H) the states the lm_head reads, same entries
+    bridge_text: torch.Tensor      # (P, H) bridge-layer states at the prompt's text positions
+    bridge_visual: torch.Tensor    # (Nv, H) bridge-layer states at the visual positions
+
+    @property
+    def num_entries(self) -> int:
+        return self.token_ids.shape[0]
+
+    def prefix(self, budget: int) -> torch.Tensor:
+        """(G, H) bridge visual states for the bridging prefix, chosen by the inference
+        glimpse rule (so bridging with budget G is training with a glimpse of G)."""
+        if budget <= 0 or self.bridge_visual.shape[0] == 0:
+            return self.bridge_visual[:0]
+        att = text_to_visual_attention(self.bridge_text, self.bridge_visual)
+        return self.bridge_visual[select_glimpse(att, budget).to(self.bridge_visual.device)]
+
+
+def sequence_inputs(target: TargetModel, video: ProcessedVideo, prompt: str,
+                    response: list[int]) -> dict[str, torch.Tensor]:
+    """The HF kwargs of prompt + response: the prompt as inference builds it, response appended."""
+    inputs = target.build_inputs(video, prompt)
+    ids = torch.cat([inputs["input_ids"], torch.tensor([response], device=target.device)], dim=1)
+    inputs = {**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs.update(target.family.extra_inputs(ids, target.video_token_id))   # e.g. Qwen's token types
+    return inputs
+
+
+@torch.no_grad()
+def target_signals(target: TargetModel, video: ProcessedVideo, prompt: str, response: list[int],
+                   feature_layers: tuple[int, ...], bridge_layer: int) -> TargetSignals:
+    """One teacher-forced forward of the frozen target over prompt + response."""
+    prompt_len = len(target.prompt_ids(prompt, video.num_visual_tokens))
+    inputs = sequence_inputs(target, video, prompt, response)
+    position_ids, _ = target.family.prefill_positions(target.hf, inputs)
+    out = target.hf(**inputs, position_ids=position_ids, output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states                                              # L + 1 of (1, T, H)
+    ids = inputs["input_ids"][0]
+    is_visual = ids == target.video_token_id
+    text_pos = torch.nonzero(~is_visual).view(-1)
+    text_pos = text_pos[text_pos >= 1]                                  # t-1 must exist, as in prefill
+    num_prompt = int((text_pos < prompt_len).sum())
+    feats = torch.cat([hs[i][0] for i in feature_layers], dim=-1)       # (T, F*H)
+    resp_pos = text_pos[num_prompt:]
+    final = hs[-1][0, resp_pos]                                         # (N-P, H), already normed by HF
+    bridge = hs[bridge_layer][0]
+    return TargetSignals(
+        token_ids=ids[text_pos], features=feats[text_pos - 1], num_prompt=num_prompt,
+        logits=target.lm_head()(final).float(), final_hidden=final,
+        bridge_text=bridge[text_pos[:num_prompt]], bridge_visual=bridge[is_visual])

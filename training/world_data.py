@@ -1,0 +1,149 @@
+"""World data for the draft (a JSONL manifest, so `world train-draft` is `train-draft`) and the
+world's evaluation: target accuracy by video length, and held-out tau of a draft."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from sparrow.config import SamplingParams, SpecConfig
+from sparrow.engine import Engine
+from sparrow.models.draft import SparrowDraft
+from sparrow.models.target import TargetModel
+
+from .config import TrainConfig
+from .data import Sample, write_manifest
+from .evaluate import held_out_tau
+from .world import CAPTION_PROMPTS, WorldVideo, caption, questions
+from .world_target import world_accuracy
+
+WORLD_FPS = 4.0
+
+
+def world_draft_config(**overrides) -> TrainConfig:
+    """The world draft's recipe. The draft is 1 layer with a narrow MLP, so it stays under a
+    sixth of the target's language-model parameters."""
+    base = dict(steps=400, grad_accum=4, lr=2e-3, warmup=20, unroll=4, bridge_tokens=16, window=16, anchors=32,
+                glimpse=0, draft_intermediate=64, max_new_tokens=80, fps=WORLD_FPS, eval_every=100,
+                eval_samples=8, save_every=100, log_every=20)
+    return TrainConfig(**{**base, **overrides})
+
+
+def make_world_data(out: str | Path, videos: int, frames: tuple[int, ...] = (8,), seed: int = 0,
+                    questions_per_video: int = 1) -> Path:
+    """Write `videos` synthetic mp4s and a manifest: per video a caption prompt (long answers:
+    where a draft pays off) and a few of its questions, each with the true answer."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    samples = []
+    for i in range(videos):
+        rng = random.Random(seed * 7919 + i)
+        world = WorldVideo(num_frames=rng.choice(frames), fps=WORLD_FPS)
+        video = world.make(seed * 7919 + i, out / f"video_{i:05d}.mp4")
+        samples.append(Sample(video.path.name, rng.choice(CAPTION_PROMPTS), caption(video.events)))
+        qa = questions(video.events, rng)
+        samples += [Sample(video.path.name, q, a) for _, q, a in rng.sample(qa, min(questions_per_video, len(qa)))]
+    write_manifest(out / "manifest.jsonl", samples)
+    return out / "manifest.jsonl"
+
+
+def caption_samples(world: WorldVideo, seeds: list[int]) -> list[Sample]:
+    """In-memory caption requests (long answers: where drafting pays) on fresh videos."""
+    out = []
+    for seed in seeds:
+        video = world.make(seed)
+        out.append(Sample(video.source, random.Random(seed).choice(CAPTION_PROMPTS), caption(video.events)))
+    return out
+
+
+def evaluate_world(target_dir: str | Path, draft_dir: str | Path | None, frames: tuple[int, ...],
+                   videos: int, seed: int, draft_tokens: int = 4) -> dict:
+    """Per video length: visual tokens, QA accuracy, caption exact match, and (with a draft)
+    held-out tau of the draft and of an untrained draft of the same shape."""
+    target = TargetModel.from_pretrained(target_dir)
+    draft = SparrowDraft.from_pretrained(draft_dir, target) if draft_dir else None
+    report = {}
+    for n in frames:
+        world = WorldVideo(num_frames=n, fps=WORLD_FPS)
+        seeds = list(range(seed, seed + videos))
+        t0 = time.perf_counter()
+        row = {"frames": n, **world_accuracy(target, world, seeds), **caption_match(target, world, seeds)}
+        if draft is not None:
+            row.update(tau_rows(target, draft, world, seeds, draft_tokens))
+        row["seconds"] = time.perf_counter() - t0
+        report[n] = row
+    return report
+
+
+@torch.no_grad()
+def caption_match(target: TargetModel, world: WorldVideo, seeds: list[int]) -> dict:
+    engine = Engine(target, spec=SpecConfig(method="none"))
+    right = tokens = 0
+    for s in caption_samples(world, seeds):
+        out = engine.generate(s.video, s.prompt, SamplingParams(max_new_tokens=96), world.options())
+        right += out.text.strip() == s.answer
+        tokens = out.metrics.visual_tokens
+    return {"caption_exact": right / max(1, len(seeds)), "visual_tokens": tokens}
+
+
+def untrained_like(draft: SparrowDraft, target: TargetModel, seed: int = 12345) -> SparrowDraft:
+    """A randomly initialised draft of the same shape: the floor a trained draft must clear."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = SparrowDraft(draft.config)
+    return fresh.to(target.device, target.hf.dtype).bind(target).eval()
+
+
+def tau_rows(target: TargetModel, draft: SparrowDraft, world: WorldVideo, seeds: list[int], k: int,
+             window: int = 16, anchors: int = 32) -> dict:
+    spec = SpecConfig(num_draft_tokens=k, window=window, anchors=anchors)
+    samples = caption_samples(world, seeds)
+    untrained = untrained_like(draft, target)
+    trained = held_out_tau(target, draft, samples, spec, 96, world.options())
+    baseline = held_out_tau(target, untrained, samples, spec, 96, world.options())
+    return {"tau": trained.mean_acceptance_length, "accepted_per_step": trained.accepted_per_step,
+            "per_position": trained.acceptance_rate_per_position, "tau_untrained": baseline.mean_acceptance_length}
+
+
+# ----- ablations -----------------------------------------------------------------------------------
+# Each removes one of Sparrow's three training ideas. "No window" is the EAGLE-on-VLM setting:
+# the draft attends to the whole text history and every bridge-layer visual state, in training
+# (bridging prefix) and at inference (glimpse), so its cost grows with the video.
+FULL = 1 << 20
+ABLATIONS = {
+    "sparrow": {},
+    "no MTP": {"unroll": 1},
+    "no bridging": {"bridge_tokens": 0},
+    "no window": {"window": FULL, "anchors": FULL, "bridge_tokens": FULL, "glimpse": FULL},
+}
+
+
+def run_ablations(target_dir: str | Path, out: str | Path, videos: int, steps: int, frames: tuple[int, ...],
+                  eval_videos: int, seed: int = 0, log=None) -> dict:
+    """Train one draft per ablation on the same world data, then held-out tau per video length."""
+    from .cli import train_draft
+
+    out = Path(out)
+    data = make_world_data(out / "data", videos, (8,), seed)
+    target = TargetModel.from_pretrained(target_dir)
+    report: dict = {}
+    for name, change in ABLATIONS.items():
+        cfg = world_draft_config(steps=steps, eval_every=0, save_every=0, seed=seed, **change)
+        folder = out / name.replace(" ", "_")
+        t0 = time.perf_counter()
+        train_draft(target_dir, data, folder, cfg, log=log)
+        draft = SparrowDraft.from_pretrained(folder, target)
+        report[name] = {"train_seconds": time.perf_counter() - t0}
+        for n in frames:
+            world = WorldVideo(num_frames=n, fps=WORLD_FPS)
+            samples = caption_samples(world, list(range(EVAL_SEED_DRAFT, EVAL_SEED_DRAFT + eval_videos)))
+            spec = cfg.spec(4)
+            tau = held_out_tau(target, draft, samples, spec, 96, world.options())
+            report[name][n] = {"tau": tau.mean_acceptance_length, "accepted_per_step": tau.accepted_per_step}
+    return report
+
+
+EVAL_SEED_DRAFT = 3 * 10**9

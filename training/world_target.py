@@ -1,0 +1,257 @@
+"""`sparrow world train-target`: a tiny Qwen2.5-VL trained from scratch on the synthetic world.
+
+Each step renders a fresh video (mp4 through the real decode + patchify path, as serving
+sees it) and trains on one conversation about it: its questions and caption as chat turns
+after the video, loss on the assistant turns only. Several turns share one video prefill,
+which is where the time goes on a CPU. Evaluation asks single-turn questions through the
+engine at temperature 0 and counts exact matches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from sparrow.config import SamplingParams, SpecConfig
+from sparrow.engine import Engine
+from sparrow.models.target import TargetModel
+from sparrow.video import ProcessedVideo, load_frames
+
+from .world import CAPTION_PROMPTS, QUESTION_KINDS, WorldVideo, caption, questions, world_tokenizer
+
+# Held-out videos use seeds from here on; training videos use (seed * 1_000_003 + step) * 64 + b,
+# below 10**9 for config seeds < 15.
+EVAL_SEED = 10**9
+
+
+@dataclass(frozen=True, slots=True)
+class WorldTargetConfig:
+    hidden: int = 128
+    layers: int = 6
+    heads: int = 4
+    intermediate: int = 384
+    vision_hidden: int = 32
+    vision_depth: int = 2
+    # 28 px patches merged 4x4: a 64 px world video (upscaled to 336 px by the processor's
+    # minimum size) is 3x3 visual tokens per frame pair. Each token then covers enough of a
+    # shape for its colour to stand out, and the LM has few tokens to search.
+    patch_size: int = 28
+    merge_size: int = 4
+    steps: int = 3000
+    batch: int = 4                        # videos (conversations) per step
+    lr: float = 2e-3
+    vision_lr_scale: float = 0.0          # 0: the vision tower stays at its random init (see train_world_target)
+    warmup: int = 100
+    frames: tuple[int, ...] = (8,)        # training video lengths (frames), drawn uniformly
+    max_turns: int = 8                    # chat turns per conversation
+    caption_prob: float = 0.5             # chance a conversation includes the caption turn
+    kinds: tuple[str, ...] = QUESTION_KINDS   # question kinds to train on
+    # Curriculum: the first warm_steps train only on questions whose answers have no useful
+    # language prior, so the only way to lower the loss is to look at the video.
+    warm_steps: int = 0
+    warm_kinds: tuple[str, ...] = ("start", "end", "present")
+    seed: int = 0
+    log_every: int = 50
+    eval_every: int = 250                 # per-kind accuracy on a few held-out videos (0: never)
+    eval_videos: int = 8
+    save_every: int = 500                 # checkpoint (save_pretrained) when training with an `out`
+
+
+def world_target_config(tok, c: WorldTargetConfig) -> Qwen2_5_VLConfig:
+    ids = tok.convert_tokens_to_ids
+    head_dim = c.hidden // c.heads
+    section = [head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6]   # t, h, w; sums to head_dim/2
+    text = dict(vocab_size=len(tok), hidden_size=c.hidden, intermediate_size=c.intermediate,
+                num_hidden_layers=c.layers, num_attention_heads=c.heads, num_key_value_heads=max(1, c.heads // 2),
+                max_position_embeddings=32768, eos_token_id=ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
+                bos_token_id=None, tie_word_embeddings=False, initializer_range=0.02,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
+    vision = dict(depth=c.vision_depth, hidden_size=c.vision_hidden, intermediate_size=2 * c.vision_hidden,
+                  num_heads=2, out_hidden_size=c.hidden, patch_size=c.patch_size, spatial_merge_size=c.merge_size,
+                  temporal_patch_size=2, window_size=12 * c.patch_size,   # one window per frame: few attention calls
+                  fullatt_block_indexes=[c.vision_depth - 1], tokens_per_second=2, initializer_range=0.02)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+                            video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+                            vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False)
+
+
+def new_world_target(c: WorldTargetConfig) -> TargetModel:
+    tok = world_tokenizer()
+    config = world_target_config(tok, c)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(c.seed)
+        hf = Qwen2_5_VLForConditionalGeneration(config)
+    hf.generation_config.eos_token_id = config.get_text_config().eos_token_id
+    hf.generation_config.pad_token_id = tok.pad_token_id
+    return TargetModel(hf, tok)
+
+
+def lm_parameters(target: TargetModel) -> int:
+    """Language-model parameters (embedding, decoder, lm_head), the draft's budget reference."""
+    lm = target.hf.model.language_model
+    return sum(p.numel() for p in lm.parameters()) + target.lm_head().weight.numel()
+
+
+# ----- conversations ---------------------------------------------------------------------------------
+def conversation_ids(target: TargetModel, num_visual_tokens: int, turns: list[tuple[str, str]]) -> tuple[list[int], list[bool]]:
+    """Token ids of a chat about the video (the video in the first user turn, through the real
+    chat template) and which tokens to learn: each assistant answer and its <|im_end|>."""
+    tok = target.tokenizer
+    messages = []
+    for i, (q, a) in enumerate(turns):
+        content = [{"type": "video"}, {"type": "text", "text": q}] if i == 0 else q
+        messages += [{"role": "user", "content": content}, {"role": "assistant", "content": a}]
+    ids = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    at = ids.index(target.video_token_id)
+    ids = ids[:at] + [target.video_token_id] * num_visual_tokens + ids[at + 1:]
+    start, reply, end = tok.convert_tokens_to_ids(["<|im_start|>", "assistant", "<|im_end|>"])
+    learn, inside = [], False
+    for i, t in enumerate(ids):
+        learn.append(inside)
+        if i > 0 and ids[i - 1] == start and t == reply:
+            inside = True                      # the answer starts after "<|im_start|> assistant"
+        elif t == end:
+            inside = False                     # ... and its <|im_end|> is the last learned token
+    return ids, learn
+
+
+def conversation_batch(target: TargetModel, videos: list[ProcessedVideo],
+                       chats: list[list[tuple[str, str]]]) -> tuple[dict, torch.Tensor]:
+    """HF inputs for B chats, right-padded, and the (B, T) mask of tokens to learn. Batching
+    several videos per forward is what makes CPU training fast enough (bigger matmuls)."""
+    rows = [conversation_ids(target, v.num_visual_tokens, turns) for v, turns in zip(videos, chats)]
+    width = max(len(ids) for ids, _ in rows)
+    pad = target.tokenizer.pad_token_id
+    input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])
+    attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
+    learn = torch.tensor([m + [False] * (width - len(m)) for _, m in rows])
+    inputs = {"input_ids": input_ids, "attention_mask": attention,
+              "pixel_values_videos": torch.cat([v.pixel_values_videos for v in videos])}
+    for key in videos[0].model_kwargs:                      # video_grid_thw (B, 3), second_per_grid_ts (B,)
+        inputs[key] = torch.cat([v.model_kwargs[key] for v in videos])
+    inputs.update(target.family.extra_inputs(input_ids, target.video_token_id))
+    return inputs, learn
+
+
+def conversation_loss(target: TargetModel, inputs: dict, learn: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the learned tokens of the batch."""
+    position_ids, _ = target.family.prefill_positions(target.hf, inputs)
+    logits = target.hf(**inputs, position_ids=position_ids, use_cache=False).logits      # (B, T, V)
+    ids = inputs["input_ids"]
+    pick = learn[:, 1:]                                    # token t+1 is predicted at position t
+    return F.cross_entropy(logits[:, :-1][pick].float(), ids[:, 1:][pick])
+
+
+def world_turns(events: list[dict], rng: random.Random, max_turns: int, caption_prob: float,
+                kinds: tuple[str, ...] = QUESTION_KINDS) -> list[tuple[str, str]]:
+    turns = [(q, a) for _, q, a in questions(events, rng, kinds)]
+    if rng.random() < caption_prob:
+        turns.append((rng.choice(CAPTION_PROMPTS), caption(events)))
+    rng.shuffle(turns)
+    return turns[:max_turns]
+
+
+def world_sample(target: TargetModel, world: WorldVideo, seed: int) -> tuple[ProcessedVideo, list[dict]]:
+    video = world.make(seed)
+    return target.processor.process(load_frames(video.source, world.options())), video.events
+
+
+# ----- training --------------------------------------------------------------------------------------
+def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None = None,
+                       target: TargetModel | None = None, out: str | Path | None = None) -> tuple[TargetModel, list[dict]]:
+    """Deterministic under c.seed: the videos of step i come from seeds derived from (c.seed, i)."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    target = target or new_world_target(c)
+    hf = target.hf.train()
+    # Trained jointly from scratch, the vision tower collapses: before the LM can read it, the
+    # cheapest way to lower the loss is to make every visual token the same large vector (an
+    # attention sink), and the video is ignored for good. A random tower cannot collapse and
+    # still encodes colour and position; the LM learns to read it.
+    vision = list(hf.model.visual.parameters())
+    vision_ids = {id(p) for p in vision}
+    groups = [{"params": [p for p in hf.parameters() if id(p) not in vision_ids], "lr": c.lr}]
+    if c.vision_lr_scale > 0:
+        groups.append({"params": vision, "lr": c.lr * c.vision_lr_scale})
+    else:
+        hf.model.visual.requires_grad_(False)
+    opt = torch.optim.AdamW(groups, lr=c.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / c.warmup) * (
+        0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / c.steps)))))
+    history, t0, run = [], time.perf_counter(), 0.0
+    for step in range(c.steps):
+        rng = random.Random(c.seed * 1_000_003 + step)
+        world = WorldVideo(num_frames=rng.choice(c.frames))      # one length per batch: equal video shapes
+        videos, chats = [], []
+        for b in range(c.batch):
+            video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + step) * 64 + b)
+            videos.append(video)
+            warm = step < c.warm_steps
+            chats.append(world_turns(events, rng, c.max_turns, 0.0 if warm else c.caption_prob,
+                                     c.warm_kinds if warm else c.kinds))
+        loss = conversation_loss(target, *conversation_batch(target, videos, chats))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+        opt.step()
+        sched.step()
+        run = float(loss.detach()) if step == 0 else 0.98 * run + 0.02 * float(loss.detach())
+        if (step + 1) % c.log_every == 0 or step + 1 == c.steps:
+            history.append({"step": step + 1, "loss": run, "seconds": time.perf_counter() - t0})
+            log(f"step {step + 1}/{c.steps} loss {run:.4f} lr {sched.get_last_lr()[0]:.2e} "
+                f"{time.perf_counter() - t0:.0f}s")
+        if c.eval_every and (step + 1) % c.eval_every == 0:
+            hf.eval()
+            acc = world_accuracy(target, WorldVideo(), list(range(EVAL_SEED, EVAL_SEED + c.eval_videos)))
+            hf.train()
+            history.append({"step": step + 1, "heldout": acc})
+            kinds = " ".join(f"{k} {v:.2f}" for k, v in acc["per_kind"].items())
+            log(f"  held-out accuracy {acc['accuracy']:.3f} ({kinds})")
+        if out is not None and c.save_every and (step + 1) % c.save_every == 0:
+            target.save_pretrained(out)
+    hf.eval()
+    return target, history
+
+
+# ----- evaluation -----------------------------------------------------------------------------------
+@torch.no_grad()
+def world_accuracy(target: TargetModel, world: WorldVideo, seeds: list[int],
+                   kinds: tuple[str, ...] = QUESTION_KINDS, engine: Engine | None = None) -> dict:
+    """Exact match of single-turn answers at temperature 0, per question kind and overall."""
+    engine = engine or Engine(target, spec=SpecConfig(method="none"))
+    right: dict[str, int] = {k: 0 for k in kinds}
+    total: dict[str, int] = {k: 0 for k in kinds}
+    for seed in seeds:
+        video, events = world_sample(target, world, seed)
+        for kind, q, a in questions(events, random.Random(seed), kinds):
+            got = engine.generate(video, q, SamplingParams(max_new_tokens=4)).text.strip()
+            right[kind] += got == a
+            total[kind] += 1
+    per_kind = {k: right[k] / total[k] for k in kinds if total[k]}
+    return {"accuracy": sum(right.values()) / max(1, sum(total.values())), "per_kind": per_kind,
+            "questions": sum(total.values()), "videos": len(seeds)}
+
+
+
+def train_world_target_cli(c: WorldTargetConfig, out: str | Path, eval_videos: int = 40) -> dict:
+    """Train, save to `out` (save_pretrained form), measure held-out accuracy on fresh short
+    videos (seeds disjoint from training's), write the report next to the weights."""
+    t0 = time.perf_counter()
+    target, history = train_world_target(c, out=out)
+    seconds = time.perf_counter() - t0
+    target.save_pretrained(out)
+    accuracy = world_accuracy(target, WorldVideo(), list(range(EVAL_SEED, EVAL_SEED + eval_videos)))
+    report = {"config": asdict(c), "train_seconds": seconds, "final_loss": history[-1]["loss"],
+              "lm_parameters": lm_parameters(target), "accuracy": accuracy}
+    Path(out, "world_target.json").write_text(json.dumps(report, indent=2))
+    return report
