@@ -160,11 +160,11 @@ class DraftTrainer:
             return None
 
     # ----- one optimizer step --------------------------------------------------------------------
-    def sample_loss(self, sig: TargetSignals) -> tuple[torch.Tensor, dict]:
+    def sample_loss(self, sig: TargetSignals, bridge: bool = True) -> tuple[torch.Tensor, dict]:
         cfg, device = self.cfg, sig.token_ids.device
         pinned = anchor_flags(sig.num_entries, sig.num_prompt, cfg.anchors, device)
         with self._autocast():
-            out = unroll(self.draft, sig.token_ids, sig.features, pinned, sig.prefix(cfg.bridge_tokens),
+            out = unroll(self.draft, sig.token_ids, sig.features, pinned, sig.prefix(cfg.bridge_tokens if bridge else 0),
                          chain_starts(sig), cfg.unroll, cfg.window)
             return distill_loss(out, sig, cfg.ce_weight, cfg.hidden_weight, cfg.step_decay)
 
@@ -175,11 +175,13 @@ class DraftTrainer:
         while used < cfg.grad_accum:
             if drawn >= len(self.samples) and not used:
                 raise InvalidRequest(f"no usable training sample in a full pass ({len(self.bad)} bad)")
+            # bridging or not is fixed by (seed, data cursor), so a resumed run draws the same
+            bridge = np.random.default_rng([self.cfg.seed, self.seen, 1]).random() >= self.cfg.bridge_dropout
             sig = self.signals(self._next_index())
             drawn += 1
             if sig is None:
                 continue
-            loss, stats = self.sample_loss(sig)
+            loss, stats = self.sample_loss(sig, bridge)
             (loss / cfg.grad_accum).backward()
             losses.append(float(loss.detach()))
             top1.append(stats["top1"])

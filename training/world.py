@@ -47,9 +47,12 @@ class WorldVideo:
     """Short videos are what the target trains on; long ones test it up to ~25k visual tokens."""
 
     num_frames: int = 8
-    size: int = 64
+    size: int = 84
     fps: float = 4.0
     shapes: int = 1
+    # Shapes a sixth to a quarter of the side: large next to one visual token (a third of the
+    # side at 84 px), so colour and motion are plain in the visual code.
+    shape_size: tuple[float, float] = (1 / 6, 1 / 4)
 
     def options(self) -> VideoOptions:
         # Every frame is sampled: the events happen at frame granularity.
@@ -57,7 +60,8 @@ class WorldVideo:
 
     def make(self, seed: int, path=None) -> SyntheticVideo:
         return write_synthetic_video(path, num_frames=self.num_frames, width=self.size, height=self.size,
-                                     fps=self.fps, seed=seed, num_shapes=self.shapes)
+                                     fps=self.fps, seed=seed, num_shapes=self.shapes,
+                                     shape_size=self.shape_size)
 
 
 @dataclass(frozen=True, slots=True)

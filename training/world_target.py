@@ -25,7 +25,9 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.engine import Engine
 from sparrow.models.target import TargetModel
-from sparrow.video import ProcessedVideo, load_frames
+from sparrow.video import ProcessedVideo, load_frames, processor_for
+from sparrow.video.processors import OPENAI_CLIP_MEAN as QWEN_MEAN, OPENAI_CLIP_STD as QWEN_STD
+from sparrow.video.synthetic import BACKGROUND
 
 from .world import CAPTION_PROMPTS, QUESTION_KINDS, WorldVideo, caption, questions, world_tokenizer
 
@@ -42,11 +44,12 @@ class WorldTargetConfig:
     intermediate: int = 384
     vision_hidden: int = 32
     vision_depth: int = 2
-    # 28 px patches merged 4x4: a 64 px world video (upscaled to 336 px by the processor's
-    # minimum size) is 3x3 visual tokens per frame pair. Each token then covers enough of a
-    # shape for its colour to stand out, and the LM has few tokens to search.
-    patch_size: int = 28
-    merge_size: int = 4
+    # Qwen2.5-VL's own patching (14 px patches, 2x2 merged: one visual token per 28x28 px of a
+    # frame pair), and no upscaling of small frames (min_pixels one token): an 84 px world
+    # frame is 3x3 tokens, and long videos stay affordable (25k tokens = 470 MB of pixels).
+    patch_size: int = 14
+    merge_size: int = 2
+    min_pixels: int = 28 * 28
     steps: int = 3000
     batch: int = 4                        # videos (conversations) per step
     lr: float = 2e-3
@@ -97,41 +100,55 @@ def new_world_target(c: WorldTargetConfig) -> TargetModel:
         readable_vision_init(hf.model.visual)
     hf.generation_config.eos_token_id = config.get_text_config().eos_token_id
     hf.generation_config.pad_token_id = tok.pad_token_id
-    return TargetModel(hf, tok)
+    return TargetModel(hf, tok, processor_for(config, min_pixels=c.min_pixels))
 
 
 @torch.no_grad()
-def readable_vision_init(visual) -> None:
+def readable_vision_init(visual, background: tuple[int, int, int] = BACKGROUND) -> None:
     """Initialise the vision tower (same architecture, hand-set weights) so that every visual
-    token carries a plain code of its 4x4 patches: mean colour, change between the two frames
-    of the temporal patch, and left-right / top-bottom balance. A random tower scrambles
-    colour so much that a from-scratch LM did not learn to read it in the CPU budget (a
-    linear probe on random features finds colour presence at ~62%; see RESULTS.md)."""
+    token is a plain, background-centred code of its patches: per patch, its mean colour and
+    the change between the two frames of the temporal patch, minus what an empty background
+    patch gives, plus a constant marker. An empty token is then just the marker, and a shape
+    stands out at full strength however small it is.
+
+    Why not random: a random tower scrambles colour (a linear probe finds colour presence at
+    ~62%), and a code centred on grey left the shape a ~5% ripple on a large constant vector,
+    which a from-scratch LM did not learn to read in the CPU budget (training/RESULTS.md)."""
     w = visual.patch_embed.proj.weight                     # (D, 3, tp, p, p)
     dim, _, tp, p, _ = w.shape
-    area, half = tp * p * p, p // 2
+    area = tp * p * p
     w.zero_()
     for c in range(3):
         w[c, c] = 1 / area                                 # mean colour
         w[3 + c, c, 1], w[3 + c, c, 0] = 2 / area, -2 / area   # second frame minus first
-        w[6 + c, c, :, :, :half], w[6 + c, c, :, :, half:] = 2 / area, -2 / area   # left minus right
-        w[9 + c, c, :, :half], w[9 + c, c, :, half:] = 2 / area, -2 / area         # top minus bottom
     for block in visual.blocks:                            # identity blocks: the code passes through
         for lin in (block.attn.proj, block.mlp.down_proj):
             lin.weight.zero_()
             lin.bias.zero_()
+    # A large constant channel makes the merger's RMSNorm close to a fixed scale (near-linear).
+    visual.blocks[0].mlp.down_proj.bias[dim - 1] = 20.0
     first, last = visual.merger.mlp[0], visual.merger.mlp[2]
     patches = first.in_features // dim                     # merge_size ** 2
+    out = last.out_features
     first.weight.copy_(0.25 * torch.eye(first.in_features))   # x/4 + 1.5 keeps GELU near-linear
     first.bias.fill_(1.5)
     last.weight.zero_()
-    for q in range(patches):                               # out: colours | changes | balances
+    last.bias.zero_()
+    for q in range(patches):                               # out: colours | changes | marker
         for c in range(3):
-            last.weight[3 * q + c, q * dim + c] = 0.5
-            last.weight[3 * patches + 3 * q + c, q * dim + 3 + c] = 0.5
-            last.weight[6 * patches + 2 * q, q * dim + 6 + c] = 0.5
-            last.weight[6 * patches + 2 * q + 1, q * dim + 9 + c] = 0.5
-    last.bias.copy_(-last.weight.sum(1) * torch.nn.functional.gelu(torch.tensor(1.5)))   # centre on 0
+            last.weight[3 * q + c, q * dim + c] = 8.0
+            last.weight[3 * patches + 3 * q + c, q * dim + 3 + c] = 8.0
+    # Centre on the background: whatever an empty patch gives is subtracted.
+    mean = torch.tensor(QWEN_MEAN).view(1, 3, 1, 1, 1)
+    std = torch.tensor(QWEN_STD).view(1, 3, 1, 1, 1)
+    pixel = (torch.tensor(background, dtype=torch.float32).view(1, 3, 1, 1, 1) / 255 - mean) / std
+    frames = pixel.expand(patches, 3, tp, p, p).reshape(patches, -1)
+    grid = torch.tensor([[1, visual.spatial_merge_size, visual.spatial_merge_size]])
+    empty = visual(frames, grid_thw=grid)
+    empty = empty if torch.is_tensor(empty) else empty.pooler_output
+    last.bias.copy_(-empty[0])
+    assert 6 * patches + 32 <= out, "hidden size too small for the readable code"
+    last.bias[6 * patches:6 * patches + 32] = 0.25         # the marker
 
 
 def lm_parameters(target: TargetModel) -> int:
@@ -249,7 +266,8 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
                 f"{time.perf_counter() - t0:.0f}s")
         if c.eval_every and (step + 1) % c.eval_every == 0:
             hf.eval()
-            acc = world_accuracy(target, WorldVideo(), list(range(EVAL_SEED, EVAL_SEED + c.eval_videos)))
+            acc = world_accuracy(target, WorldVideo(num_frames=c.frames[0]), list(range(EVAL_SEED, EVAL_SEED + c.eval_videos)),
+                                 c.kinds)
             hf.train()
             history.append({"step": step + 1, "heldout": acc})
             kinds = " ".join(f"{k} {v:.2f}" for k, v in acc["per_kind"].items())

@@ -12,6 +12,7 @@ per-request state is left on the model, so one TargetModel serves many requests 
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,26 @@ class VideoPrefix:
         return self.length
 
 
+VIDEO_PROCESSOR_FILE = "sparrow_video_processor.json"
+
+
+def _read_processor(path: Path, hf_config) -> VideoProcessor:
+    """The processor saved with the model, else the config's defaults."""
+    file = path / VIDEO_PROCESSOR_FILE
+    if not file.is_file():
+        return processor_for(hf_config)
+    try:
+        settings = json.loads(file.read_text())
+        kind = settings.pop("processor")
+        overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
+        processor = processor_for(hf_config, **overrides)
+    except (ValueError, KeyError, TypeError) as e:
+        raise InvalidRequest(f"{file} is not a valid video processor file: {e}") from e
+    if type(processor).__name__ != kind:
+        raise InvalidRequest(f"{file} is for a {kind}, but the model needs a {type(processor).__name__}")
+    return processor
+
+
 class TargetModel:
     def __init__(self, hf, tokenizer, processor: VideoProcessor | None = None):
         family = FAMILIES.get(hf.config.model_type)
@@ -112,11 +133,16 @@ class TargetModel:
         tokenizer = AutoTokenizer.from_pretrained(path)
         if tokenizer.chat_template is None:
             tokenizer.chat_template = _read_chat_template(path)
-        return cls(hf, tokenizer)
+        return cls(hf, tokenizer, _read_processor(path, hf.config))
 
     def save_pretrained(self, path: str | Path) -> None:
+        """Weights, tokenizer and the video processor's settings (so a model trained on, say,
+        small frames without upscaling is served the same way after loading)."""
         self.hf.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        if dataclasses.is_dataclass(self.processor):
+            settings = {"processor": type(self.processor).__name__, **dataclasses.asdict(self.processor)}
+            Path(path, VIDEO_PROCESSOR_FILE).write_text(json.dumps(settings, indent=2) + "\n")
 
     # ----- shape facts -------------------------------------------------------------------
     @property

@@ -86,17 +86,21 @@ def write_synthetic_video(
     seed: int = 0,
     num_shapes: int = 3,
     codec: str | None = None,
+    shape_size: tuple[float, float] | None = None,
 ) -> SyntheticVideo:
     """Render and encode a synthetic video (yuv420p, a keyframe at least every 12 frames).
 
     `path=None` returns the mp4 bytes instead of writing a file. The same arguments give the
-    same script and the same pixels. `codec` defaults to libx264, else mpeg4. Shapes may
+    same script and the same pixels. `codec` defaults to libx264, else mpeg4. `shape_size` is
+    the (min, max) radius as a share of the shorter side (default 1/16 to 1/7). Shapes may
     overlap (later ones are drawn on top), so an event's centre can be hidden by another shape.
     """
     _validate(num_frames, width, height, fps, num_shapes)
+    if shape_size is not None and not 0 < shape_size[0] <= shape_size[1] < 0.5:
+        raise InvalidRequest(f"shape_size must be 0 < min <= max < 0.5, got {shape_size}")
     rng = np.random.default_rng(seed)
     colors = rng.permutation(list(PALETTE))
-    actors = [_make_actor(rng, i, colors, num_frames, width, height) for i in range(num_shapes)]
+    actors = [_make_actor(rng, i, colors, num_frames, width, height, shape_size) for i in range(num_shapes)]
     events = _events(actors, num_frames, fps)
     frames = (_render(actors, i, width, height) for i in range(num_frames))
     target = io.BytesIO() if path is None else pathlib.Path(path)
@@ -122,8 +126,13 @@ def _validate(num_frames: int, width: int, height: int, fps: float, num_shapes: 
         raise InvalidRequest(f"num_shapes must be in [1, {len(PALETTE) // 2}], got {num_shapes}")
 
 
-def _make_actor(rng: np.random.Generator, index: int, colors: np.ndarray, n: int, w: int, h: int) -> _Actor:
-    radius = int(rng.integers(max(2, min(w, h) // 16), max(3, min(w, h) // 7) + 1))
+def _make_actor(rng: np.random.Generator, index: int, colors: np.ndarray, n: int, w: int, h: int,
+                shape_size: tuple[float, float] | None) -> _Actor:
+    if shape_size is None:
+        radius = int(rng.integers(max(2, min(w, h) // 16), max(3, min(w, h) // 7) + 1))
+    else:
+        low = max(2, int(min(w, h) * shape_size[0]))
+        radius = int(rng.integers(low, max(low, int(min(w, h) * shape_size[1])) + 1))
 
     def spot() -> np.ndarray:  # a centre that keeps the whole shape inside the frame
         return np.array([rng.uniform(radius, w - radius), rng.uniform(radius, h - radius)])
