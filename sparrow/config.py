@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from .errors import InvalidRequest
 
 SPEC_METHODS = ("sparrow", "none")
+DRAFT_CONTEXTS = ("text", "all", "pruned")
 KV_CACHE_KINDS = ("static", "dynamic")
 
 
@@ -50,6 +51,13 @@ class SpecConfig:
     window/anchors/glimpse: the draft's text-anchored window attention sees at most
     `anchors` prompt text tokens + the last `window` tokens + `glimpse` bridge-layer visual
     states, whatever the length of the video.
+    draft_context: what the draft's context entries are.
+        "text"    the prompt's text tokens under text-anchored window attention (Sparrow);
+        "all"     every prompt token, visual ones included (token = the video pad id, features
+                  = the target's at t-1), all visible to every query: full causal attention, no
+                  window eviction, no anchor cap (EAGLE-2/3 on a VLM, the baseline);
+        "pruned"  like "all" over the text tokens plus a `prune_keep` share of the visual ones,
+                  chosen by sparrow.spec.prune.prune_visual (SpecVLM-style pruning).
     """
 
     method: str = "sparrow"
@@ -57,6 +65,8 @@ class SpecConfig:
     window: int = 32
     anchors: int = 64
     glimpse: int = 0
+    draft_context: str = "text"     # "text" | "all" | "pruned"
+    prune_keep: float = 0.1         # "pruned": share of the visual tokens kept
     # Draft architecture, used when a fresh draft is built with SparrowDraft.for_target.
     draft_layers: int = 1
     feature_layers: tuple[int, ...] | None = None   # indices into the target's hidden_states; None: low/mid/high
@@ -70,6 +80,10 @@ class SpecConfig:
         _check(self.window >= 1, f"window must be >= 1, got {self.window}")
         _check(self.anchors >= 0, f"anchors must be >= 0, got {self.anchors}")
         _check(self.glimpse >= 0, f"glimpse must be >= 0, got {self.glimpse}")
+        _check(self.draft_context in DRAFT_CONTEXTS,
+               f"draft_context must be one of {DRAFT_CONTEXTS}, got {self.draft_context!r}")
+        _check(isinstance(self.prune_keep, (int, float)) and 0.0 <= self.prune_keep <= 1.0,
+               f"prune_keep must be in [0, 1], got {self.prune_keep!r}")
         _check(self.draft_layers >= 1, f"draft_layers must be >= 1, got {self.draft_layers}")
         _check(self.kv_cache in KV_CACHE_KINDS, f"kv_cache must be one of {KV_CACHE_KINDS}")
         if self.feature_layers is not None:

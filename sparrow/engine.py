@@ -141,14 +141,20 @@ class Engine:
         m.num_draft_tokens = k
 
         # prefill
-        pre = self._prefill(video, prompt, options, video_key, sampling.max_new_tokens, k, m)
+        pre, inputs, processed = self._prefill(video, prompt, options, video_key, sampling.max_new_tokens, k, m)
         t0 = time.perf_counter()
         rng = new_generator(sampling.seed)
         token = self._sample_one(pre.logits, sampling, rng)
         dstate = None
-        if proposer is not None:
-            ctx = build_context(pre, token, self.spec.glimpse) if proposer.feature_layers else None
+        if proposer is not None and hasattr(proposer, "begin_request"):
+            # Hook for proposers that need the video itself, not a DraftContext (SpecVLM: a small
+            # VLM re-reads a pruned video): begin_request(prefill, prompt inputs, video, first token).
+            dstate = proposer.begin_request(pre, inputs, processed, token)
+        elif proposer is not None:
+            ctx = (build_context(pre, token, self.spec.glimpse, self.spec.draft_context, self.spec.prune_keep)
+                   if proposer.feature_layers else None)
             dstate = proposer.begin(ctx)
+        del inputs, processed       # the request's generator frame must not hold the pixels
         m.prefill_seconds += time.perf_counter() - t0
         try:
             yield from self._decode(gen, proposer, dstate, pre, token, k, sampling, rng, m)
@@ -221,20 +227,24 @@ class Engine:
         return requested
 
     def _prefill(self, video, prompt: str, options: VideoOptions | None, video_key: str | None,
-                 max_new_tokens: int, k: int, m: SpecMetrics) -> PrefillOutput:
+                 max_new_tokens: int, k: int, m: SpecMetrics
+                 ) -> tuple[PrefillOutput, dict[str, torch.Tensor], ProcessedVideo]:
         """Video -> prompt -> one prefill; through the prefix cache when the video has a key.
         With a prefix cache the draft's features are kept even for a request that does not
-        draft, so the cached prefix serves every later request."""
+        draft, so the cached prefix serves every later request. Returns the prefill, the
+        prompt's model inputs and the processed video (the last two for `begin_request`)."""
         target, proposer = self.target, self.proposer
         use_prefix = self.prefix_cache is not None and video_key is not None
         want = proposer is not None and (k > 0 or use_prefix)
         feature_layers = proposer.feature_layers if want else ()
         bridge_layer = proposer.bridge_layer if want else None
+        visual = bool(feature_layers) and self.spec.draft_context != "text"   # "all" / "pruned" draft context
         t0 = time.perf_counter()
         entry = self.prefix_cache.get(video_key) if use_prefix else None
         processed = entry.video if entry is not None else self.process_video(video, options)
         inputs = target.build_inputs(processed, prompt)
-        if entry is not None and not entry.prefix.matches(inputs["input_ids"][0], target.video_token_id):
+        if entry is not None and (not entry.prefix.matches(inputs["input_ids"][0], target.video_token_id)
+                                  or (visual and entry.prefix.visual_features is None)):
             entry, processed = None, self.process_video(video, options)   # a template that puts text first
             inputs = target.build_inputs(processed, prompt)
         m.video_seconds = time.perf_counter() - t0
@@ -243,15 +253,15 @@ class Engine:
 
         t0 = time.perf_counter()
         if use_prefix and entry is None:
-            entry = PrefixEntry.of(processed, target.prefill_prefix(inputs, feature_layers, bridge_layer))
+            entry = PrefixEntry.of(processed, target.prefill_prefix(inputs, feature_layers, bridge_layer, visual))
             self.prefix_cache.put(video_key, entry)
         elif entry is not None:
             m.cached_prompt_tokens = entry.prefix.length
         pre = target.prefill(inputs, capacity=m.prompt_tokens + max_new_tokens + k + 1, feature_layers=feature_layers,
-                             bridge_layer=bridge_layer, kv_cache=self.spec.kv_cache,
+                             bridge_layer=bridge_layer, kv_cache=self.spec.kv_cache, visual_features=visual,
                              prefix=entry.prefix if entry is not None else None)
         m.prefill_seconds = time.perf_counter() - t0
-        return pre
+        return pre, inputs, processed
 
     # ----- small helpers ------------------------------------------------------------------------
     @staticmethod

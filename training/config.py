@@ -30,6 +30,9 @@ class TrainConfig:
         SmoothL1(draft hidden, target final hidden). EAGLE-3 is (1, 0); EAGLE-1 is (0.1, 1).
     window / anchors / glimpse: the draft's attention at inference (and, via the same mask
         function, at training).
+    context / prune_keep: the draft context (SpecConfig.draft_context / prune_keep): "text"
+        trains a Sparrow draft; "all" / "pruned" the EAGLE-style baselines that attend to all
+        (or a pruned share of the) visual tokens, with the same recipe.
     """
 
     steps: int = 300                    # optimizer steps
@@ -47,6 +50,8 @@ class TrainConfig:
     window: int = 32
     anchors: int = 64
     glimpse: int = 0
+    context: str = "text"               # "text" | "all" | "pruned"
+    prune_keep: float = 0.1             # "pruned": share of the visual tokens kept
     # draft shape (a fresh draft; ignored when resuming)
     draft_layers: int = 1
     feature_layers: tuple[int, ...] | None = None
@@ -75,10 +80,11 @@ class TrainConfig:
         _check(0.0 <= self.bridge_dropout <= 1.0, "bridge_dropout must be in [0, 1]")
         _check(self.responses in RESPONSE_SOURCES, f"responses must be one of {RESPONSE_SOURCES}")
         _check(self.max_new_tokens >= 2, "max_new_tokens must be >= 2 (a chain needs two tokens)")
-        self.spec()          # window / anchors / glimpse / layers are validated by SpecConfig
+        self.spec()          # window / anchors / glimpse / context / layers are validated by SpecConfig
 
     def spec(self, num_draft_tokens: int | None = None) -> SpecConfig:
         """The inference settings this draft is trained for."""
         return SpecConfig(method="sparrow", num_draft_tokens=num_draft_tokens or self.eval_draft_tokens,
                           window=self.window, anchors=self.anchors, glimpse=self.glimpse,
+                          draft_context=self.context, prune_keep=self.prune_keep,
                           draft_layers=self.draft_layers, feature_layers=self.feature_layers)

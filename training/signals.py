@@ -1,10 +1,12 @@
 """The training signal, produced on the fly by the frozen target (nothing goes to disk).
 
-One teacher-forced target forward over prompt + response gives, at text positions only,
-exactly what inference hands the draft (DraftContext: token x_t paired with the target's
-features at t-1) plus what the draft must learn to predict (the target's next-token
-distribution and final hidden state). Visual positions contribute only the bridge-layer
-states that form the bridging prefix.
+One teacher-forced target forward over prompt + response gives exactly what inference
+hands the draft (DraftContext: token x_t paired with the target's features at t-1) plus what
+the draft must learn to predict (the target's next-token distribution and final hidden
+state). With the "text" draft context the entries are the text positions only, and visual
+positions contribute only the bridge-layer states that form the bridging prefix; with "all" /
+"pruned" the prompt's visual positions (all of them, or those `visual_entries` keeps, the
+very function inference uses) are entries too, in prompt order, with the video pad id.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import torch
 
 from sparrow.models.target import TargetModel
 from sparrow.spec.glimpse import select_glimpse, text_to_visual_attention
+from sparrow.spec.propose import visual_entries
 from sparrow.video import ProcessedVideo
 
 
 @dataclass(slots=True)
 class TargetSignals:
-    """Per sequence. Entries are the text tokens (t >= 1) of prompt + response, in order;
-    the first `num_prompt` are the prompt's, the rest the response's."""
+    """Per sequence. Entries are the text tokens (t >= 1) of prompt + response, in order, plus
+    the prompt's visual tokens the draft context holds ("all" / "pruned"); the first
+    `num_prompt` are the prompt's, the rest the response's."""
 
     token_ids: torch.Tensor        # (N,) long
     features: torch.Tensor         # (N, F*H) target features at position t-1 of each entry
@@ -30,6 +34,7 @@ class TargetSignals:
     final_hidden: torch.Tensor     # (N - P, H) the states the lm_head reads, same entries
     bridge_text: torch.Tensor      # (P, H) bridge-layer states at the prompt's text positions
     bridge_visual: torch.Tensor    # (Nv, H) bridge-layer states at the visual positions
+    num_visual: int = 0            # how many of the prompt entries are visual tokens
 
     @property
     def num_entries(self) -> int:
@@ -56,8 +61,10 @@ def sequence_inputs(target: TargetModel, video: ProcessedVideo, prompt: str,
 
 @torch.no_grad()
 def target_signals(target: TargetModel, video: ProcessedVideo, prompt: str, response: list[int],
-                   feature_layers: tuple[int, ...], bridge_layer: int) -> TargetSignals:
-    """One teacher-forced forward of the frozen target over prompt + response."""
+                   feature_layers: tuple[int, ...], bridge_layer: int, context: str = "text",
+                   prune_keep: float = 0.1) -> TargetSignals:
+    """One teacher-forced forward of the frozen target over prompt + response.
+    context / prune_keep: the draft context (SpecConfig.draft_context / prune_keep)."""
     prompt_len = len(target.prompt_ids(prompt, video.num_visual_tokens))
     inputs = sequence_inputs(target, video, prompt, response)
     position_ids, _ = target.family.prefill_positions(target.hf, inputs)
@@ -67,12 +74,19 @@ def target_signals(target: TargetModel, video: ProcessedVideo, prompt: str, resp
     is_visual = ids == target.video_token_id
     text_pos = torch.nonzero(~is_visual).view(-1)
     text_pos = text_pos[text_pos >= 1]                                  # t-1 must exist, as in prefill
-    num_prompt = int((text_pos < prompt_len).sum())
+    num_text = int((text_pos < prompt_len).sum())
     feats = torch.cat([hs[i][0] for i in feature_layers], dim=-1)       # (T, F*H)
-    resp_pos = text_pos[num_prompt:]
+    resp_pos = text_pos[num_text:]
     final = hs[-1][0, resp_pos]                                         # (N-P, H), already normed by HF
     bridge = hs[bridge_layer][0]
+    bridge_text, bridge_visual = bridge[text_pos[:num_text]], bridge[is_visual]
+    visual_pos = torch.nonzero(is_visual).view(-1)
+    visual_pos = visual_pos[visual_pos >= 1]                            # as prefill's visual_positions
+    keep = visual_entries(context, prune_keep, visual_pos.shape[0], bridge_text, bridge_visual)
+    visual_pos = visual_pos[keep.to(visual_pos.device)]
+    prompt_pos = torch.sort(torch.cat([text_pos[:num_text], visual_pos])).values
+    entry_pos = torch.cat([prompt_pos, resp_pos])
     return TargetSignals(
-        token_ids=ids[text_pos], features=feats[text_pos - 1], num_prompt=num_prompt,
+        token_ids=ids[entry_pos], features=feats[entry_pos - 1], num_prompt=prompt_pos.shape[0],
         logits=target.lm_head()(final).float(), final_hidden=final,
-        bridge_text=bridge[text_pos[:num_prompt]], bridge_visual=bridge[is_visual])
+        bridge_text=bridge_text, bridge_visual=bridge_visual, num_visual=visual_pos.shape[0])

@@ -40,7 +40,7 @@ from .data import Sample
 from .evaluate import held_out_tau
 from .loss import chain_starts, distill_loss
 from .signals import TargetSignals, target_signals
-from .unroll import anchor_flags, unroll
+from .unroll import context_attention, unroll
 
 STATE_NAME = "trainer_state.pt"
 
@@ -153,7 +153,8 @@ class DraftTrainer:
             response = self._response(i, video)
             if len(response) < 2:
                 raise InvalidRequest("response shorter than two tokens: nothing to draft")
-            return target_signals(self.target, video, s.prompt, response, dc.feature_layers, dc.bridge_layer)
+            return target_signals(self.target, video, s.prompt, response, dc.feature_layers, dc.bridge_layer,
+                                  self.cfg.context, self.cfg.prune_keep)
         except (SparrowError, OSError) as exc:
             self.bad[i] = f"{type(exc).__name__}: {exc}"
             self.log(f"skipping sample {i} ({self.bad[i][:120]}); {len(self.bad)} skipped so far")
@@ -162,10 +163,11 @@ class DraftTrainer:
     # ----- one optimizer step --------------------------------------------------------------------
     def sample_loss(self, sig: TargetSignals, bridge: bool = True) -> tuple[torch.Tensor, dict]:
         cfg, device = self.cfg, sig.token_ids.device
-        pinned = anchor_flags(sig.num_entries, sig.num_prompt, cfg.anchors, device)
+        pinned, window = context_attention(cfg.context, sig.num_entries, sig.num_prompt, cfg.anchors, cfg.window,
+                                           device)
         with self._autocast():
             out = unroll(self.draft, sig.token_ids, sig.features, pinned, sig.prefix(cfg.bridge_tokens if bridge else 0),
-                         chain_starts(sig), cfg.unroll, cfg.window)
+                         chain_starts(sig), cfg.unroll, window)
             return distill_loss(out, sig, cfg.ce_weight, cfg.hidden_weight, cfg.step_decay)
 
     def train_step(self) -> StepStats:

@@ -11,6 +11,11 @@ is `in_cache` below; the rule "which of those a query may see" is the inference 
 `window_mask` itself. Tokens fed at steps >= 1 are the sequence's own (the target's greedy
 tokens): a draft token that differs is rejected anyway, so only the accepted path matters.
 
+The draft context ("text" / "all" / "pruned") changes only which entries there are (see
+signals.py) and the (window, anchors) the masks are built with: `context_attention` takes them
+from `sparrow.spec.propose.draft_attention`, the function SparrowProposer uses, so in "all" /
+"pruned" every chain sees every earlier entry, as at inference.
+
 The draft's modules are reused as they are (fc, fuse, glimpse_proj, layers, norm, the shared
 embedding and lm_head); only the order of calls differs from inference.
 """
@@ -23,6 +28,7 @@ import torch
 
 from sparrow.models.attention import get_backend, window_mask
 from sparrow.models.draft import SparrowDraft
+from sparrow.spec.propose import draft_attention
 
 
 @dataclass(slots=True)
@@ -38,6 +44,13 @@ def anchor_flags(num_entries: int, num_prompt: int, anchors: int, device=None) -
     """(N,) bool: the last `anchors` prompt entries are pinned, as SparrowProposer.begin does."""
     pos = torch.arange(num_entries, device=device)
     return (pos >= num_prompt - anchors) & (pos < num_prompt)
+
+
+def context_attention(context: str, num_entries: int, num_prompt: int, anchors: int, window: int,
+                      device=None) -> tuple[torch.Tensor, int]:
+    """(pinned (N,), window) for a draft context, exactly as SparrowProposer.begin runs it."""
+    window, anchors = draft_attention(context, window, anchors, num_prompt)
+    return anchor_flags(num_entries, num_prompt, anchors, device), window
 
 
 def step0_mask(num_prefix: int, pinned: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -57,6 +57,7 @@ class WorldTargetConfig:
     vision_init: str = "readable"         # "readable" (see readable_vision_init) or "random"
     warmup: int = 100
     frames: tuple[int, ...] = (8,)        # training video lengths (frames), drawn uniformly
+    sizes: tuple[int, ...] = (84,)        # training frame sides (px), drawn uniformly with the length
     max_turns: int = 8                    # chat turns per conversation
     caption_prob: float = 0.5             # chance a conversation includes the caption turn
     kinds: tuple[str, ...] = QUESTION_KINDS   # question kinds to train on
@@ -245,7 +246,7 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
     history, t0, run = [], time.perf_counter(), 0.0
     for step in range(c.steps):
         rng = random.Random(c.seed * 1_000_003 + step)
-        world = WorldVideo(num_frames=rng.choice(c.frames))      # one length per batch: equal video shapes
+        world = WorldVideo(num_frames=rng.choice(c.frames), size=rng.choice(c.sizes))   # one shape per batch
         videos, chats = [], []
         for b in range(c.batch):
             video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + step) * 64 + b)

@@ -43,6 +43,11 @@ class PrefillOutput:
     last_feature: torch.Tensor        # (F*H,) features at the prompt's last position
     bridge_text: torch.Tensor | None  # (n, H) bridge-layer states at the text positions
     bridge_visual: torch.Tensor | None  # (Nv, H) bridge-layer states at the visual positions
+    # Only with prefill(visual_features=True) (drafts whose context holds visual entries):
+    text_positions: torch.Tensor | None = None     # (n,) prompt positions of the text tokens above
+    visual_positions: torch.Tensor | None = None   # (Nv',) prompt positions t >= 1 of the visual tokens
+    visual_features: torch.Tensor | None = None    # (Nv', F*H) target features at t-1 of each of them
+    video_token_id: int | None = None              # the token id at the visual positions
 
 
 # Model inputs with one entry per prompt token (the rest describe the whole video).
@@ -61,6 +66,8 @@ class VideoPrefix:
     features: torch.Tensor | None         # (m, F*H) features at t-1 for the text tokens t in [1, P]
     bridge_text: torch.Tensor | None      # (m', H) bridge-layer states at the text tokens in [1, P)
     bridge_visual: torch.Tensor | None    # (Nv, H) bridge-layer states at the visual tokens
+    visual_features: torch.Tensor | None = None   # (Nv', F*H) features at t-1 for the visual tokens t >= 1
+                                                  # (only when prefilled with visual_features=True)
 
     @property
     def length(self) -> int:
@@ -68,7 +75,8 @@ class VideoPrefix:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.input_ids, *self.keys, *self.values, self.features, self.bridge_text, self.bridge_visual]
+        tensors = [self.input_ids, *self.keys, *self.values, self.features, self.bridge_text, self.bridge_visual,
+                   self.visual_features]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def matches(self, ids: torch.Tensor, video_token_id: int) -> bool:
@@ -207,11 +215,14 @@ class TargetModel:
     @torch.inference_mode()
     def prefill(self, inputs: dict, capacity: int, feature_layers: tuple[int, ...] = (),
                 bridge_layer: int | None = None, kv_cache: str = "static",
-                prefix: VideoPrefix | None = None) -> PrefillOutput:
+                prefix: VideoPrefix | None = None, visual_features: bool = False) -> PrefillOutput:
         """One forward over the prompt. capacity: KV slots to reserve for the whole request.
 
         With `prefix` (this video's tokens, prefilled before: see `prefill_prefix`) the KV
         cache starts as a copy of the prefix's and only the rest of the prompt is run.
+        visual_features: also return the features at t-1 of the visual positions t (drafts
+        that attend to visual entries: SpecConfig.draft_context "all" / "pruned"); the prefix
+        must then have been prefilled with them too.
         """
         position_ids, delta = self.family.prefill_positions(self.hf, inputs)   # pure, needs no pixels
         kv = new_kv_cache(kv_cache, self.num_layers, capacity)
@@ -229,24 +240,38 @@ class TargetModel:
         text_pos = torch.nonzero(ids != self.video_token_id).view(-1)
         text_pos = text_pos[text_pos >= 1]                                # t-1 must exist
         feats = bridge_t = bridge_v = last = None
+        visual = {}
         if feature_layers:
             hs = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)   # (n - start, F*H)
             feats, last = hs[text_pos[text_pos > start] - 1 - start], hs[-1]
             if prefix is not None:                       # features at t-1 for text tokens t <= start
                 feats = torch.cat([prefix.features, feats])
+            if visual_features:
+                visual_pos = torch.nonzero(ids == self.video_token_id).view(-1)
+                visual_pos = visual_pos[visual_pos >= 1]
+                if prefix is None:
+                    vfeats = hs[visual_pos - 1]
+                elif prefix.visual_features is None:
+                    raise ValueError("this video prefix was prefilled without visual features")
+                else:                                     # every visual token is in the prefix
+                    vfeats = prefix.visual_features
+                visual = dict(text_positions=text_pos, visual_positions=visual_pos, visual_features=vfeats,
+                              video_token_id=self.video_token_id)
         if bridge_layer is not None:
             bridge = out.hidden_states[bridge_layer][0]                  # (n - start, H)
             bridge_t, bridge_v = bridge[text_pos[text_pos >= start] - start], bridge[ids[start:] == self.video_token_id]
             if prefix is not None:
                 bridge_t, bridge_v = torch.cat([prefix.bridge_text, bridge_t]), prefix.bridge_visual
-        return PrefillOutput(state, out.logits[0, -1].float(), ids[text_pos], feats, last, bridge_t, bridge_v)
+        return PrefillOutput(state, out.logits[0, -1].float(), ids[text_pos], feats, last, bridge_t, bridge_v,
+                             **visual)
 
     @torch.inference_mode()
     def prefill_prefix(self, inputs: dict, feature_layers: tuple[int, ...] = (),
-                       bridge_layer: int | None = None) -> VideoPrefix:
+                       bridge_layer: int | None = None, visual_features: bool = False) -> VideoPrefix:
         """Prefill the prompt up to its last video token and keep what `prefill` needs to
         continue from there: the KV cache and the few hidden-state rows of that span that
-        the draft reads (never the hidden states of the visual positions, except the bridge's)."""
+        the draft reads (never the hidden states of the visual positions, except the bridge's,
+        and their features at t-1 when `visual_features` is asked for)."""
         ids = inputs["input_ids"][0]
         video_pos = torch.nonzero(ids == self.video_token_id).view(-1)
         if video_pos.numel() == 0:
@@ -260,16 +285,18 @@ class TargetModel:
                       output_hidden_states=want_hidden, logits_to_keep=1)
         text_pos = torch.nonzero(ids != self.video_token_id).view(-1)
         text_pos = text_pos[text_pos >= 1]
-        feats = bridge_t = bridge_v = None
+        feats = bridge_t = bridge_v = vfeats = None
         if feature_layers:   # rows t-1 for text tokens t <= end (ids[end] is text: the video ended)
             hs = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)   # (end, F*H)
             feats = hs[text_pos[text_pos <= end] - 1]      # indexing copies: the (end, F*H) rows are freed
+            if visual_features:
+                vfeats = hs[video_pos[video_pos >= 1] - 1]
         if bridge_layer is not None:
             bridge = out.hidden_states[bridge_layer][0]                  # (end, H)
             bridge_t, bridge_v = bridge[text_pos[text_pos < end]], bridge[ids[:end] == self.video_token_id]
         layers = out.past_key_values.layers
         return VideoPrefix(ids[:end].clone(), [layer.keys for layer in layers], [layer.values for layer in layers],
-                           feats, bridge_t, bridge_v)
+                           feats, bridge_t, bridge_v, vfeats)
 
     @torch.inference_mode()
     def step(self, state: TargetState, token_ids: torch.Tensor,

@@ -1,0 +1,294 @@
+"""SpecVLM-style proposer: the draft is a smaller full VLM of the target's family that reads
+the video through a verifier-guided pruned set of visual tokens (the baseline the benchmarks
+compare Sparrow against).
+
+Per request:
+  1. the target's prefill returns its bridge-layer states (text and visual positions); their
+     text->video attention (`glimpse.text_to_visual_attention`) ranks the visual tokens and
+     `prune.prune_visual` keeps `keep_ratio` of them (stage 1: top attention up to `mass`,
+     stage 2: uniform over the rest);
+  2. the small VLM runs its own vision tower on the whole video, keeps the embeddings of the
+     selected visual tokens only, and prefills its LM over prompt text + kept visual tokens,
+     each at its ORIGINAL position (Qwen2.5-VL: the 3-axis M-RoPE position of the full
+     sequence, computed for the full prompt and then indexed), into its own KV cache;
+  3. decoding is standard draft-model speculative decoding: `propose` drafts k tokens
+     autoregressively (argmax at T=0; at T>0 sampled from the draft's distribution with the
+     request's generator, and the distributions are returned so acceptance is lossless
+     rejection sampling); `commit` crops the draft cache back to the accepted prefix and
+     queues the emitted tokens, which the next `propose` feeds first.
+
+The engine calls `begin_request(pre, inputs, video, first_token)` (instead of build_context +
+begin) because this proposer needs the prompt inputs and the video, not only a DraftContext.
+With a prefix cache, the first request on a video works; a later hit raises InvalidRequest,
+since cached entries drop the pixels the small VLM's vision tower needs.
+
+Cache bookkeeping (lazy append, no extra forward in commit). The draft cache always holds a
+prefix of the request's sequence: kept prompt + emitted tokens, except a short `pending`
+tail of emitted tokens not fed yet. propose(k) feeds `pending` + d_1..d_{k-1} (d_k is never
+fed: nothing would read its keys before the verdict). commit(tokens = accepted a drafts +
+the target's correction/bonus token): the first min(a, k-1) fed drafts are right and stay,
+the other fed drafts are cropped off (`cache.crop(-n)`), and `pending` becomes the emitted
+tokens not in the cache: [correction] if a < k, [d_k, bonus] if a == k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..config import SamplingParams, SpecConfig
+from ..errors import InvalidRequest
+from ..models.kv_cache import new_kv_cache
+from ..models.target import PrefillOutput, TargetModel
+from .glimpse import text_to_visual_attention
+from .propose import Proposal
+from .prune import prune_budget, prune_visual
+from .sampling import logits_to_probs
+
+
+@dataclass(slots=True)
+class SpecVLMState:
+    """One request's draft-side state (the proposer itself holds none)."""
+
+    cache: object                    # the small VLM's transformers Cache
+    next_index: int                  # full-sequence index of the next token fed (position = index + rope_delta)
+    rope_delta: int
+    pending: list[int]               # emitted tokens not yet fed to the draft
+    num_visual: int                  # visual tokens in the target's prompt
+    kept_visual: torch.Tensor        # (keep,) sorted indices of the visual tokens the draft sees
+    prompt_entries: int              # draft cache entries after its prefill (text + kept visual)
+    fed_drafts: int = 0              # draft tokens of the last proposal that are in the cache
+    drafted: list[int] = field(default_factory=list)   # the last proposal
+    released_bytes: int = 0          # KV bytes the cache held when the request ended
+
+    @property
+    def num_kept(self) -> int:
+        return int(self.kept_visual.shape[0])
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+
+def draft_memory_bytes(state: SpecVLMState) -> int:
+    """KV-cache bytes the draft holds for this request (a preallocated cache counts whole);
+    after the request ended, what it held at the end."""
+    if state.cache is None:
+        return state.released_bytes
+    total = 0
+    for layer in state.cache.layers:
+        bufs = [getattr(layer, "k_buf", None), getattr(layer, "v_buf", None)]
+        if bufs[0] is None:
+            bufs = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        total += sum(t.numel() * t.element_size() for t in bufs if isinstance(t, torch.Tensor))
+    return total
+
+
+class SpecVLMProposer:
+    """Draft-model speculative decoding with a small VLM on a pruned video (SpecVLM).
+
+    target: the verifier (its processor turns the video into pixels; its bridge layer guides pruning).
+    small: a smaller TargetModel of the same family, same tokenizer/vocabulary and same video processor.
+    keep_ratio: share of visual tokens the small VLM sees (prune_budget: ceil(ratio * Nv)).
+    mass: stage-1 attention mass of the two-stage pruning.
+    bridge_layer: the target hidden-state index whose text->video attention guides pruning
+        (default num_layers // 2, as the Sparrow draft's glimpse).
+    on_end: called with each request's state when it ends, before its cache is freed (e.g. a
+        benchmark collecting `draft_memory_bytes(state)` per request).
+    """
+
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, target: TargetModel, small: TargetModel, keep_ratio: float = 0.1, mass: float = 0.5,
+                 bridge_layer: int | None = None, on_end: Callable[[SpecVLMState], None] | None = None):
+        _check_compatible(target, small)
+        if not isinstance(keep_ratio, (int, float)) or not 0.0 <= keep_ratio <= 1.0:
+            raise InvalidRequest(f"keep_ratio must be in [0, 1], got {keep_ratio!r}")
+        if not isinstance(mass, (int, float)) or not 0.0 <= mass <= 1.0:
+            raise InvalidRequest(f"mass must be in [0, 1], got {mass!r}")
+        bridge_layer = target.num_layers // 2 if bridge_layer is None else bridge_layer
+        if not 0 <= bridge_layer <= target.num_layers:
+            raise InvalidRequest(f"bridge_layer must be in [0, {target.num_layers}], got {bridge_layer}")
+        self.target, self.small = target, small
+        self.keep_ratio, self.mass = float(keep_ratio), float(mass)
+        # Pruning at ratio 1 needs no guidance: then the target's prefill is not asked for hidden states.
+        self.bridge_layer = bridge_layer if keep_ratio < 1.0 else None
+        self.video_token_id = target.video_token_id
+        self.on_end = on_end
+
+    # ----- per request ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def begin_request(self, pre: PrefillOutput, inputs: dict[str, torch.Tensor], video,
+                      first_token: int) -> SpecVLMState:
+        """Prune, prefill the small VLM on text + kept visual tokens; `first_token` is pending."""
+        small = self.small
+        dev = small.device
+        ids = inputs["input_ids"][0].to(dev)
+        is_vis = ids == self.video_token_id
+        vis_pos = torch.nonzero(is_vis).view(-1)
+        n_vis = int(vis_pos.shape[0])
+        kept = self.select_visual(pre, inputs, n_vis).to(dev)
+
+        pixels = inputs.get("pixel_values_videos")
+        if kept.numel() > 0 and (pixels is None or pixels.numel() == 0):
+            raise InvalidRequest("SpecVLM's small VLM re-reads the video's pixels, which a prefix-cache hit does not "
+                                 "keep: serve SpecVLM without a prefix cache (or without a video_key)")
+        sm_inputs = {k: v.to(dev) for k, v in inputs.items()}
+        if "pixel_values_videos" in sm_inputs:
+            sm_inputs["pixel_values_videos"] = sm_inputs["pixel_values_videos"].to(small.hf.dtype)
+        # Positions of the FULL prompt (nothing is left on the model), then the kept entries'.
+        position_ids, rope_delta = small.family.prefill_positions(small.hf, sm_inputs)
+        keep_mask = ~is_vis
+        keep_mask[vis_pos[kept]] = True
+        embeds = small.embed_tokens()(ids[keep_mask][None])                       # (1, L, H)
+        if kept.numel() > 0:
+            visual = _video_embeds(small, sm_inputs)                             # (Nv, H)
+            if visual.shape[0] != n_vis:
+                raise InvalidRequest(f"the small VLM's vision tower made {visual.shape[0]} visual tokens "
+                                     f"for a prompt with {n_vis}: its vision config does not match the target's")
+            embeds[0, is_vis[keep_mask]] = visual[kept].to(embeds.dtype)
+        length = embeds.shape[1]
+        kind, capacity = _cache_plan(pre, ids.shape[0], length)
+        cache = new_kv_cache(kind, small.num_layers, capacity)
+        small.hf(inputs_embeds=embeds, position_ids=position_ids[..., keep_mask.to(position_ids.device)].to(dev),
+                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return SpecVLMState(cache=cache, next_index=ids.shape[0], rope_delta=rope_delta, pending=[int(first_token)],
+                            num_visual=n_vis, kept_visual=kept.cpu(), prompt_entries=length)
+
+    def select_visual(self, pre: PrefillOutput, inputs: dict[str, torch.Tensor], num_visual: int) -> torch.Tensor:
+        """Sorted indices (CPU long) of the visual tokens the small VLM keeps."""
+        keep = prune_budget(num_visual, self.keep_ratio)
+        if keep >= num_visual:
+            return torch.arange(num_visual)
+        if pre.bridge_text is None or pre.bridge_visual is None:
+            raise InvalidRequest("SpecVLM pruning needs the target's bridge-layer states, but this prefill has none "
+                                 "(a prefix-cache entry made by an engine with another proposer?)")
+        if pre.bridge_visual.shape[0] != num_visual:
+            raise InvalidRequest(f"bridge-layer states cover {pre.bridge_visual.shape[0]} visual tokens, "
+                                 f"the prompt has {num_visual}")
+        attention = text_to_visual_attention(pre.bridge_text, pre.bridge_visual).cpu()
+        return prune_visual(attention, self._merged_grid(inputs, num_visual), keep, self.mass).cpu()
+
+    def _merged_grid(self, inputs: dict[str, torch.Tensor], num_visual: int) -> list[int] | None:
+        """(t, h, w) of the visual tokens after patch merging (Qwen2.5-VL), else None."""
+        grid = inputs.get("video_grid_thw")
+        vision = getattr(self.target.hf.config, "vision_config", None)
+        merge = getattr(vision, "spatial_merge_size", None)
+        if grid is None or grid.shape[0] != 1 or not merge:
+            return None
+        t, h, w = (int(x) for x in grid[0].tolist())
+        dims = [t, h // merge, w // merge]
+        return dims if dims[0] * dims[1] * dims[2] == num_visual else None
+
+    # ----- decoding -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, state: SpecVLMState, k: int, sampling: SamplingParams,
+                generator: torch.Generator) -> Proposal:
+        if state.cache is None:
+            raise RuntimeError("this request's draft state was already released")
+        if not state.pending:
+            raise RuntimeError("propose called without a committed token to continue from")
+        feed, tokens, probs = state.pending, [], []
+        state.pending = []
+        for j in range(k):
+            logits = self._feed(state, feed)
+            if sampling.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+                tok = int(torch.multinomial(q, 1, generator=generator))
+                probs.append(q)
+            tokens.append(tok)
+            feed = [tok]
+        state.drafted, state.fed_drafts = tokens, max(0, k - 1)     # d_k is never fed
+        out_probs = torch.stack(probs).to(self.target.device) if probs else None
+        return Proposal(torch.tensor(tokens, dtype=torch.long), out_probs)
+
+    @torch.inference_mode()
+    def commit(self, state: SpecVLMState, tokens: list[int], features=None) -> None:
+        """tokens: what the step emitted (accepted drafts + the correction/bonus token)."""
+        tokens = [int(t) for t in tokens]
+        accepted = 0           # fed drafts the target agreed with: they stay in the cache
+        limit = min(state.fed_drafts, len(tokens) - 1)
+        while accepted < limit and tokens[accepted] == state.drafted[accepted]:
+            accepted += 1
+        remove = state.fed_drafts - accepted
+        if remove > 0:
+            state.cache.crop(-remove)
+            state.next_index -= remove
+        state.pending.extend(tokens[accepted:])
+        state.drafted, state.fed_drafts = [], 0
+
+    def end(self, state: SpecVLMState) -> None:
+        """The request is over (done, aborted or closed): free its KV cache now."""
+        if state.cache is None:
+            return
+        if self.on_end is not None:
+            self.on_end(state)
+        state.released_bytes = draft_memory_bytes(state)
+        state.cache = None
+
+    def _feed(self, state: SpecVLMState, ids: list[int]) -> torch.Tensor:
+        """Run tokens through the small LM on top of its cache; (V,) logits after the last."""
+        small, n = self.small, len(ids)
+        position_ids = small.family.step_positions(state.next_index, n, state.rope_delta).to(small.device)
+        out = small.hf(input_ids=torch.tensor([ids], device=small.device), position_ids=position_ids,
+                       past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+        state.next_index += n
+        return out.logits[0, -1].float()
+
+
+# ----- helpers -------------------------------------------------------------------------------------
+def _check_compatible(target: TargetModel, small: TargetModel) -> None:
+    if not isinstance(target, TargetModel) or not isinstance(small, TargetModel):
+        raise InvalidRequest("SpecVLM needs the target and the small VLM as sparrow TargetModels")
+    t_type, s_type = target.hf.config.model_type, small.hf.config.model_type
+    if t_type != s_type:
+        raise InvalidRequest(f"the small VLM must be of the target's family: {s_type!r} vs {t_type!r}")
+    if small.vocab_size != target.vocab_size:
+        raise InvalidRequest(f"the small VLM must share the target's vocabulary: "
+                             f"{small.vocab_size} vs {target.vocab_size} output rows")
+    if small is not target and small.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise InvalidRequest("the small VLM must share the target's tokenizer (the vocabularies differ)")
+    if small.video_token_id != target.video_token_id:
+        raise InvalidRequest("the small VLM's video placeholder token differs from the target's")
+    if small.processor != target.processor:
+        raise InvalidRequest(f"the small VLM must take the target's video inputs: processors differ "
+                             f"({small.processor} vs {target.processor})")
+
+
+def _video_embeds(small: TargetModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(Nv, H) the small VLM's visual token embeddings, in prompt order, via the public
+    `get_video_features` of the HF model (as its own forward builds them)."""
+    model = small.hf.model
+    if small.family.model_type == "qwen2_5_vl":
+        out = model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
+        return torch.cat(out.pooler_output, dim=0)
+    if small.family.model_type == "llava_onevision":
+        out = model.get_video_features(inputs["pixel_values_videos"], return_dict=True)
+        return out.pooler_output.flatten(0, 1)
+    raise InvalidRequest(f"SpecVLM does not support model type {small.family.model_type!r}")
+
+
+def _cache_plan(pre: PrefillOutput, prompt_len: int, draft_prompt_len: int) -> tuple[str, int]:
+    """The draft's cache kind and capacity: preallocated like the target's when the target's is
+    (the draft needs at most what the target needs beyond its prompt: new tokens + k + 1)."""
+    layers = getattr(pre.state.kv, "layers", None) or []
+    capacity = getattr(layers[0], "capacity", None) if layers else None
+    if capacity is None:
+        return "dynamic", 0
+    return "static", draft_prompt_len + max(1, capacity - prompt_len)
+
+
+def specvlm_engine(target: TargetModel, small_target: TargetModel, keep_ratio: float = 0.1, mass: float = 0.5,
+                   num_draft_tokens: int = 4, bridge_layer: int | None = None, **spec_kwargs):
+    """An Engine that decodes speculatively with a SpecVLM proposer (for the benchmarks).
+    spec_kwargs go to SpecConfig (e.g. kv_cache="dynamic"); prefix_cache= goes to the Engine."""
+    from ..engine import Engine   # the engine imports the proposers, not the other way round
+
+    prefix_cache = spec_kwargs.pop("prefix_cache", None)
+    spec = SpecConfig(num_draft_tokens=num_draft_tokens, **spec_kwargs)
+    proposer = SpecVLMProposer(target, small_target, keep_ratio=keep_ratio, mass=mass, bridge_layer=bridge_layer)
+    return Engine(target, spec=spec, proposer=proposer, prefix_cache=prefix_cache)

@@ -1,0 +1,203 @@
+"""SpecVLM-style proposer (a small VLM on a pruned video): lossless against plain decoding,
+exact cache rollback, the 90% visual-token cut, seeded sampling, config errors."""
+
+import math
+
+import pytest
+import torch
+
+from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.errors import InvalidRequest
+from sparrow.models import TargetModel
+from sparrow.prefix_cache import PrefixCache
+from sparrow.spec.glimpse import text_to_visual_attention
+from sparrow.spec.prune import prune_visual
+from sparrow.spec.specvlm import SpecVLMProposer, draft_memory_bytes, specvlm_engine
+from sparrow.testing import tiny_target
+from sparrow.tokenizer import llava_ov_tokenizer
+from sparrow.video import processor_for
+
+PROMPT = "What happens in the video?"
+SMALL = dict(hidden=32, layers=2, heads=2)     # half the tiny target's width and depth
+
+
+@pytest.fixture(scope="module")
+def small_vlms(tmp_path_factory):
+    """Two small Qwen2.5-VL drafts; the first goes through save_pretrained/from_pretrained."""
+    path = tmp_path_factory.mktemp("small_vlm")
+    tiny_target("qwen2_5_vl", seed=5, **SMALL).save_pretrained(path)
+    return [TargetModel.from_pretrained(path), tiny_target("qwen2_5_vl", seed=6, **SMALL)]
+
+
+class Recording(SpecVLMProposer):
+    """Keeps every request's state and checks the cache invariant after each commit."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.states, self.committed = [], 0
+
+    def begin_request(self, pre, inputs, video, first_token):
+        state = super().begin_request(pre, inputs, video, first_token)
+        self.states.append(state)
+        self.prompt_len = inputs["input_ids"].shape[1]
+        self.committed = 1                                   # the first token, from prefill
+        return state
+
+    def commit(self, state, tokens, features=None):
+        super().commit(state, tokens, features)
+        self.committed += len(tokens)
+        # The cache holds kept prompt + every emitted token except the pending ones: nothing
+        # rejected is left behind, nothing accepted is fed twice.
+        fed = self.committed - len(state.pending)
+        assert state.cached == state.prompt_entries + fed
+        assert state.next_index == self.prompt_len + fed
+        assert 1 <= len(state.pending) <= 2
+
+    def end(self, state):
+        super().end(state)
+        self.final_bytes = draft_memory_bytes(state)        # what the request held at its end
+
+
+def plain_tokens(target, video, sampling):
+    return Engine(target, spec=SpecConfig(method="none")).generate(video, PROMPT, sampling).token_ids
+
+
+@pytest.mark.parametrize("small_index", [0, 1])
+@pytest.mark.parametrize("video_name", ["small_video", "large_video"])
+def test_greedy_equals_plain_decoding(qwen_target, small_vlms, video_name, small_index, request):
+    video = request.getfixturevalue(video_name)
+    sampling = SamplingParams(max_new_tokens=24)
+    proposer = Recording(qwen_target, small_vlms[small_index], keep_ratio=0.1)
+    out = Engine(qwen_target, spec=SpecConfig(num_draft_tokens=4), proposer=proposer).generate(video, PROMPT, sampling)
+    assert out.token_ids == plain_tokens(qwen_target, video, sampling)
+    assert out.metrics.steps > 0 and out.metrics.draft_tokens > 0
+    assert proposer.final_bytes > 0
+    assert proposer.final_bytes == proposer.states[-1].released_bytes
+    assert proposer.states[-1].cache is None                 # released at the end of the request
+
+
+@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
+def test_llava_onevision_greedy_equals_plain_decoding(llava_target, large_video, kv_cache):
+    small = tiny_target("llava_onevision", seed=5, **SMALL)
+    sampling = SamplingParams(max_new_tokens=24)
+    engine = specvlm_engine(llava_target, small, keep_ratio=0.1, kv_cache=kv_cache)
+    out = engine.generate(large_video, PROMPT, sampling)
+    assert out.token_ids == plain_tokens(llava_target, large_video, sampling) and out.metrics.draft_tokens > 0
+
+
+def test_target_as_draft_accepts_every_token(any_target, large_video):
+    """The target itself on the full video: its drafts are its own greedy tokens, so every
+    one is accepted; any slip in the rollback/commit bookkeeping would show as a rejection."""
+    k, sampling = 4, SamplingParams(max_new_tokens=31, ignore_eos=True)
+    proposer = Recording(any_target, any_target, keep_ratio=1.0)
+    assert proposer.bridge_layer is None                     # no pruning: no hidden states asked for
+    out = Engine(any_target, spec=SpecConfig(num_draft_tokens=k), proposer=proposer).generate(
+        large_video, PROMPT, sampling)
+    m = out.metrics
+    assert out.token_ids == plain_tokens(any_target, large_video, sampling)
+    assert m.accepted_tokens == m.draft_tokens
+    assert m.mean_acceptance_length == k + 1 and m.steps == 6    # 1 + 6 * 5 = 31 tokens
+    assert proposer.states[0].num_kept == proposer.states[0].num_visual
+
+
+def test_full_video_draft_prefill_matches_hf_forward(qwen_target, small_vlms, small_video):
+    """keep_ratio 1: the draft's cache + explicit M-RoPE positions reproduce the HF model's own
+    forward over the whole prompt (which builds its 3-axis positions itself)."""
+    small = small_vlms[0]
+    engine = Engine(qwen_target, spec=SpecConfig(method="none"))
+    inputs = engine.prepare(small_video, PROMPT)
+    proposer = SpecVLMProposer(qwen_target, small, keep_ratio=1.0)
+    pre = qwen_target.prefill(inputs, capacity=inputs["input_ids"].shape[1] + 8)
+    first = int(pre.logits.argmax())
+    state = proposer.begin_request(pre, inputs, None, first)
+    with torch.inference_mode():
+        got = proposer._feed(state, [first])
+    ids = torch.cat([inputs["input_ids"], torch.tensor([[first]])], dim=1)
+    full = dict(inputs, input_ids=ids, attention_mask=torch.ones_like(ids),
+                mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, 1, dtype=torch.int32)], 1))
+    with torch.inference_mode():
+        ref = small.hf(**full).logits[0, -1].float()
+    small.hf.model.rope_deltas = None                        # HF's own forward leaves this behind
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_keep_ratio_cuts_visual_tokens_by_90_percent(qwen_target, small_vlms, large_video):
+    proposer = Recording(qwen_target, small_vlms[0], keep_ratio=0.1, mass=0.5)
+    engine = Engine(qwen_target, spec=SpecConfig(num_draft_tokens=3), proposer=proposer)
+    seen = []                                                # the small LM's prefill inputs
+    hook = small_vlms[0].hf.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs) if kwargs.get("inputs_embeds") is not None else None,
+        with_kwargs=True)
+    try:
+        out = engine.generate(large_video, PROMPT, SamplingParams(max_new_tokens=8))
+    finally:
+        hook.remove()
+    state, nv = proposer.states[0], out.metrics.visual_tokens
+    assert state.num_visual == nv and state.num_kept == math.ceil(0.1 * nv) < nv
+    assert state.prompt_entries == out.metrics.prompt_tokens - nv + state.num_kept
+    # The kept tokens are the two-stage selection under the target's bridge-layer attention.
+    inputs = engine.prepare(large_video, PROMPT)
+    pre = qwen_target.prefill(inputs, capacity=inputs["input_ids"].shape[1] + 1, bridge_layer=proposer.bridge_layer)
+    attention = text_to_visual_attention(pre.bridge_text, pre.bridge_visual)
+    t, h, w = inputs["video_grid_thw"][0].tolist()
+    expected = prune_visual(attention, (t, h // 2, w // 2), state.num_kept, 0.5)
+    assert torch.equal(state.kept_visual, expected)
+    assert int(attention.argmax()) in state.kept_visual.tolist()
+    # Kept tokens sit at their ORIGINAL 3-axis M-RoPE positions, not re-numbered ones.
+    full_pos, _ = small_vlms[0].family.prefill_positions(small_vlms[0].hf, inputs)
+    keep = inputs["input_ids"][0] != qwen_target.video_token_id
+    keep[torch.nonzero(~keep).view(-1)[expected]] = True
+    assert len(seen) == 1 and seen[0]["inputs_embeds"].shape[1] == state.prompt_entries
+    assert torch.equal(seen[0]["position_ids"], full_pos[..., keep])
+    # A tenth of the visual tokens: a much smaller draft cache than the unpruned one.
+    full = Recording(qwen_target, small_vlms[0], keep_ratio=1.0)
+    Engine(qwen_target, spec=SpecConfig(num_draft_tokens=3), proposer=full).generate(
+        large_video, PROMPT, SamplingParams(max_new_tokens=8))
+    assert proposer.final_bytes < full.final_bytes
+
+
+def test_sampling_is_seeded_and_reproducible(qwen_target, small_vlms, small_video):
+    engine = specvlm_engine(qwen_target, small_vlms[1], keep_ratio=0.1, num_draft_tokens=3)
+    held = []
+    engine.proposer.on_end = lambda state: held.append(draft_memory_bytes(state))
+    s = SamplingParams(max_new_tokens=16, temperature=1.0, seed=11)
+    a, b = engine.generate(small_video, PROMPT, s), engine.generate(small_video, PROMPT, s)
+    assert a.token_ids == b.token_ids and a.metrics.draft_tokens > 0
+    samples = {tuple(engine.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16, temperature=1.0,
+                                                                         seed=seed)).token_ids)
+               for seed in range(3)}
+    assert len(samples) > 1
+    assert len(held) == 5 and all(b > 0 for b in held)
+    # The target as its own draft at T=1: q == p, so (almost) every draft token is accepted.
+    own = specvlm_engine(qwen_target, qwen_target, keep_ratio=1.0, num_draft_tokens=3)
+    torch.manual_seed(0)
+    rng_before = torch.get_rng_state()
+    m = own.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16, temperature=1.0, seed=3,
+                                                         ignore_eos=True)).metrics
+    assert torch.equal(torch.get_rng_state(), rng_before)          # never the global RNG
+    assert m.accepted_tokens >= 0.9 * m.draft_tokens
+
+
+def test_bad_config_raises(qwen_target, llava_target, small_vlms):
+    small = small_vlms[0]
+    for kwargs in (dict(keep_ratio=1.5), dict(keep_ratio=-0.1), dict(mass=2.0), dict(bridge_layer=99)):
+        with pytest.raises(InvalidRequest):
+            SpecVLMProposer(qwen_target, small, **kwargs)
+    with pytest.raises(InvalidRequest, match="family"):
+        SpecVLMProposer(qwen_target, llava_target)
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        SpecVLMProposer(qwen_target, TargetModel(small.hf, llava_ov_tokenizer()))
+    with pytest.raises(InvalidRequest, match="processor"):
+        SpecVLMProposer(qwen_target, TargetModel(small.hf, small.tokenizer, processor_for(small.hf.config,
+                                                                                          merge_size=1)))
+    with pytest.raises(InvalidRequest):
+        specvlm_engine(qwen_target, small, num_draft_tokens=0)
+
+
+def test_prefix_cache_miss_works_and_hit_raises_clearly(qwen_target, small_vlms, small_video):
+    engine = specvlm_engine(qwen_target, small_vlms[0], prefix_cache=PrefixCache(max_entries=2))
+    sampling = SamplingParams(max_new_tokens=12)
+    out = engine.generate(small_video, PROMPT, sampling, video_key="clip")
+    assert out.token_ids == plain_tokens(qwen_target, small_video, sampling)
+    with pytest.raises(InvalidRequest, match="prefix-cache"):
+        engine.generate(small_video, PROMPT, sampling, video_key="clip")
