@@ -98,8 +98,8 @@ class BenchConfig:
     max_new_tokens: int = 48
     k: int = 4
     glimpse: int = 16
-    window: int = 32
-    anchors: int = 64
+    window: int = 16   # the world drafts are trained with window 16, anchors 32 (training/world_data.py)
+    anchors: int = 32
     methods: tuple[str, ...] = tuple(METHODS)
     seed: int = BENCH_SEED
     warmup_tokens: int = 8           # one untimed request per method first (0: none)
@@ -348,8 +348,10 @@ def run_video(cfg: BenchConfig, target: TargetModel, engines: dict[str, Engine],
         run_one(engine, prompt, SamplingParams(max_new_tokens=warmup, ignore_eos=True), keys.get(name), processed)
     runs, mismatches = [], []
     for temp in cfg.temperatures:
+        # The answer as a user gets it: it ends at the model's end of turn (at T=0 every method
+        # gives plain's tokens, so the same count; at T=1 time per token is what is compared).
         sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=temp,
-                                  seed=cfg.seed + 7919 * rep + vi, ignore_eos=True)
+                                  seed=cfg.seed + 7919 * rep + vi)
         cell = {}
         for name, engine in engines.items():
             if METHODS[name].ablation and (temp != 0.0 or (side, frames) not in _ends(cfg.videos)):
@@ -497,7 +499,7 @@ def report(result: dict, plot_path: str | None = None) -> str:
     shown = [m for m in cfg["methods"] if m in {r["method"] for r in summary} and not METHODS[m].ablation]
     lines = [f"Machine: {result['machine']}.", f"Target: {result['target']}. k = {cfg['k']}, window {cfg['window']}, "
              f"anchors {cfg['anchors']}, glimpse (sparrow-glimpse) {cfg['glimpse']}; {cfg['max_new_tokens']} new "
-             f"tokens (EOS ignored), {cfg['reps']} reps, methods interleaved per rep, medians; fresh world "
+             f"tokens (answers end at the end of turn), {cfg['reps']} reps, methods interleaved per rep, medians; fresh world "
              f"videos (seeds from {cfg['seed']}), caption prompts.", ""]
     if result["skipped"]:
         lines += ["Skipped: " + "; ".join(f"{m} ({why})" for m, why in result["skipped"].items()) + ".", ""]
@@ -747,8 +749,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 96 (quick 48)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--glimpse", type=int, default=16, help="glimpse of sparrow-glimpse")
-    ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--anchors", type=int, default=64)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--anchors", type=int, default=32)
     ap.add_argument("--seed", type=int, default=BENCH_SEED)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared 2-core box)")
     ap.add_argument("--out", default=None, help="write the 'speculative' section of this markdown file")

@@ -20,6 +20,21 @@ from pathlib import Path
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """The committed synthetic-world pair when it is there (a trained target and draft: a right
+    answer and real acceptance), else tiny random models (plumbing only)."""
+    from sparrow.training.world_demo import DEFAULT_MODELS, run_world_demo
+
+    models = Path(args.models) if args.models else DEFAULT_MODELS
+    if not args.random and (models / "target" / "config.json").is_file():
+        report = run_world_demo(None if args.seed is None else args.seed, models, k=args.k,
+                                print_fn=lambda *a, **kw: print(*a, **kw, flush=True))
+        return 0 if all(r["lossless"] for r in report["results"]) else 1
+    if not args.random:
+        print(f"no trained world pair at {models}: falling back to random weights (--random)")
+    return _random_demo(args)
+
+
+def _random_demo(args: argparse.Namespace) -> int:
     from sparrow import Engine, SamplingParams, SpecConfig
     from sparrow.testing import tiny_draft, tiny_target
     from sparrow.video import VideoOptions, write_synthetic_video
@@ -27,14 +42,14 @@ def _demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         video_path = Path(tmp) / "shapes.mp4"
         video = write_synthetic_video(video_path, num_frames=args.frames, width=args.size, height=args.size,
-                                      fps=8.0, seed=args.seed)
+                                      fps=8.0, seed=args.seed or 0)
         print(f"video: {video.num_frames} frames {video.width}x{video.height} at {video.fps:g} fps, "
               f"{len(video.events)} scripted events (moving coloured shapes)")
         print("models: tiny Qwen2.5-VL target + Sparrow draft, RANDOM WEIGHTS - the answer is noise and "
               "acceptance is low until a trained pair is used (see README).")
-        target = tiny_target("qwen2_5_vl", seed=args.seed)
+        target = tiny_target("qwen2_5_vl", seed=args.seed or 0)
         spec = SpecConfig(method="sparrow", num_draft_tokens=args.k)
-        engine = Engine(target, tiny_draft(target, spec, seed=args.seed), spec)
+        engine = Engine(target, tiny_draft(target, spec, seed=args.seed or 0), spec)
         plain = Engine(target, spec=SpecConfig(method="none"))
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens)
         options = VideoOptions(fps=4.0)
@@ -233,12 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparrow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="stream an answer about a synthetic video with tiny models")
+    demo = sub.add_parser("demo", help="stream answers about a fresh synthetic video with the committed world pair")
+    demo.add_argument("--models", help="folder with target/ and draft/ (default: models/world)")
+    demo.add_argument("--random", action="store_true", help="tiny random-weight models instead (plumbing only)")
     demo.add_argument("--frames", type=int, default=32)
     demo.add_argument("--size", type=int, default=112)
     demo.add_argument("--k", type=int, default=4, help="draft tokens per step")
     demo.add_argument("--max-new-tokens", type=int, default=48)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, help="video seed (default: a fresh one for the world demo, 0 with --random)")
     demo.set_defaults(func=_demo)
     _add_serve(sub)
     _add_generate(sub)

@@ -150,7 +150,9 @@ class RemoteDraftProposer:
         self.sessions: set[str] = set()   # draft sessions of running requests
 
     def begin(self, ctx: DraftContext) -> RemoteDraftState:
-        state = RemoteDraftState(uuid.uuid4().hex, ctx, recent=deque(maxlen=self.spec.window))
+        # A full-attention context ("all"/"pruned") reads every commit: keep them all.
+        keep = self.spec.window if self.spec.draft_context == "text" else None
+        state = RemoteDraftState(uuid.uuid4().hex, ctx, recent=deque(maxlen=keep))
         self.sessions.add(state.session)
         self._publish(state)      # the replica that takes the first call rebuilds from the state cache
         return state
@@ -235,4 +237,5 @@ class RemoteDraftProposer:
         if state.recent:
             features[n - len(state.recent):] = torch.stack(list(state.recent))
         token_ids = torch.cat([ctx.token_ids, torch.tensor(state.tokens, dtype=torch.long, device=ctx.token_ids.device)])
-        return DraftContext(token_ids, torch.cat([ctx.features, features]), ctx.num_prompt, ctx.glimpse)
+        return DraftContext(token_ids, torch.cat([ctx.features, features]), ctx.num_prompt, ctx.glimpse,
+                            ctx.num_visual)

@@ -75,3 +75,38 @@ def test_committed_draft_beats_an_untrained_one(world_pair):
     target, draft = world_pair
     rows = tau_rows(target, draft, WorldVideo(), list(range(2 * 10**9, 2 * 10**9 + 3)), k=4)
     assert rows["tau"] >= 2.0 and rows["tau"] >= rows["tau_untrained"] + 0.7, rows
+
+
+# ----- the world target's training path ----------------------------------------------------------
+def test_readable_vision_code_is_background_centred_and_shows_the_shape():
+    import torch
+
+    from sparrow.training.world_target import WorldTargetConfig, new_world_target, world_sample
+
+    target = new_world_target(WorldTargetConfig())
+    video, events = world_sample(target, WorldVideo(), seed=4)
+    with torch.no_grad():
+        out = target.hf.model.visual(video.pixel_values_videos, grid_thw=video.model_kwargs["video_grid_thw"])
+    tokens = out if torch.is_tensor(out) else out.pooler_output            # (Nv, H)
+    norms = tokens.norm(dim=-1)
+    marker = 32 ** 0.5 * 0.25                                               # an empty token is the marker alone
+    assert (norms - marker).abs().lt(0.01).float().mean() > 0.25            # much of the frame is background
+    assert norms.max() > 2.0                                                # a shape is a large departure
+
+
+def test_pooled_training_loss_equals_the_pixel_path():
+    import torch
+
+    from sparrow.training.world_target import (WorldTargetConfig, conversation_batch, conversation_loss,
+                                               new_world_target, pooled_loss, video_pool, world_sample, world_turns)
+
+    c = WorldTargetConfig(pool=3, frames=(8,), sizes=(84,), layers=2)
+    target = new_world_target(c)
+    pool = video_pool(target, c, log=lambda line: None)
+    rng = random.Random(0)
+    chats = [world_turns(v.events, rng, 8, 1.0) for v in pool]
+    videos = [world_sample(target, WorldVideo(num_frames=8, size=84), seed=i * 64)[0] for i in range(3)]
+    with torch.no_grad():
+        a = pooled_loss(target, pool, chats)
+        b = conversation_loss(target, *conversation_batch(target, videos, chats))
+    assert torch.allclose(a, b, atol=1e-5), (float(a), float(b))

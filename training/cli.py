@@ -103,10 +103,32 @@ def _cmd_world_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_world_train_baselines(args: argparse.Namespace) -> int:
+    """The benchmark's other drafts (EAGLE-style, ablations), each through `world train-draft`'s
+    recipe with one change, and the SpecVLM-style small VLM through `world train-target`."""
+    from .world_data import VARIANT_DIRS, VARIANTS, make_world_data, world_draft_config
+    from .world_target import SMALL_TARGET, WorldTargetConfig, train_world_target_cli
+
+    names = args.only or [*VARIANTS, "small-target"]
+    for name in names:
+        out = Path(args.out) / VARIANT_DIRS.get(name, name)
+        if name == "small-target":
+            report = train_world_target_cli(WorldTargetConfig(**SMALL_TARGET), out)
+            print(f"{name}: accuracy {report['accuracy']['accuracy']:.3f}", flush=True)
+            continue
+        cfg = world_draft_config(seed=args.seed, **VARIANTS[name])
+        data = make_world_data(out / "data" / "train", args.videos, (8,), args.seed, args.questions_per_video)
+        held = make_world_data(out / "data" / "heldout", cfg.eval_samples, (8,), args.seed + 10**6, 0)
+        summary = train_draft(args.target, data, out, cfg, held)
+        print(f"{name}: held-out tau {summary.get('heldout', {}).get('tau')}", flush=True)
+    return 0
+
+
 def _cmd_world_eval(args: argparse.Namespace) -> int:
     from .world_data import evaluate_world
 
-    report = evaluate_world(args.target, args.draft, args.frames, args.videos, args.seed)
+    report = evaluate_world(args.target, args.draft, args.videos_at, args.videos, args.seed,
+                            log=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(report, indent=2))
     return 0
 
@@ -117,6 +139,10 @@ def _cmd_world_demo(args: argparse.Namespace) -> int:
     report = run_world_demo(args.seed, args.models or DEFAULT_MODELS, k=args.k,
                             print_fn=lambda *a, **kw: print(*a, **kw, flush=True))
     return 0 if all(r["lossless"] for r in report["results"]) else 1
+
+
+def _sizes(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(int(x) for x in part.split("x")) for part in text.split(","))
 
 
 def add_commands(sub) -> None:
@@ -159,10 +185,20 @@ def add_commands(sub) -> None:
     _add_config_options(p, TrainConfig, skip=("seed",))
     p.set_defaults(func=_cmd_world_train_draft)
 
+    p = wsub.add_parser("train-baselines", help="the benchmark's EAGLE-style and ablation drafts and the small VLM")
+    p.add_argument("--target", required=True)
+    p.add_argument("--out", required=True, help="e.g. models/bench")
+    p.add_argument("--only", nargs="*", help="names among eagle none window mtp bridge small-target")
+    p.add_argument("--videos", type=int, default=96)
+    p.add_argument("--questions-per-video", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_world_train_baselines)
+
     p = wsub.add_parser("eval", help="world accuracy by video length and held-out tau")
     p.add_argument("--target", required=True)
     p.add_argument("--draft")
-    p.add_argument("--frames", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8,))
+    p.add_argument("--videos-at", type=_sizes, default=((84, 8),),
+                   help="SIDExFRAMES list, e.g. 84x8,168x28,336x348 (the benchmark ladder: 168x28 ... 336x348)")
     p.add_argument("--videos", type=int, default=20)
     p.add_argument("--seed", type=int, default=10**6)
     p.set_defaults(func=_cmd_world_eval)

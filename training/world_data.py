@@ -59,22 +59,25 @@ def caption_samples(world: WorldVideo, seeds: list[int]) -> list[Sample]:
     return out
 
 
-def evaluate_world(target_dir: str | Path, draft_dir: str | Path | None, frames: tuple[int, ...],
-                   videos: int, seed: int, draft_tokens: int = 4) -> dict:
-    """Per video length: visual tokens, QA accuracy, caption exact match, and (with a draft)
-    held-out tau of the draft and of an untrained draft of the same shape."""
+def evaluate_world(target_dir: str | Path, draft_dir: str | Path | None, videos_at: tuple[tuple[int, int], ...],
+                   videos: int, seed: int, draft_tokens: int = 4, log=None) -> dict:
+    """Per video (side px, frames): visual tokens, QA accuracy, caption exact match, and (with
+    a draft) held-out tau of the draft and of an untrained draft of the same shape."""
     target = TargetModel.from_pretrained(target_dir)
     draft = SparrowDraft.from_pretrained(draft_dir, target) if draft_dir else None
     report = {}
-    for n in frames:
-        world = WorldVideo(num_frames=n, fps=WORLD_FPS)
+    for size, n in videos_at:
+        world = WorldVideo(num_frames=n, size=size, fps=WORLD_FPS)
         seeds = list(range(seed, seed + videos))
         t0 = time.perf_counter()
-        row = {"frames": n, **world_accuracy(target, world, seeds), **caption_match(target, world, seeds)}
+        row = {"size": size, "frames": n, **world_accuracy(target, world, seeds), **caption_match(target, world, seeds)}
         if draft is not None:
             row.update(tau_rows(target, draft, world, seeds, draft_tokens))
         row["seconds"] = time.perf_counter() - t0
-        report[n] = row
+        report[f"{size}x{n}"] = row
+        if log:
+            log(f"{size}x{n}: {row['visual_tokens']} visual tokens, accuracy {row['accuracy']:.3f}, "
+                f"caption exact {row['caption_exact']:.3f}" + (f", tau {row['tau']:.2f}" if "tau" in row else ""))
     return report
 
 
@@ -108,42 +111,17 @@ def tau_rows(target: TargetModel, draft: SparrowDraft, world: WorldVideo, seeds:
             "per_position": trained.acceptance_rate_per_position, "tau_untrained": baseline.mean_acceptance_length}
 
 
-# ----- ablations -----------------------------------------------------------------------------------
-# Each removes one of Sparrow's three training ideas. "No window" is the EAGLE-on-VLM setting:
-# the draft attends to the whole text history and every bridge-layer visual state, in training
-# (bridging prefix) and at inference (glimpse), so its cost grows with the video.
-FULL = 1 << 20
-ABLATIONS = {
-    "sparrow": {},
-    "no MTP": {"unroll": 1},
-    "no bridging": {"bridge_tokens": 0},
-    "no window": {"window": FULL, "anchors": FULL, "bridge_tokens": FULL, "glimpse": FULL},
+# ----- baselines and ablations ----------------------------------------------------------------------
+# Drafts trained with the world draft's recipe and budget, changing only what is named. Sparrow
+# is all three ideas: text-anchored window attention ("text" context), multi-token unrolling
+# (MTP) and the bridging prefix. "all" is the EAGLE-on-a-VLM setting: the draft attends to every
+# prompt position, visual ones included, so its cost grows with the video.
+VARIANTS = {
+    "eagle": {"context": "all", "bridge_tokens": 0},                     # EAGLE-style baseline (MTP, full attention)
+    "none": {"context": "all", "unroll": 1, "bridge_tokens": 0},         # ablation: none of the three
+    "window": {"unroll": 1, "bridge_tokens": 0},                         # window attention only
+    "mtp": {"bridge_tokens": 0},                                         # window + MTP
+    "bridge": {"context": "all", "unroll": 1},                           # bridging without window
 }
-
-
-def run_ablations(target_dir: str | Path, out: str | Path, videos: int, steps: int, frames: tuple[int, ...],
-                  eval_videos: int, seed: int = 0, log=None) -> dict:
-    """Train one draft per ablation on the same world data, then held-out tau per video length."""
-    from .cli import train_draft
-
-    out = Path(out)
-    data = make_world_data(out / "data", videos, (8,), seed)
-    target = TargetModel.from_pretrained(target_dir)
-    report: dict = {}
-    for name, change in ABLATIONS.items():
-        cfg = world_draft_config(steps=steps, eval_every=0, save_every=0, seed=seed, **change)
-        folder = out / name.replace(" ", "_")
-        t0 = time.perf_counter()
-        train_draft(target_dir, data, folder, cfg, log=log)
-        draft = SparrowDraft.from_pretrained(folder, target)
-        report[name] = {"train_seconds": time.perf_counter() - t0}
-        for n in frames:
-            world = WorldVideo(num_frames=n, fps=WORLD_FPS)
-            samples = caption_samples(world, list(range(EVAL_SEED_DRAFT, EVAL_SEED_DRAFT + eval_videos)))
-            spec = cfg.spec(4)
-            tau = held_out_tau(target, draft, samples, spec, 96, world.options())
-            report[name][n] = {"tau": tau.mean_acceptance_length, "accepted_per_step": tau.accepted_per_step}
-    return report
-
-
-EVAL_SEED_DRAFT = 3 * 10**9
+# where `sparrow world train-baselines` puts each, under its --out (the benchmark's layout)
+VARIANT_DIRS = {"eagle": "draft-eagle", **{k: f"ablation/{k}" for k in ("none", "window", "mtp", "bridge")}}

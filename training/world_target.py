@@ -25,6 +25,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.engine import Engine
 from sparrow.models.target import TargetModel
+from sparrow.prefix_cache import PrefixCache
 from sparrow.video import ProcessedVideo, load_frames, processor_for
 from sparrow.video.processors import OPENAI_CLIP_MEAN as QWEN_MEAN, OPENAI_CLIP_STD as QWEN_STD
 from sparrow.video.synthetic import BACKGROUND
@@ -50,16 +51,16 @@ class WorldTargetConfig:
     patch_size: int = 14
     merge_size: int = 2
     min_pixels: int = 28 * 28
-    steps: int = 3000
-    batch: int = 4                        # videos (conversations) per step
+    steps: int = 6000
+    batch: int = 8                        # videos (conversations) per step
     lr: float = 2e-3
     vision_lr_scale: float = 0.0          # 0: the vision tower stays as initialised (see train_world_target)
     vision_init: str = "readable"         # "readable" (see readable_vision_init) or "random"
     warmup: int = 100
-    frames: tuple[int, ...] = (8,)        # training video lengths (frames), drawn uniformly
-    sizes: tuple[int, ...] = (84,)        # training frame sides (px), drawn uniformly with the length
+    frames: tuple[int, ...] = (8, 12, 16)     # training video lengths (frames), drawn uniformly
+    sizes: tuple[int, ...] = (84, 84, 168)    # training frame sides (px), drawn uniformly with the length
     max_turns: int = 8                    # chat turns per conversation
-    caption_prob: float = 0.5             # chance a conversation includes the caption turn
+    caption_prob: float = 1.0             # chance a conversation includes the caption turn (dense signal)
     kinds: tuple[str, ...] = QUESTION_KINDS   # question kinds to train on
     # Curriculum: the first warm_steps train only on questions whose answers have no useful
     # language prior, so the only way to lower the loss is to look at the video.
@@ -67,9 +68,18 @@ class WorldTargetConfig:
     warm_kinds: tuple[str, ...] = ("start", "end", "present")
     seed: int = 0
     log_every: int = 50
-    eval_every: int = 250                 # per-kind accuracy on a few held-out videos (0: never)
+    eval_every: int = 1000                # per-kind accuracy on a few held-out videos (0: never)
     eval_videos: int = 8
     save_every: int = 500                 # checkpoint (save_pretrained) when training with an `out`
+    # Videos rendered once; their visual tokens (the tower is frozen) are reused across steps,
+    # each time with freshly drawn questions and wordings. 0: a fresh video per sample (slow:
+    # rendering + decoding is most of a step on a CPU). Needs vision_lr_scale == 0.
+    pool: int = 3000
+
+
+# The SpecVLM-style baseline's draft: a smaller full VLM of the same family, trained with the
+# same recipe (`sparrow world train-baselines --only small-target`).
+SMALL_TARGET = dict(hidden=64, layers=2, heads=2, intermediate=192)
 
 
 def world_target_config(tok, c: WorldTargetConfig) -> Qwen2_5_VLConfig:
@@ -223,6 +233,52 @@ def world_sample(target: TargetModel, world: WorldVideo, seed: int) -> tuple[Pro
 
 
 # ----- training --------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class PooledVideo:
+    """A rendered world video as the frozen tower sees it: its visual tokens, grid and script."""
+
+    embeds: torch.Tensor          # (Nv, H) the vision tower's output
+    model_kwargs: dict            # video_grid_thw (1, 3), second_per_grid_ts (1,)
+    events: list[dict]
+
+
+@torch.no_grad()
+def video_pool(target: TargetModel, c: WorldTargetConfig, log: Callable[[str], None]) -> list[PooledVideo]:
+    pool, t0 = [], time.perf_counter()
+    for i in range(c.pool):
+        rng = random.Random(c.seed * 1_000_003 + i)
+        world = WorldVideo(num_frames=rng.choice(c.frames), size=rng.choice(c.sizes))
+        video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + i) * 64)
+        embeds = target.hf.model.visual(video.pixel_values_videos, grid_thw=video.model_kwargs["video_grid_thw"])
+        embeds = embeds if torch.is_tensor(embeds) else embeds.pooler_output
+        pool.append(PooledVideo(embeds, dict(video.model_kwargs), events))
+        if (i + 1) % 500 == 0:
+            log(f"pool {i + 1}/{c.pool} videos {time.perf_counter() - t0:.0f}s")
+    return pool
+
+
+def pooled_loss(target: TargetModel, videos: list[PooledVideo], chats: list[list[tuple[str, str]]]) -> torch.Tensor:
+    """conversation_loss for pooled videos: the language model on inputs_embeds with the
+    video's tokens in place, positions from the same M-RoPE rule as inference."""
+    rows = [conversation_ids(target, v.embeds.shape[0], turns) for v, turns in zip(videos, chats)]
+    width = max(len(ids) for ids, _ in rows)
+    pad = target.tokenizer.pad_token_id
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
+    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])
+    learn = torch.tensor([m + [False] * (width - len(m)) for _, m in rows])
+    inputs = {"input_ids": ids, "attention_mask": attention,
+              **{k: torch.cat([v.model_kwargs[k] for v in videos]) for k in videos[0].model_kwargs}}
+    inputs.update(target.family.extra_inputs(ids, target.video_token_id))
+    position_ids, _ = target.family.prefill_positions(target.hf, inputs)
+    embeds = target.hf.model.language_model.embed_tokens(ids)
+    embeds = embeds.masked_scatter((ids == target.video_token_id)[..., None],
+                                   torch.cat([v.embeds for v in videos]).to(embeds.dtype))
+    hidden = target.hf.model.language_model(inputs_embeds=embeds, position_ids=position_ids,
+                                            attention_mask=attention, use_cache=False).last_hidden_state
+    logits = target.lm_head()(hidden[:, :-1][learn[:, 1:]])
+    return F.cross_entropy(logits.float(), ids[:, 1:][learn[:, 1:]])
+
+
 def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None = None,
                        target: TargetModel | None = None, out: str | Path | None = None) -> tuple[TargetModel, list[dict]]:
     """Deterministic under c.seed: the videos of step i come from seeds derived from (c.seed, i)."""
@@ -231,30 +287,37 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
     hf = target.hf.train()
     # Trained jointly from scratch, the vision tower collapses: before the LM can read it, the
     # cheapest way to lower the loss is to make every visual token the same large vector (an
-    # attention sink), and the video is ignored for good. A random tower cannot collapse and
-    # still encodes colour and position; the LM learns to read it.
+    # attention sink), and the video is ignored for good. The tower stays as initialised.
     vision = list(hf.model.visual.parameters())
     vision_ids = {id(p) for p in vision}
     groups = [{"params": [p for p in hf.parameters() if id(p) not in vision_ids], "lr": c.lr}]
     if c.vision_lr_scale > 0:
+        if c.pool:
+            raise ValueError("a video pool needs a frozen vision tower (vision_lr_scale 0)")
         groups.append({"params": vision, "lr": c.lr * c.vision_lr_scale})
     else:
         hf.model.visual.requires_grad_(False)
+    pool = video_pool(target, c, log) if c.pool else None
     opt = torch.optim.AdamW(groups, lr=c.lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / c.warmup) * (
         0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / c.steps)))))
     history, t0, run = [], time.perf_counter(), 0.0
     for step in range(c.steps):
         rng = random.Random(c.seed * 1_000_003 + step)
-        world = WorldVideo(num_frames=rng.choice(c.frames), size=rng.choice(c.sizes))   # one shape per batch
-        videos, chats = [], []
-        for b in range(c.batch):
-            video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + step) * 64 + b)
-            videos.append(video)
-            warm = step < c.warm_steps
-            chats.append(world_turns(events, rng, c.max_turns, 0.0 if warm else c.caption_prob,
-                                     c.warm_kinds if warm else c.kinds))
-        loss = conversation_loss(target, *conversation_batch(target, videos, chats))
+        warm = step < c.warm_steps
+        kinds, caption_prob = (c.warm_kinds, 0.0) if warm else (c.kinds, c.caption_prob)
+        if pool is not None:
+            videos = [pool[rng.randrange(len(pool))] for _ in range(c.batch)]
+            chats = [world_turns(v.events, rng, c.max_turns, caption_prob, kinds) for v in videos]
+            loss = pooled_loss(target, videos, chats)
+        else:
+            world = WorldVideo(num_frames=rng.choice(c.frames), size=rng.choice(c.sizes))   # one shape per batch
+            videos, chats = [], []
+            for b in range(c.batch):
+                video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + step) * 64 + b)
+                videos.append(video)
+                chats.append(world_turns(events, rng, c.max_turns, caption_prob, kinds))
+            loss = conversation_loss(target, *conversation_batch(target, videos, chats))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
@@ -271,8 +334,8 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
                                  c.kinds)
             hf.train()
             history.append({"step": step + 1, "heldout": acc})
-            kinds = " ".join(f"{k} {v:.2f}" for k, v in acc["per_kind"].items())
-            log(f"  held-out accuracy {acc['accuracy']:.3f} ({kinds})")
+            kinds_acc = " ".join(f"{k} {v:.2f}" for k, v in acc["per_kind"].items())
+            log(f"  held-out accuracy {acc['accuracy']:.3f} ({kinds_acc})")
         if out is not None and c.save_every and (step + 1) % c.save_every == 0:
             target.save_pretrained(out)
     hf.eval()
@@ -283,20 +346,23 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
 @torch.no_grad()
 def world_accuracy(target: TargetModel, world: WorldVideo, seeds: list[int],
                    kinds: tuple[str, ...] = QUESTION_KINDS, engine: Engine | None = None) -> dict:
-    """Exact match of single-turn answers at temperature 0, per question kind and overall."""
-    engine = engine or Engine(target, spec=SpecConfig(method="none"))
+    """Exact match of single-turn answers at temperature 0, per question kind and overall.
+    A video's questions share its prefill (the prefix cache), which long videos need."""
+    engine = engine or Engine(target, spec=SpecConfig(method="none"), prefix_cache=PrefixCache(max_entries=1))
     right: dict[str, int] = {k: 0 for k in kinds}
     total: dict[str, int] = {k: 0 for k in kinds}
+    tokens = 0
     for seed in seeds:
         video, events = world_sample(target, world, seed)
+        tokens = video.num_visual_tokens
+        key = f"world-eval/{world}/{seed}"
         for kind, q, a in questions(events, random.Random(seed), kinds):
-            got = engine.generate(video, q, SamplingParams(max_new_tokens=4)).text.strip()
+            got = engine.generate(video, q, SamplingParams(max_new_tokens=4), video_key=key).text.strip()
             right[kind] += got == a
             total[kind] += 1
     per_kind = {k: right[k] / total[k] for k in kinds if total[k]}
     return {"accuracy": sum(right.values()) / max(1, sum(total.values())), "per_kind": per_kind,
-            "questions": sum(total.values()), "videos": len(seeds)}
-
+            "questions": sum(total.values()), "videos": len(seeds), "visual_tokens": tokens}
 
 
 def train_world_target_cli(c: WorldTargetConfig, out: str | Path, eval_videos: int = 40) -> dict:
