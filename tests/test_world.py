@@ -110,3 +110,25 @@ def test_pooled_training_loss_equals_the_pixel_path():
         a = pooled_loss(target, pool, chats)
         b = conversation_loss(target, *conversation_batch(target, videos, chats))
     assert torch.allclose(a, b, atol=1e-5), (float(a), float(b))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_world_moves_are_plainly_left_or_right_and_rectangles_tall(seed):
+    import numpy as np
+
+    from sparrow.video import VideoOptions, load_frames
+
+    world = WorldVideo(num_frames=8)
+    video = world.make(seed)
+    (move,) = [e for e in video.events if e["kind"] == "move"]
+    (x0, y0), (x1, y1) = move["start"], move["end"]
+    assert move["direction"] in ("left", "right") and y0 == y1
+    assert abs(x1 - x0) >= world.size / 3 - 1
+    frames = load_frames(video.source, VideoOptions(fps=world.fps)).frames      # (T, H, W, 3) uint8
+    lit = np.abs(frames[0].astype(int) - 24).sum(-1) > 60                      # first frame: the shape
+    ys, xs = np.nonzero(lit)
+    height, width = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
+    if move["shape"] == "rectangle":
+        assert height >= 1.8 * width
+    else:
+        assert abs(height - width) <= 2

@@ -24,7 +24,7 @@ from sparrow.tokenizer import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIAL_TOKENS
 from sparrow.video import VideoOptions, write_synthetic_video
 from sparrow.video.synthetic import PALETTE, SHAPES, SyntheticVideo
 
-DIRECTIONS = ("left", "right", "up", "down")
+DIRECTIONS = ("left", "right", "up", "down")   # the world moves left or right; the words stay
 CAPTION_PROMPTS = ("describe the video .", "what happens in the video ?", "tell me what happens .")
 
 # Answers are single words; {c} is a colour (presence questions only).
@@ -56,9 +56,12 @@ class WorldVideo:
     size: int = 84
     fps: float = 4.0
     shapes: int = 1
-    # Shapes a sixth to a quarter of the side: large next to one visual token (a third of the
-    # side at 84 px), so colour and motion are plain in the visual code.
-    shape_size: tuple[float, float] = (1 / 6, 1 / 4)
+    # Legible at the visual-token grid (a token is 28 px of an 84 px frame): shapes a seventh
+    # to a sixth of the side, rectangles twice as tall as wide (a circle is about one token,
+    # a rectangle a column of two), and moves left or right across a third of the frame or more.
+    shape_size: tuple[float, float] = (1 / 7, 1 / 6)
+    tall_rectangles: bool = True
+    horizontal_motion: bool = True
 
     def options(self) -> VideoOptions:
         # Every frame is sampled (the events happen at frame granularity), and the benchmark's
@@ -69,7 +72,8 @@ class WorldVideo:
     def make(self, seed: int, path=None) -> SyntheticVideo:
         return write_synthetic_video(path, num_frames=self.num_frames, width=self.size, height=self.size,
                                      fps=self.fps, seed=seed, num_shapes=self.shapes,
-                                     shape_size=self.shape_size)
+                                     shape_size=self.shape_size, tall_rectangles=self.tall_rectangles,
+                                     horizontal_motion=self.horizontal_motion)
 
 
 @dataclass(frozen=True, slots=True)

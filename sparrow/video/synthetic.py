@@ -66,6 +66,7 @@ class _Actor:
     destination: np.ndarray  # float [2]
     recolor_at: int
     new_color: str
+    half_height: int = 0  # rectangles only; 0: the radius (a square)
 
     def center(self, frame: int) -> np.ndarray:
         span = max(self.move_end - self.move_start, 1)
@@ -87,12 +88,17 @@ def write_synthetic_video(
     num_shapes: int = 3,
     codec: str | None = None,
     shape_size: tuple[float, float] | None = None,
+    tall_rectangles: bool = False,
+    horizontal_motion: bool = False,
 ) -> SyntheticVideo:
     """Render and encode a synthetic video (yuv420p, a keyframe at least every 12 frames).
 
     `path=None` returns the mp4 bytes instead of writing a file. The same arguments give the
     same script and the same pixels. `codec` defaults to libx264, else mpeg4. `shape_size` is
-    the (min, max) radius as a share of the shorter side (default 1/16 to 1/7). Shapes may
+    the (min, max) radius as a share of the shorter side (default 1/16 to 1/7).
+    `tall_rectangles` draws rectangles twice as tall as wide (a footprint unlike a circle's
+    even at a coarse patch grid); `horizontal_motion` makes every move left or right, across
+    at least a third of the width. Shapes may
     overlap (later ones are drawn on top), so an event's centre can be hidden by another shape.
     """
     _validate(num_frames, width, height, fps, num_shapes)
@@ -100,7 +106,8 @@ def write_synthetic_video(
         raise InvalidRequest(f"shape_size must be 0 < min <= max < 0.5, got {shape_size}")
     rng = np.random.default_rng(seed)
     colors = rng.permutation(list(PALETTE))
-    actors = [_make_actor(rng, i, colors, num_frames, width, height, shape_size) for i in range(num_shapes)]
+    actors = [_make_actor(rng, i, colors, num_frames, width, height, shape_size, tall_rectangles, horizontal_motion)
+              for i in range(num_shapes)]
     events = _events(actors, num_frames, fps)
     frames = (_render(actors, i, width, height) for i in range(num_frames))
     target = io.BytesIO() if path is None else pathlib.Path(path)
@@ -127,36 +134,53 @@ def _validate(num_frames: int, width: int, height: int, fps: float, num_shapes: 
 
 
 def _make_actor(rng: np.random.Generator, index: int, colors: np.ndarray, n: int, w: int, h: int,
-                shape_size: tuple[float, float] | None) -> _Actor:
+                shape_size: tuple[float, float] | None, tall: bool = False, horizontal: bool = False) -> _Actor:
     if shape_size is None:
         radius = int(rng.integers(max(2, min(w, h) // 16), max(3, min(w, h) // 7) + 1))
     else:
         low = max(2, int(min(w, h) * shape_size[0]))
         radius = int(rng.integers(low, max(low, int(min(w, h) * shape_size[1])) + 1))
 
-    def spot() -> np.ndarray:  # a centre that keeps the whole shape inside the frame
-        return np.array([rng.uniform(radius, w - radius), rng.uniform(radius, h - radius)])
-
     # The first shape is there from frame 0, so no frame is empty.
     appear = 0 if index == 0 else int(rng.integers(0, max(1, n // 2)))
     disappear = int(rng.integers(appear + max(1, n // 4), n + 1)) if rng.random() < 0.5 else n
     move_start = int(rng.integers(appear, max(appear + 1, disappear - 1)))
     move_end = min(disappear, move_start + max(1, n // 4))
+    shape = SHAPES[int(rng.integers(len(SHAPES)))]
+    half_height = min(2 * radius, h // 2 - 1) if tall and shape == "rectangle" else radius
+
+    def spot() -> np.ndarray:  # a centre that keeps the whole shape inside the frame
+        return np.array([rng.uniform(radius, w - radius), rng.uniform(half_height, h - half_height)])
+
+    origin = spot()
+    destination = _across(rng, origin, radius, w) if horizontal else spot()
     # Colours come in disjoint pairs per actor, so a colour names one shape at any time.
     return _Actor(
-        shape=SHAPES[int(rng.integers(len(SHAPES)))],
+        shape=shape,
         color=str(colors[2 * index]),
         radius=radius,
         appear=appear,
         disappear=disappear,
         move_start=move_start,
         move_end=move_end,
-        origin=spot(),
-        destination=spot(),
+        origin=origin,
+        destination=destination,
         # n means "never"; a recolour needs a visible frame before and after it.
         recolor_at=int(rng.integers(appear + 1, disappear)) if disappear > appear + 1 else n,
         new_color=str(colors[2 * index + 1]),
+        half_height=half_height,
     )
+
+
+def _across(rng: np.random.Generator, origin: np.ndarray, radius: int, w: int) -> np.ndarray:
+    """A destination on the same row, at least a third of the width away (towards the side
+    with more room), so the move is plainly left or right."""
+    x, step = float(origin[0]), w / 3
+    if x < w / 2:
+        lo, hi = min(x + step, w - radius), w - radius
+    else:
+        lo, hi = radius, max(x - step, radius)
+    return np.array([rng.uniform(lo, hi), origin[1]])
 
 
 def _events(actors: list[_Actor], n: int, fps: float) -> list[dict]:
@@ -200,8 +224,9 @@ def _render(actors: list[_Actor], frame: int, w: int, h: int) -> np.ndarray:
             continue
         cx, cy = actor.center(frame)
         r = actor.radius
+        ry = actor.half_height or r if actor.shape == "rectangle" else r
         x0, x1 = max(0, int(cx - r)), min(w, int(cx + r) + 1)
-        y0, y1 = max(0, int(cy - r)), min(h, int(cy + r) + 1)
+        y0, y1 = max(0, int(cy - ry)), min(h, int(cy + ry) + 1)
         box = canvas[y0:y1, x0:x1]  # view into the canvas
         if actor.shape == "circle":
             ys, xs = np.ogrid[y0:y1, x0:x1]
