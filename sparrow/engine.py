@@ -143,7 +143,7 @@ class Engine:
         # prefill
         pre, inputs, processed = self._prefill(video, prompt, options, video_key, sampling.max_new_tokens, k, m)
         t0 = time.perf_counter()
-        rng = new_generator(sampling.seed)
+        rng = new_generator(sampling.seed, self.target.device)   # sampling happens where the logits are
         token = self._sample_one(pre.logits, sampling, rng)
         dstate = None
         if proposer is not None and hasattr(proposer, "begin_request"):

@@ -132,3 +132,15 @@ def test_world_moves_are_plainly_left_or_right_and_rectangles_tall(seed):
         assert height >= 1.8 * width
     else:
         assert abs(height - width) <= 2
+
+
+@needs_pair
+def test_demo_streams_lossless_answers_with_real_acceptance(world_pair):
+    from sparrow.training.world_demo import run_world_demo
+
+    lines = []
+    report = run_world_demo(seed=2 * 10**9 + 11, print_fn=lambda *a, **kw: lines.append(" ".join(map(str, a))))
+    caption, *asks = report["results"]
+    assert all(r["lossless"] for r in report["results"])
+    assert caption["tau"] > 1.5 and caption["decode_speedup"] > 0
+    assert any("correct: True" in line for line in lines)

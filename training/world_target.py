@@ -51,16 +51,16 @@ class WorldTargetConfig:
     patch_size: int = 14
     merge_size: int = 2
     min_pixels: int = 28 * 28
-    steps: int = 6000
-    batch: int = 8                        # videos (conversations) per step
+    steps: int = 5000
+    batch: int = 12                       # videos (conversations) per step
     lr: float = 2e-3
     vision_lr_scale: float = 0.0          # 0: the vision tower stays as initialised (see train_world_target)
     vision_init: str = "readable"         # "readable" (see readable_vision_init) or "random"
     warmup: int = 100
     frames: tuple[int, ...] = (8, 12, 16)     # training video lengths (frames), drawn uniformly
     sizes: tuple[int, ...] = (84, 84, 168)    # training frame sides (px), drawn uniformly with the length
-    max_turns: int = 8                    # chat turns per conversation
-    caption_prob: float = 1.0             # chance a conversation includes the caption turn (dense signal)
+    max_turns: int = 1                    # chat turns per conversation (see world_turns)
+    caption_prob: float = 0.3             # chance a conversation is the caption request (long answers)
     kinds: tuple[str, ...] = QUESTION_KINDS   # question kinds to train on
     # Curriculum: the first warm_steps train only on questions whose answers have no useful
     # language prior, so the only way to lower the loss is to look at the video.
@@ -220,11 +220,16 @@ def conversation_loss(target: TargetModel, inputs: dict, learn: torch.Tensor) ->
 
 def world_turns(events: list[dict], rng: random.Random, max_turns: int, caption_prob: float,
                 kinds: tuple[str, ...] = QUESTION_KINDS) -> list[tuple[str, str]]:
-    turns = [(q, a) for _, q, a in questions(events, rng, kinds)]
+    """The chat turns about one video: with probability caption_prob the caption request
+    first, then questions in random order, at most max_turns. Single-turn (max_turns 1) is
+    the recipe: in a longer chat a later answer can be copied from an earlier one (the caption
+    names every colour), and a model trained that way learned to answer "is there a red
+    shape?" from the text, which a single question about a video does not have."""
+    qa = [(q, a) for _, q, a in questions(events, rng, kinds)]
+    rng.shuffle(qa)
     if rng.random() < caption_prob:
-        turns.append((rng.choice(CAPTION_PROMPTS), caption(events)))
-    rng.shuffle(turns)
-    return turns[:max_turns]
+        qa.insert(0, (rng.choice(CAPTION_PROMPTS), caption(events)))
+    return qa[:max_turns]
 
 
 def world_sample(target: TargetModel, world: WorldVideo, seed: int) -> tuple[ProcessedVideo, list[dict]]:
@@ -373,7 +378,7 @@ def train_world_target_cli(c: WorldTargetConfig, out: str | Path, eval_videos: i
     seconds = time.perf_counter() - t0
     target.save_pretrained(out)
     accuracy = world_accuracy(target, WorldVideo(), list(range(EVAL_SEED, EVAL_SEED + eval_videos)))
-    report = {"config": asdict(c), "train_seconds": seconds, "final_loss": history[-1]["loss"],
+    report = {"config": asdict(c), "train_seconds": seconds, "final_loss": [h for h in history if "loss" in h][-1]["loss"],
               "lm_parameters": lm_parameters(target), "accuracy": accuracy}
     Path(out, "world_target.json").write_text(json.dumps(report, indent=2))
     return report

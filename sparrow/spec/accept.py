@@ -35,7 +35,7 @@ class AcceptResult:
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> AcceptResult:
     """draft_tokens: (k,) long; target_logits: (k+1, V), row i scores the token after input i."""
     k = draft_tokens.shape[0]
-    target_tokens = target_logits.argmax(dim=-1)                        # (k+1,)
+    target_tokens = target_logits.argmax(dim=-1).to(draft_tokens.device)   # (k+1,)
     mismatch = (draft_tokens != target_tokens[:k]).nonzero()
     n = int(mismatch[0]) if mismatch.numel() else k
     return AcceptResult(n, int(target_tokens[n]))
@@ -46,7 +46,8 @@ def accept_speculative(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | N
     """draft_tokens: (k,); draft_probs: (k, V) or None (deterministic draft);
     target_probs: (k+1, V) after the request's temperature/top-k/top-p."""
     k = draft_tokens.shape[0]
-    idx = torch.arange(k)
+    draft_tokens = draft_tokens.to(target_probs.device)
+    idx = torch.arange(k, device=target_probs.device)
     p = target_probs[idx, draft_tokens]                                 # (k,) p_i(x_i)
     q = draft_probs[idx, draft_tokens] if draft_probs is not None else torch.ones_like(p)
     u = torch.rand(k, generator=generator, device=p.device)
