@@ -171,13 +171,22 @@ class Engine:
         finish = None
         t_decode = time.perf_counter()
         new_tokens = [token]
+        # Stop strings are not part of the answer; text that could still become one is held back.
+        hold = max((len(x) for x in sampling.stop), default=1) - 1
+        shown = 0                                    # characters of detok.text already yielded
         while True:
             # yield: emit this step's tokens up to a stop condition
             new_tokens, finish = self._truncate(new_tokens, out, stop_ids, sampling)
             out.extend(new_tokens)
-            delta = detok.push(out)
-            if finish is None and sampling.stop:
-                finish = self._stop_string(detok.text, sampling.stop)
+            detok.push(out)
+            end = len(detok.text)
+            if sampling.stop:
+                cut = self._stop_string(detok.text, sampling.stop, max(0, shown - hold))
+                if cut is not None:
+                    finish, end = "stop", cut
+                elif finish is None:
+                    end = max(shown, end - hold)
+            delta, shown = detok.text[shown:end], max(shown, end)
             if new_tokens or delta:
                 yield TokenDelta(tuple(new_tokens), delta)
             if finish is None and gen._abort.is_set():
@@ -214,7 +223,7 @@ class Engine:
         m.completion_tokens = len(out)
         if dstate is not None and hasattr(dstate, "kv"):
             m.draft_max_keys = dstate.kv.max_visible
-        gen.output = GenerationOutput(out, detok.text, finish, m)
+        gen.output = GenerationOutput(out, detok.text[:shown], finish, m)
 
     # ----- phases ---------------------------------------------------------------------------------
     def _draft_tokens(self, requested: int | None) -> int:
@@ -290,5 +299,7 @@ class Engine:
         return new, None
 
     @staticmethod
-    def _stop_string(text: str, stops: tuple[str, ...]) -> str | None:
-        return "stop" if any(s in text for s in stops) else None
+    def _stop_string(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
+        """Where the earliest stop string begins in text[start:], or None."""
+        found = [i for i in (text.find(x, start) for x in stops) if i >= 0]
+        return min(found) if found else None

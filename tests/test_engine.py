@@ -187,3 +187,18 @@ def test_abort_stops_generation(qwen_target, small_video):
     rest = list(gen)
     assert len(rest) <= 1 and gen.output.finish_reason == "abort"
     assert len(gen.output.token_ids) < 50
+
+
+def test_stop_string_ends_the_answer_and_is_not_part_of_it(qwen_target, small_video):
+    engine = Engine(qwen_target, tiny_draft(qwen_target, SPEC), SPEC)
+    full = engine.generate(small_video, PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    text = full.text
+    assert len(text) >= 8, text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    at = text.find(stop)
+    gen = engine.stream(small_video, PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop, "\x00never")))
+    streamed = "".join(d.text for d in gen)
+    out = gen.output
+    assert out.finish_reason == "stop"
+    assert out.text == text[:at] == streamed
+    assert stop not in out.text

@@ -34,6 +34,8 @@ def run_world_demo(seed: int | None = None, models: str | Path = DEFAULT_MODELS,
         asks += [(q, a) for _, q, a in rng.sample(questions(video.events, rng), 2)]
         print_fn(f"video: seed {seed}, {video.num_frames} frames {video.width}x{video.height} at {video.fps:g} fps, "
                  f"{len(video.events)} events; models: {models} (trained world pair)")
+        for engine in (fast, plain):     # untimed: first calls pay one-off costs (allocations, caches)
+            engine.generate(video.path, asks[0][0], SamplingParams(max_new_tokens=8), world.options())
         results = [_ask(fast, plain, video.path, q, a, world, print_fn) for q, a in asks]
     return {"seed": seed, "results": results}
 
