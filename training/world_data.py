@@ -26,9 +26,9 @@ WORLD_FPS = 4.0
 def world_draft_config(**overrides) -> TrainConfig:
     """The world draft's recipe. The draft is 1 layer with a narrow MLP, so it stays under a
     sixth of the target's language-model parameters."""
-    base = dict(steps=400, grad_accum=4, lr=2e-3, warmup=20, unroll=4, bridge_tokens=16, window=16, anchors=32,
-                glimpse=0, draft_intermediate=64, max_new_tokens=80, fps=WORLD_FPS, eval_every=100,
-                eval_samples=8, save_every=100, log_every=20)
+    base = dict(steps=1200, grad_accum=4, lr=2e-3, warmup=40, unroll=4, bridge_tokens=16, window=16, anchors=32,
+                glimpse=0, draft_intermediate=64, max_new_tokens=80, fps=WORLD_FPS, eval_every=300,
+                eval_samples=8, save_every=300, log_every=50)
     return TrainConfig(**{**base, **overrides})
 
 
