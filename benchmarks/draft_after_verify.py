@@ -1,0 +1,59 @@
+"""Is the Sparrow draft step itself length-independent? Times `propose(k=4)` alone and right
+after a target verify step, at a short and a long world video (world pair, one thread).
+
+    python -m benchmarks.draft_after_verify
+
+A draft step that reads a constant number of keys should cost the same at any length; if it
+costs more right after a long-context verify, the difference is the verify evicting the CPU
+caches (it streams the whole KV cache), not the draft's attention.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from sparrow.config import SamplingParams, SpecConfig  # noqa: E402
+from sparrow.models.draft import SparrowDraft  # noqa: E402
+from sparrow.models.target import TargetModel  # noqa: E402
+from sparrow.spec.propose import SparrowProposer, build_context  # noqa: E402
+from sparrow.spec.sampling import new_generator  # noqa: E402
+from sparrow.training.world import WorldVideo  # noqa: E402
+from sparrow.training.world_target import world_sample  # noqa: E402
+
+
+def main(models: str = "models/world", reps: int = 30) -> None:
+    torch.set_num_threads(1)
+    target = TargetModel.from_pretrained(f"{models}/target")
+    proposer = SparrowProposer(SparrowDraft.from_pretrained(f"{models}/draft", target), SpecConfig(window=16, anchors=32))
+    sampling, rng = SamplingParams(), new_generator(0)
+    for size, frames in ((168, 28), (336, 348)):
+        video, _ = world_sample(target, WorldVideo(num_frames=frames, size=size), 7)
+        inputs = target.build_inputs(video, "describe the video .")
+        pre = target.prefill(inputs, inputs["input_ids"].shape[1] + 64, feature_layers=proposer.feature_layers)
+        token = int(pre.logits.argmax())
+        state = proposer.begin(build_context(pre, token, 0))
+        alone, after = [], []
+        proposal = proposer.propose(state, 4, sampling, rng)
+        for _ in range(reps):                  # back to back: the draft's own working set stays warm
+            t0 = time.perf_counter()
+            proposal = proposer.propose(state, 4, sampling, rng)
+            alone.append(time.perf_counter() - t0)
+        for _ in range(reps):                  # as in decoding: each draft step follows a verify
+            target.step(pre.state, torch.cat([torch.tensor([token]), proposal.tokens]), proposer.feature_layers)
+            target.rollback(pre.state, 5)
+            t0 = time.perf_counter()
+            proposal = proposer.propose(state, 4, sampling, rng)
+            after.append(time.perf_counter() - t0)
+        print(f"{video.num_visual_tokens:>6} visual tokens: propose(k=4) alone {statistics.median(alone) * 1e3:.2f} ms, "
+              f"right after a verify {statistics.median(after) * 1e3:.2f} ms ({reps} reps, medians)")
+
+
+if __name__ == "__main__":
+    main()
