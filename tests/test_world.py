@@ -146,5 +146,5 @@ def test_demo_streams_lossless_answers_with_real_acceptance(world_pair):
     report = run_world_demo(seed=2 * 10**9 + 11, print_fn=lambda *a, **kw: lines.append(" ".join(map(str, a))))
     caption, *asks = report["results"]
     assert all(r["lossless"] for r in report["results"])
-    assert caption["tau"] > 1.5 and caption["decode_speedup"] > 0
+    assert caption["tau"] > 1.5 and caption["decode_speedup"] is not None and caption["decode_speedup"] > 0
     assert any("correct: True" in line for line in lines)
