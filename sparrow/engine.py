@@ -210,9 +210,9 @@ class Engine:
                                         proposer.feature_layers)
             # accept
             result = self._accept(proposal, logits, sampling, rng)
-            t3 = time.perf_counter()
             # advance: drop rejected drafts from the target cache, feed the draft what was kept
             target.rollback(pre.state, k_step - result.num_accepted)
+            t3 = time.perf_counter()          # verify time: the target's forward, acceptance, its rollback
             new_tokens = result.tokens(proposal.tokens)
             proposer.commit(dstate, new_tokens, feats[: len(new_tokens)] if feats is not None else None)
             m.draft_seconds += (t2 - t1) + (time.perf_counter() - t3)
