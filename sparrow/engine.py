@@ -26,7 +26,7 @@ from .models.target import PrefillOutput, TargetModel
 from .prefix_cache import PrefixCache, PrefixEntry
 from .spec.accept import AcceptResult, accept_greedy, accept_speculative
 from .spec.propose import SparrowProposer, build_context
-from .spec.sampling import logits_to_probs, new_generator, sample
+from .spec.sampling import draw_token, logits_to_probs, new_generator
 from .video import ProcessedVideo, VideoOptions, prepare_video
 
 
@@ -275,9 +275,7 @@ class Engine:
     # ----- small helpers ------------------------------------------------------------------------
     @staticmethod
     def _sample_one(logits: torch.Tensor, sampling: SamplingParams, rng: torch.Generator) -> int:
-        if sampling.greedy:
-            return int(logits.argmax())
-        return sample(logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p), rng)
+        return draw_token(logits, sampling, rng)[0]
 
     @staticmethod
     def _accept(proposal, logits: torch.Tensor, sampling: SamplingParams, rng: torch.Generator) -> AcceptResult:

@@ -191,21 +191,28 @@ def conversation_ids(target: TargetModel, num_visual_tokens: int, turns: list[tu
     return ids, learn
 
 
-def conversation_batch(target: TargetModel, videos: list[ProcessedVideo],
-                       chats: list[list[tuple[str, str]]]) -> tuple[dict, torch.Tensor]:
-    """HF inputs for B chats, right-padded, and the (B, T) mask of tokens to learn. Batching
-    several videos per forward is what makes CPU training fast enough (bigger matmuls)."""
-    rows = [conversation_ids(target, v.num_visual_tokens, turns) for v, turns in zip(videos, chats)]
+def chat_batch(target: TargetModel, num_visual: list[int], model_kwargs: list[dict],
+               chats: list[list[tuple[str, str]]]) -> tuple[dict, torch.Tensor]:
+    """Token-side HF inputs for B chats, right-padded (ids, attention mask, the videos' grid
+    kwargs, family extras), and the (B, T) mask of tokens to learn."""
+    rows = [conversation_ids(target, n, turns) for n, turns in zip(num_visual, chats)]
     width = max(len(ids) for ids, _ in rows)
     pad = target.tokenizer.pad_token_id
     input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows])
     attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
     learn = torch.tensor([m + [False] * (width - len(m)) for _, m in rows])
-    inputs = {"input_ids": input_ids, "attention_mask": attention,
-              "pixel_values_videos": torch.cat([v.pixel_values_videos for v in videos])}
-    for key in videos[0].model_kwargs:                      # video_grid_thw (B, 3), second_per_grid_ts (B,)
-        inputs[key] = torch.cat([v.model_kwargs[key] for v in videos])
+    inputs = {"input_ids": input_ids, "attention_mask": attention,   # video_grid_thw (B, 3), second_per_grid_ts (B,)
+              **{k: torch.cat([kw[k] for kw in model_kwargs]) for k in model_kwargs[0]}}
     inputs.update(target.family.extra_inputs(input_ids, target.video_token_id))
+    return inputs, learn
+
+
+def conversation_batch(target: TargetModel, videos: list[ProcessedVideo],
+                       chats: list[list[tuple[str, str]]]) -> tuple[dict, torch.Tensor]:
+    """HF inputs for B chats about B processed videos, and the mask of tokens to learn.
+    Batching several videos per forward is what makes CPU training fast enough."""
+    inputs, learn = chat_batch(target, [v.num_visual_tokens for v in videos], [v.model_kwargs for v in videos], chats)
+    inputs["pixel_values_videos"] = torch.cat([v.pixel_values_videos for v in videos])
     return inputs, learn
 
 
@@ -265,15 +272,8 @@ def video_pool(target: TargetModel, c: WorldTargetConfig, log: Callable[[str], N
 def pooled_loss(target: TargetModel, videos: list[PooledVideo], chats: list[list[tuple[str, str]]]) -> torch.Tensor:
     """conversation_loss for pooled videos: the language model on inputs_embeds with the
     video's tokens in place, positions from the same M-RoPE rule as inference."""
-    rows = [conversation_ids(target, v.embeds.shape[0], turns) for v, turns in zip(videos, chats)]
-    width = max(len(ids) for ids, _ in rows)
-    pad = target.tokenizer.pad_token_id
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
-    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])
-    learn = torch.tensor([m + [False] * (width - len(m)) for _, m in rows])
-    inputs = {"input_ids": ids, "attention_mask": attention,
-              **{k: torch.cat([v.model_kwargs[k] for v in videos]) for k in videos[0].model_kwargs}}
-    inputs.update(target.family.extra_inputs(ids, target.video_token_id))
+    inputs, learn = chat_batch(target, [v.embeds.shape[0] for v in videos], [v.model_kwargs for v in videos], chats)
+    ids, attention = inputs["input_ids"], inputs["attention_mask"]
     position_ids, _ = target.family.prefill_positions(target.hf, inputs)
     embeds = target.hf.model.language_model.embed_tokens(ids)
     embeds = embeds.masked_scatter((ids == target.video_token_id)[..., None],

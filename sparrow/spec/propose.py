@@ -20,7 +20,7 @@ from ..config import SamplingParams, SpecConfig
 from ..models.draft import DraftKV, SparrowDraft
 from .glimpse import select_glimpse, text_to_visual_attention
 from .prune import prune_budget, prune_visual
-from .sampling import logits_to_probs
+from .sampling import draw_token
 
 # A window no sequence reaches: with it nothing slides out of view and nothing is evicted, so
 # `window_mask` is plain causal attention ("all" / "pruned" draft contexts).
@@ -165,12 +165,8 @@ class SparrowProposer:
         hidden = state.last_hidden
         tokens, probs = [], []
         for j in range(k):
-            logits = draft.logits(hidden)                                   # (V,)
-            if sampling.greedy:
-                tok = int(logits.argmax())
-            else:
-                q = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-                tok = int(torch.multinomial(q, 1, generator=generator))
+            tok, q = draw_token(draft.logits(hidden), sampling, generator)
+            if q is not None:
                 probs.append(q)
             tokens.append(tok)
             if j + 1 < k:   # feed the drafted token forward (speculative entry, dropped at commit)

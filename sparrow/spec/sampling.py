@@ -33,6 +33,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def draw_token(logits: torch.Tensor, sampling, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """One token from (V,) logits under a request's SamplingParams: the argmax when greedy
+    (no distribution), else a draw from the tempered / top-k / top-p distribution, returned
+    with it (a draft's q for the acceptance test)."""
+    if sampling.greedy:
+        return int(logits.argmax()), None
+    q = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return sample(q, generator), q
+
+
 def new_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     gen = torch.Generator(device=device)
     if seed is None:

@@ -45,7 +45,7 @@ from ..models.target import PrefillOutput, TargetModel
 from .glimpse import text_to_visual_attention
 from .propose import Proposal
 from .prune import prune_budget, prune_visual
-from .sampling import logits_to_probs
+from .sampling import draw_token
 
 
 @dataclass(slots=True)
@@ -193,12 +193,8 @@ class SpecVLMProposer:
         feed, tokens, probs = state.pending, [], []
         state.pending = []
         for j in range(k):
-            logits = self._feed(state, feed)
-            if sampling.greedy:
-                tok = int(logits.argmax())
-            else:
-                q = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-                tok = int(torch.multinomial(q, 1, generator=generator))
+            tok, q = draw_token(self._feed(state, feed), sampling, generator)
+            if q is not None:
                 probs.append(q)
             tokens.append(tok)
             feed = [tok]
