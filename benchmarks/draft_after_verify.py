@@ -24,7 +24,7 @@ from sparrow.models.draft import SparrowDraft  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.spec.propose import SparrowProposer, build_context  # noqa: E402
 from sparrow.spec.sampling import new_generator  # noqa: E402
-from sparrow.training.world import WorldVideo  # noqa: E402
+from sparrow.training.world import LADDER, WorldVideo  # noqa: E402
 from sparrow.training.world_target import world_sample  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def main(models: str = "models/world", reps: int = 30) -> None:
     target = TargetModel.from_pretrained(f"{models}/target")
     proposer = SparrowProposer(SparrowDraft.from_pretrained(f"{models}/draft", target), SpecConfig(window=16, anchors=32))
     sampling, rng = SamplingParams(), new_generator(0)
-    for size, frames in ((168, 28), (336, 348)):
+    for size, frames in (LADDER[0], LADDER[-1]):
         video, _ = world_sample(target, WorldVideo(num_frames=frames, size=size), 7)
         inputs = target.build_inputs(video, "describe the video .")
         pre = target.prefill(inputs, inputs["input_ids"].shape[1] + 64, feature_layers=proposer.feature_layers)

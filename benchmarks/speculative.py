@@ -2,7 +2,7 @@
 
     python -m benchmarks.speculative --quick --out BENCHMARKS.md        # 0.5k and 25k visual tokens
     python -m benchmarks.speculative --out BENCHMARKS.md --json r.json  # the ladder, T=0 and T=1
-    python -m benchmarks.speculative --methods plain,sparrow --videos 168x28,336x112 --reps 2
+    python -m benchmarks.speculative --methods plain,sparrow --videos 168x28,168x448 --reps 2
 
 Every method runs through `sparrow.engine.Engine` and its one acceptance path:
 
@@ -58,7 +58,7 @@ from sparrow.video import ProcessedVideo, prepare_video  # noqa: E402
 
 # (frame side px, frames): with 14-px patches merged 2x2 and no upscaling, a frame pair of an
 # S-px square is (S/28)^2 visual tokens: 504, 1512, 8064, 16992, 25056.
-LADDER = ((168, 28), (168, 84), (336, 112), (336, 236), (336, 348))
+from sparrow.training.world import LADDER  # noqa: E402  (168 px frames, 504 ... 25,056 visual tokens)
 QUICK_LADDER = (LADDER[0], LADDER[-1])
 BENCH_SEED = 2 * 10**9          # world videos: training seeds < 1e9, held-out evaluation from 1e9
 PAPER_ABLATION_TAU = {"none": (3.95, 2.95), "window": (3.95, 3.86), "mtp": (4.44, 3.51),

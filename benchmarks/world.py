@@ -70,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {machine()}. {args.videos} fresh videos per length, {time.perf_counter() - t0:.0f} s in all.",
         "", table(report), "",
         "QA: one question of each kind per video (two for `present`: a colour in the video and one not), "
-        "single-turn, greedy, exact match. The target trains on 84 px videos of 8-16 frames and 168 px "
-        "videos (see models/world/MODEL_CARD.md); the longer rows are its generalisation to more frames "
-        "and larger frames."])
+        "single-turn, greedy, exact match. The target trains on 84 and 168 px videos of 8-32 frames and "
+        "84 px videos of 64-128 frames (at most 576 visual tokens; see models/world/MODEL_CARD.md); every "
+        "video spans at most 8 temporal rope positions, so the longer rows are the same positions with "
+        "more frame pairs on each."])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.out:

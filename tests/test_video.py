@@ -10,6 +10,7 @@ import av
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers import LlavaOnevisionConfig, Qwen2_5_VLConfig
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -347,6 +348,31 @@ def test_qwen_video_token_budget():
     # each pair gets 90% of 1000 / 16 tokens of pixels (as HF's cap_pixels_per_frame): 196x196 -> 7x7
     assert capped.model_kwargs["video_grid_thw"].tolist() == [[16, 14, 14]]
     assert capped.num_visual_tokens == 16 * 49 <= 900
+
+
+def test_qwen_temporal_positions_fit_long_videos_into_the_trained_span():
+    """With temporal_positions P, a video of more than P rope steps is spaced so HF's own rope
+    index puts it on positions 0..P-1 (several pairs share one); shorter ones keep real time;
+    the setting is read from the config's tokens_per_second and validated."""
+    config = Qwen2_5_VLConfig(vision_config={"tokens_per_second": 2})
+    processor = processor_for(config, min_pixels=28 * 28, temporal_positions=8)
+    assert processor.tokens_per_second == config.vision_config.tokens_per_second == 2
+    model = types.SimpleNamespace(config=config)
+    rope_index = transformers.Qwen2_5_VLModel.get_rope_index.__get__(model)
+    model.get_vision_position_ids = transformers.Qwen2_5_VLModel.get_vision_position_ids.__get__(model)
+    for pairs, spacing in ((3, 0.5), (8, 0.5), (9, 8 / 9 / 2), (40, 8 / 40 / 2)):
+        out = processor.process(_as_frames(_frames(2 * pairs, 28, 28), fps=4.0))
+        spg = out.model_kwargs["second_per_grid_ts"]
+        assert spg.tolist() == pytest.approx([spacing])
+        ids = torch.full((1, pairs), 5)
+        pos, _ = rope_index(ids, torch.full((1, pairs), 2), video_grid_thw=out.model_kwargs["video_grid_thw"],
+                            second_per_grid_ts=spg)
+        t = pos[0, 0].tolist()
+        assert t == sorted(t) and t[0] == 0 and t[-1] == min(pairs - 1, 7)
+        if pairs >= 8:
+            assert len(set(t)) == 8        # the whole span is used
+    with pytest.raises(InvalidRequest):
+        QwenVLVideoProcessor(temporal_positions=0)
 
 
 def test_qwen_end_to_end_on_a_decoded_clip(clip):

@@ -104,16 +104,23 @@ def test_pooled_training_loss_equals_the_pixel_path():
     from sparrow.training.world_target import (WorldTargetConfig, conversation_batch, conversation_loss,
                                                new_world_target, pooled_loss, video_pool, world_sample, world_turns)
 
-    c = WorldTargetConfig(pool=3, frames=(8,), sizes=(84,), layers=2)
+    c = WorldTargetConfig(pool=3, frames=(8,), sizes=(84,), long_frames=(), layers=2)
     target = new_world_target(c)
     pool = video_pool(target, c, log=lambda line: None)
     rng = random.Random(0)
     chats = [world_turns(v.events, rng, 8, 1.0) for v in pool]
     videos = [world_sample(target, WorldVideo(num_frames=8, size=84), seed=i * 64)[0] for i in range(3)]
+    inputs, learn = conversation_batch(target, videos, chats)
     with torch.no_grad():
-        a = pooled_loss(target, pool, chats)
-        b = conversation_loss(target, *conversation_batch(target, videos, chats))
-    assert torch.allclose(a, b, atol=1e-5), (float(a), float(b))
+        for weighting in ("token", "chat"):
+            a = pooled_loss(target, pool, chats, weighting)
+            b = conversation_loss(target, inputs, learn, weighting)
+            assert torch.allclose(a, b, atol=1e-5), (weighting, float(a), float(b))
+        # "chat": the mean of each chat's own mean (one chat at a time gives the same figure)
+        alone = [conversation_loss(target, *conversation_batch(target, [v], [chat]), "token")
+                 for v, chat in zip(videos, chats)]
+        assert torch.allclose(b, torch.stack(alone).mean(), atol=1e-5)
+        assert not torch.allclose(b, conversation_loss(target, inputs, learn, "token"), atol=1e-4)
 
 
 @pytest.mark.parametrize("seed", range(8))

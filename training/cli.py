@@ -198,7 +198,7 @@ def add_commands(sub) -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--draft")
     p.add_argument("--videos-at", type=_sizes, default=((84, 8),),
-                   help="SIDExFRAMES list, e.g. 84x8,168x28,336x348 (the benchmark ladder: 168x28 ... 336x348)")
+                   help="SIDExFRAMES list, e.g. 84x8,168x28,168x1392 (the benchmark ladder: 168x28 ... 168x1392)")
     p.add_argument("--videos", type=int, default=20)
     p.add_argument("--seed", type=int, default=10**6)
     p.set_defaults(func=_cmd_world_eval)

@@ -51,14 +51,34 @@ class WorldTargetConfig:
     patch_size: int = 14
     merge_size: int = 2
     min_pixels: int = 28 * 28
-    steps: int = 5000
-    batch: int = 12                       # videos (conversations) per step
+    # M-RoPE (sections t, h, w; sum head_dim/2). Qwen2.5-VL gives time the highest
+    # frequencies and width the lowest: here width positions barely rotate, and left/right
+    # motion is read from the visual code's frame-to-frame change instead. A small theta that
+    # makes width visible leaves time only high frequencies, which alias over a video's
+    # positions: "colour at the start" was not learned in 2000 steps (training/RESULTS.md).
+    rope_theta: float = 10000.0
+    mrope_section: tuple[int, ...] = (6, 5, 5)
+    # Every video spans at most this many temporal positions (QwenVLVideoProcessor
+    # .temporal_positions): long videos are seen at the positions short ones trained.
+    temporal_positions: int | None = 8
+    # "token": every learned token weighs the same; "chat": every chat weighs the same (its
+    # tokens share it). Captions name the colours twice, so under "token" they carry most of
+    # the colour signal; under "chat" colour was still unlearned at step 1000-2000.
+    loss_weighting: str = "token"
+    tie_embeddings: bool = False          # the input embedding is the output one (Qwen2.5's small models tie)
+    steps: int = 5200
+    batch: int = 10                       # videos (conversations) per step
     lr: float = 2e-3
     vision_lr_scale: float = 0.0          # 0: the vision tower stays as initialised (see train_world_target)
     vision_init: str = "readable"         # "readable" (see readable_vision_init) or "random"
     warmup: int = 100
-    frames: tuple[int, ...] = (8, 12, 16)     # training video lengths (frames), drawn uniformly
+    frames: tuple[int, ...] = (8, 12, 16, 32)  # training video lengths (frames), drawn uniformly
     sizes: tuple[int, ...] = (84, 84, 168)    # training frame sides (px), drawn uniformly with the length
+    # Longer videos, a long_prob share of training: 84 px (3x3 tokens a frame pair) so they
+    # stay cheap; beyond temporal_positions several frame pairs share a temporal position,
+    # which is how the long benchmark videos are seen.
+    long_frames: tuple[int, ...] = (64, 128)
+    long_prob: float = 0.15
     max_turns: int = 1                    # chat turns per conversation (see world_turns)
     caption_prob: float = 0.3             # chance a conversation is the caption request (long answers)
     kinds: tuple[str, ...] = QUESTION_KINDS   # question kinds to train on
@@ -75,6 +95,9 @@ class WorldTargetConfig:
     # each time with freshly drawn questions and wordings. 0: a fresh video per sample (slow:
     # rendering + decoding is most of a step on a CPU). Needs vision_lr_scale == 0.
     pool: int = 3000
+    # A pooled batch is videos of one length (a random video and others with its token
+    # count), so little of a step is padding; every video is still drawn equally often.
+    length_batches: bool = True
 
 
 # The SpecVLM-style baseline's draft: a smaller full VLM of the same family, trained with the
@@ -85,19 +108,21 @@ SMALL_TARGET = dict(hidden=64, layers=2, heads=2, intermediate=192)
 def world_target_config(tok, c: WorldTargetConfig) -> Qwen2_5_VLConfig:
     ids = tok.convert_tokens_to_ids
     head_dim = c.hidden // c.heads
-    section = [head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6]   # t, h, w; sums to head_dim/2
+    section = list(c.mrope_section)
+    if len(section) != 3 or sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section must be 3 sizes summing to head_dim/2 = {head_dim // 2}, got {section}")
     text = dict(vocab_size=len(tok), hidden_size=c.hidden, intermediate_size=c.intermediate,
                 num_hidden_layers=c.layers, num_attention_heads=c.heads, num_key_value_heads=max(1, c.heads // 2),
                 max_position_embeddings=32768, eos_token_id=ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
-                bos_token_id=None, tie_word_embeddings=False, initializer_range=0.02,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
+                bos_token_id=None, tie_word_embeddings=c.tie_embeddings, initializer_range=0.02,
+                rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta, "mrope_section": section})
     vision = dict(depth=c.vision_depth, hidden_size=c.vision_hidden, intermediate_size=2 * c.vision_hidden,
                   num_heads=2, out_hidden_size=c.hidden, patch_size=c.patch_size, spatial_merge_size=c.merge_size,
                   temporal_patch_size=2, window_size=12 * c.patch_size,   # one window per frame: few attention calls
                   fullatt_block_indexes=[c.vision_depth - 1], tokens_per_second=2, initializer_range=0.02)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
                             video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
-                            vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False)
+                            vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=c.tie_embeddings)
 
 
 def new_world_target(c: WorldTargetConfig) -> TargetModel:
@@ -111,7 +136,8 @@ def new_world_target(c: WorldTargetConfig) -> TargetModel:
         readable_vision_init(hf.model.visual)
     hf.generation_config.eos_token_id = config.get_text_config().eos_token_id
     hf.generation_config.pad_token_id = tok.pad_token_id
-    return TargetModel(hf, tok, processor_for(config, min_pixels=c.min_pixels))
+    return TargetModel(hf, tok, processor_for(config, min_pixels=c.min_pixels,
+                                                  temporal_positions=c.temporal_positions))
 
 
 @torch.no_grad()
@@ -165,7 +191,8 @@ def readable_vision_init(visual, background: tuple[int, int, int] = BACKGROUND) 
 def lm_parameters(target: TargetModel) -> int:
     """Language-model parameters (embedding, decoder, lm_head), the draft's budget reference."""
     lm = target.hf.model.language_model
-    return sum(p.numel() for p in lm.parameters()) + target.lm_head().weight.numel()
+    params = {id(p): p for p in (*lm.parameters(), target.lm_head().weight)}   # a tied head counts once
+    return sum(p.numel() for p in params.values())
 
 
 # ----- conversations ---------------------------------------------------------------------------------
@@ -216,13 +243,26 @@ def conversation_batch(target: TargetModel, videos: list[ProcessedVideo],
     return inputs, learn
 
 
-def conversation_loss(target: TargetModel, inputs: dict, learn: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the learned tokens of the batch."""
+def answer_loss(logits: torch.Tensor, ids: torch.Tensor, pick: torch.Tensor, weighting: str = "token") -> torch.Tensor:
+    """Cross-entropy of the picked next tokens; logits (N, V) are at pick's True places of
+    (B, T-1), in order. "token": the mean over tokens; "chat": the mean over chats of each
+    chat's mean, so a one-word answer weighs as much as a caption."""
+    losses = F.cross_entropy(logits.float(), ids[:, 1:][pick], reduction="none")
+    if weighting == "token":
+        return losses.mean()
+    if weighting != "chat":
+        raise ValueError(f"loss weighting must be 'token' or 'chat', got {weighting!r}")
+    per_chat = pick.sum(1)
+    rows = pick.nonzero()[:, 0]
+    return (losses / per_chat[rows]).sum() / (per_chat > 0).sum()
+
+
+def conversation_loss(target: TargetModel, inputs: dict, learn: torch.Tensor, weighting: str = "token") -> torch.Tensor:
+    """Cross-entropy over the learned tokens of the batch (answer_loss's weighting)."""
     position_ids, _ = target.family.prefill_positions(target.hf, inputs)
     logits = target.hf(**inputs, position_ids=position_ids, use_cache=False).logits      # (B, T, V)
-    ids = inputs["input_ids"]
     pick = learn[:, 1:]                                    # token t+1 is predicted at position t
-    return F.cross_entropy(logits[:, :-1][pick].float(), ids[:, 1:][pick])
+    return answer_loss(logits[:, :-1][pick], inputs["input_ids"], pick, weighting)
 
 
 def world_turns(events: list[dict], rng: random.Random, max_turns: int, caption_prob: float,
@@ -245,6 +285,12 @@ def world_sample(target: TargetModel, world: WorldVideo, seed: int) -> tuple[Pro
 
 
 # ----- training --------------------------------------------------------------------------------------
+def training_world(c: WorldTargetConfig, rng: random.Random) -> WorldVideo:
+    if c.long_frames and rng.random() < c.long_prob:
+        return WorldVideo(num_frames=rng.choice(c.long_frames), size=84)
+    return WorldVideo(num_frames=rng.choice(c.frames), size=rng.choice(c.sizes))
+
+
 @dataclass(slots=True)
 class PooledVideo:
     """A rendered world video as the frozen tower sees it: its visual tokens, grid and script."""
@@ -259,7 +305,7 @@ def video_pool(target: TargetModel, c: WorldTargetConfig, log: Callable[[str], N
     pool, t0 = [], time.perf_counter()
     for i in range(c.pool):
         rng = random.Random(c.seed * 1_000_003 + i)
-        world = WorldVideo(num_frames=rng.choice(c.frames), size=rng.choice(c.sizes))
+        world = training_world(c, rng)
         video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + i) * 64)
         embeds = target.hf.model.visual(video.pixel_values_videos, grid_thw=video.model_kwargs["video_grid_thw"])
         embeds = embeds if torch.is_tensor(embeds) else embeds.pooler_output
@@ -269,7 +315,24 @@ def video_pool(target: TargetModel, c: WorldTargetConfig, log: Callable[[str], N
     return pool
 
 
-def pooled_loss(target: TargetModel, videos: list[PooledVideo], chats: list[list[tuple[str, str]]]) -> torch.Tensor:
+def length_groups(pool: list[PooledVideo]) -> list[list[int]]:
+    """For each pooled video, the indices of the pool's videos with its number of tokens."""
+    by: dict[int, list[int]] = {}
+    for i, v in enumerate(pool):
+        by.setdefault(v.embeds.shape[0], []).append(i)
+    return [by[v.embeds.shape[0]] for v in pool]
+
+
+def pool_batch(pool: list[PooledVideo], same_length: list[list[int]] | None, rng: random.Random,
+               batch: int) -> list[PooledVideo]:
+    if same_length is None:
+        return [pool[rng.randrange(len(pool))] for _ in range(batch)]
+    group = same_length[rng.randrange(len(pool))]
+    return [pool[rng.choice(group)] for _ in range(batch)]
+
+
+def pooled_loss(target: TargetModel, videos: list[PooledVideo], chats: list[list[tuple[str, str]]],
+                weighting: str = "token") -> torch.Tensor:
     """conversation_loss for pooled videos: the language model on inputs_embeds with the
     video's tokens in place, positions from the same M-RoPE rule as inference."""
     inputs, learn = chat_batch(target, [v.embeds.shape[0] for v in videos], [v.model_kwargs for v in videos], chats)
@@ -280,8 +343,8 @@ def pooled_loss(target: TargetModel, videos: list[PooledVideo], chats: list[list
                                    torch.cat([v.embeds for v in videos]).to(embeds.dtype))
     hidden = target.hf.model.language_model(inputs_embeds=embeds, position_ids=position_ids,
                                             attention_mask=attention, use_cache=False).last_hidden_state
-    logits = target.lm_head()(hidden[:, :-1][learn[:, 1:]])
-    return F.cross_entropy(logits.float(), ids[:, 1:][learn[:, 1:]])
+    pick = learn[:, 1:]
+    return answer_loss(target.lm_head()(hidden[:, :-1][pick]), ids, pick, weighting)
 
 
 def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None = None,
@@ -303,6 +366,7 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
     else:
         hf.model.visual.requires_grad_(False)
     pool = video_pool(target, c, log) if c.pool else None
+    same_length = length_groups(pool) if pool is not None and c.length_batches else None
     opt = torch.optim.AdamW(groups, lr=c.lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / c.warmup) * (
         0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / c.steps)))))
@@ -312,17 +376,17 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
         warm = step < c.warm_steps
         kinds, caption_prob = (c.warm_kinds, 0.0) if warm else (c.kinds, c.caption_prob)
         if pool is not None:
-            videos = [pool[rng.randrange(len(pool))] for _ in range(c.batch)]
+            videos = pool_batch(pool, same_length, rng, c.batch)
             chats = [world_turns(v.events, rng, c.max_turns, caption_prob, kinds) for v in videos]
-            loss = pooled_loss(target, videos, chats)
+            loss = pooled_loss(target, videos, chats, c.loss_weighting)
         else:
-            world = WorldVideo(num_frames=rng.choice(c.frames), size=rng.choice(c.sizes))   # one shape per batch
+            world = training_world(c, rng)   # one shape per batch
             videos, chats = [], []
             for b in range(c.batch):
                 video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + step) * 64 + b)
                 videos.append(video)
                 chats.append(world_turns(events, rng, c.max_turns, caption_prob, kinds))
-            loss = conversation_loss(target, *conversation_batch(target, videos, chats))
+            loss = conversation_loss(target, *conversation_batch(target, videos, chats), c.loss_weighting)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from ..errors import ContextOverflow, InvalidRequest
 from ..video import ProcessedVideo, VideoProcessor, processor_for
+from . import gqa
 from .families import FAMILIES, Family
 from .kv_cache import new_kv_cache
 
@@ -119,6 +120,8 @@ class TargetModel:
             raise InvalidRequest(f"unsupported target model type {hf.config.model_type!r}; "
                                  f"supported: {sorted(FAMILIES)}")
         self.hf = hf.eval()
+        if getattr(hf.config.get_text_config(), "_attn_implementation", None) == "sdpa":
+            hf.set_attn_implementation({"text_config": gqa.NAME})   # verify steps without K/V copies (gqa.py)
         self.tokenizer = tokenizer
         self.family: Family = family
         self.processor = processor or processor_for(hf.config)

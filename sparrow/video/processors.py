@@ -151,8 +151,19 @@ class QwenVLVideoProcessor(VideoProcessor):
     max_video_tokens: int | None = None
     image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
     image_std: tuple[float, ...] = OPENAI_CLIP_STD
+    # Temporal rope positions: frame pair t of a video sits at floor(t * tokens_per_second *
+    # seconds per pair). With `temporal_positions` set, a video that would span more positions
+    # than that has its pairs spaced closer (several share a position), so every video spans
+    # the range the model was trained on: time is read as a fraction of the video, and a model
+    # trained on short videos sees long ones at familiar positions. None: real seconds (HF's).
+    tokens_per_second: float = 2.0
+    temporal_positions: int | None = None
 
     def __post_init__(self) -> None:
+        if self.temporal_positions is not None and self.temporal_positions < 1:
+            raise InvalidRequest(f"temporal_positions must be >= 1, got {self.temporal_positions}")
+        if self.tokens_per_second <= 0:
+            raise InvalidRequest(f"tokens_per_second must be > 0, got {self.tokens_per_second}")
         if min(self.patch_size, self.temporal_patch_size, self.merge_size) < 1:
             raise InvalidRequest("patch_size, temporal_patch_size and merge_size must be >= 1")
         if not 0 < self.min_pixels <= self.max_pixels:
@@ -168,6 +179,7 @@ class QwenVLVideoProcessor(VideoProcessor):
             patch_size=vision.patch_size,
             temporal_patch_size=vision.temporal_patch_size,
             merge_size=vision.spatial_merge_size,
+            tokens_per_second=float(getattr(vision, "tokens_per_second", 2.0)),
         )
         return cls(**{**sizes, **overrides})
 
@@ -249,10 +261,18 @@ class QwenVLVideoProcessor(VideoProcessor):
             model_kwargs={
                 "video_grid_thw": torch.tensor([grid], dtype=torch.long),
                 # seconds per temporal patch; sets the spacing of the temporal rope positions
-                "second_per_grid_ts": torch.tensor([self.temporal_patch_size / frames.sample_fps]),
+                "second_per_grid_ts": torch.tensor([self.seconds_per_grid(grid_t, frames.sample_fps)]),
             },
             timestamps=times,
         )
+
+    def seconds_per_grid(self, grid_t: int, sample_fps: float) -> float:
+        """The rope time step per frame pair: real seconds, or less when the video would span
+        more than `temporal_positions` positions (then it spans exactly that many)."""
+        seconds = self.temporal_patch_size / sample_fps
+        if self.temporal_positions is not None and grid_t * seconds * self.tokens_per_second > self.temporal_positions:
+            seconds = self.temporal_positions / (grid_t * self.tokens_per_second)
+        return seconds
 
     def _patchify(self, video: np.ndarray) -> tuple[np.ndarray, list[int]]:
         """uint8 [T, h, w, 3] -> float32 [grid_t*grid_h*grid_w, 3*tp*p*p] in HF's order:
