@@ -150,3 +150,11 @@ def test_cli_options_mirror_the_config():
     assert (cfg.unroll, cfg.feature_layers, cfg.hidden_weight, cfg.steps) == (2, (1, 3), 1.0, TrainConfig().steps)
     args = parser.parse_args(["world", "train-target", "--out", "o", "--steps", "5", "--kinds", "count,present"])
     assert args.cfg_steps == 5
+
+
+def test_a_fresh_run_starts_its_own_log(qwen_target, tmp_path):
+    samples = _samples(2)
+    for _ in range(2):                     # a second fresh run into the same folder replaces the log
+        DraftTrainer.fresh(qwen_target, samples, CFG, log=lambda _: None, out_dir=tmp_path).fit()
+        steps = [json.loads(line)["step"] for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, CFG.steps + 1))

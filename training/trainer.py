@@ -214,6 +214,9 @@ class DraftTrainer:
     def fit(self) -> dict:
         cfg, t_start = self.cfg, time.perf_counter()
         last: StepStats | None = None
+        log_file = self.out_dir / "train_log.jsonl" if self.out_dir is not None else None
+        if self.step == 0 and log_file is not None and log_file.exists():
+            log_file.unlink()                  # a fresh run starts its own log; a resumed one appends
         while self.step < cfg.steps:
             last = self.train_step()
             record = {"step": last.step, "loss": last.loss, "top1": last.top1, "lr": last.lr,
