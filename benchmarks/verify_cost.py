@@ -3,7 +3,7 @@ verify steps (k + 1 tokens) at a short and a long world video, with transformers
 attention and with Sparrow's `sparrow_sdpa` (grouped K/V read in place; sparrow/models/gqa.py).
 World target, one thread, medians.
 
-    python -m benchmarks.verify_cost [--reps 20] [--tokens 1,3,5]
+    python -m benchmarks.verify_cost [--reps 20] [--tokens 1,3,5] [--out BENCHMARKS.md]
 
 The ratio verify / decode bounds any draft's speedup: with tau accepted tokens per step, a
 perfect-draft speedup is at most tau * decode / (verify + draft).
@@ -17,10 +17,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks.report import write_section  # noqa: E402
+from benchmarks.speculative import machine  # noqa: E402
 from sparrow.models import gqa  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.training.world import LADDER, WorldVideo  # noqa: E402
@@ -43,10 +46,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="models/world")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tokens", default="1,3,5")
+    ap.add_argument("--out", help="BENCHMARKS.md to write the section into")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     target = TargetModel.from_pretrained(f"{args.models}/target")
     sizes = [int(x) for x in args.tokens.split(",")]
+    rows = ["| visual tokens | attention | " + " | ".join(f"{n} tokens" for n in sizes) + " |",
+            "|---|---|" + "---|" * len(sizes)]
     for side, frames in (LADDER[0], LADDER[-1]):
         video, _ = world_sample(target, WorldVideo(num_frames=frames, size=side), 7)
         inputs = target.build_inputs(video, "describe the video .")
@@ -56,7 +62,15 @@ def main(argv: list[str] | None = None) -> None:
             ms = {n: step_ms(target, pre.state, n, args.reps) for n in sizes}
             cells = ", ".join(f"{n} tokens {ms[n]:.2f} ms ({ms[n] / ms[sizes[0]]:.2f}x)" for n in sizes)
             print(f"{video.num_visual_tokens:>6} visual tokens, {impl:>12}: {cells}", flush=True)
+            rows.append(f"| {video.num_visual_tokens:,} | `{impl}` | "
+                        + " | ".join(f"{ms[n]:.2f} ms ({ms[n] / ms[sizes[0]]:.2f}x)" for n in sizes) + " |")
         target.hf.set_attn_implementation({"text_config": gqa.NAME})
+    if args.out:
+        body = "\n".join([f"Machine: {machine()}. World target, one thread, medians of {args.reps}; "
+                          "ms per target step scoring that many tokens on top of the prompt's KV cache "
+                          "(a decode step is 1 token, a k = 4 verify step 5).", "", *rows])
+        write_section(args.out, "verify-cost", "What a verify step costs (target step by tokens scored)",
+                      "python -m benchmarks.verify_cost " + " ".join(argv if argv is not None else sys.argv[1:]), body)
 
 
 if __name__ == "__main__":
