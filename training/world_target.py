@@ -65,7 +65,6 @@ class WorldTargetConfig:
     # tokens share it). Captions name the colours twice, so under "token" they carry most of
     # the colour signal; under "chat" colour was still unlearned at step 1000-2000.
     loss_weighting: str = "token"
-    tie_embeddings: bool = False          # the input embedding is the output one (Qwen2.5's small models tie)
     steps: int = 5200
     batch: int = 10                       # videos (conversations) per step
     lr: float = 2e-3
@@ -114,7 +113,7 @@ def world_target_config(tok, c: WorldTargetConfig) -> Qwen2_5_VLConfig:
     text = dict(vocab_size=len(tok), hidden_size=c.hidden, intermediate_size=c.intermediate,
                 num_hidden_layers=c.layers, num_attention_heads=c.heads, num_key_value_heads=max(1, c.heads // 2),
                 max_position_embeddings=32768, eos_token_id=ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
-                bos_token_id=None, tie_word_embeddings=c.tie_embeddings, initializer_range=0.02,
+                bos_token_id=None, tie_word_embeddings=False, initializer_range=0.02,
                 rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta, "mrope_section": section})
     vision = dict(depth=c.vision_depth, hidden_size=c.vision_hidden, intermediate_size=2 * c.vision_hidden,
                   num_heads=2, out_hidden_size=c.hidden, patch_size=c.patch_size, spatial_merge_size=c.merge_size,
@@ -122,7 +121,7 @@ def world_target_config(tok, c: WorldTargetConfig) -> Qwen2_5_VLConfig:
                   fullatt_block_indexes=[c.vision_depth - 1], tokens_per_second=2, initializer_range=0.02)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
                             video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
-                            vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=c.tie_embeddings)
+                            vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False)
 
 
 def new_world_target(c: WorldTargetConfig) -> TargetModel:
@@ -191,8 +190,7 @@ def readable_vision_init(visual, background: tuple[int, int, int] = BACKGROUND) 
 def lm_parameters(target: TargetModel) -> int:
     """Language-model parameters (embedding, decoder, lm_head), the draft's budget reference."""
     lm = target.hf.model.language_model
-    params = {id(p): p for p in (*lm.parameters(), target.lm_head().weight)}   # a tied head counts once
-    return sum(p.numel() for p in params.values())
+    return sum(p.numel() for p in lm.parameters()) + target.lm_head().weight.numel()
 
 
 # ----- conversations ---------------------------------------------------------------------------------
