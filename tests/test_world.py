@@ -170,3 +170,58 @@ def test_demo_streams_lossless_answers_with_real_acceptance(world_pair):
     assert all(r["lossless"] for r in report["results"])
     assert caption["tau"] > 1.5 and caption["decode_speedup"] is not None and caption["decode_speedup"] > 0
     assert any("correct: True" in line for line in lines)
+
+
+def test_training_stages_ask_their_kinds_and_restart_the_schedule():
+    from sparrow.training.world import CAPTION_PROMPTS, QUESTIONS
+    from sparrow.training.world_target import (WorldTargetConfig, lr_factor, stage_at, step_turns,
+                                               training_stages)
+
+    c = WorldTargetConfig(steps=100, warmup=10, lr=1e-3, stage_lr=5e-4, stage_warmup=5,
+                          stages=("present@1:30:short", "present+direction@0.5:50"))
+    stages = training_stages(c)
+    assert [(s.start, s.steps, s.short) for s in stages] == [(0, 100, False), (100, 30, True), (130, 50, False)]
+    events = WorldVideo().make(3).events
+    kind_of = {q: k for k, qs in QUESTIONS.items() for q in qs}
+    kind_of.update({p: "caption" for p in CAPTION_PROMPTS})
+
+    def kinds_at(step):
+        seen = []
+        for i in range(400):
+            (q, _), = step_turns(c, stage_at(stages, step), step, events, random.Random(i))
+            seen.append(kind_of.get(q, "present"))          # presence questions carry the colour
+        return seen
+
+    first, alone, mixed = kinds_at(99), kinds_at(100), kinds_at(179)
+    assert {"caption", "start", "direction"} <= set(first) and set(alone) == {"present"}
+    share = lambda seen, kinds: sum(k in kinds for k in seen) / len(seen)
+    # 0.7 * 3/7 of the first stage's mix; 1/2 + 1/2 of that in the last
+    assert share(first, ("present", "direction")) < 0.4 < 0.55 < share(mixed, ("present", "direction")) < 0.8
+    assert "caption" in mixed
+    # The first stage's draws do not depend on the later stages (same recipe, same videos).
+    plain = WorldTargetConfig(steps=100)
+    assert all(step_turns(plain, training_stages(plain)[0], 7, events, random.Random(i))
+               == step_turns(c, stages[0], 7, events, random.Random(i)) for i in range(50))
+    # Each stage warms up and decays on its own; later ones peak at stage_lr.
+    assert lr_factor(c, stages, 9) == pytest.approx(1.0, rel=0.02)
+    assert lr_factor(c, stages, 99) == pytest.approx(0.05, abs=0.01)
+    assert lr_factor(c, stages, 100) == pytest.approx(0.5 * 0.2)            # warmup 1/5 of stage_lr/lr
+    assert lr_factor(c, stages, 104) == pytest.approx(0.5, rel=0.05)                # then decays
+    assert lr_factor(c, stages, 129) < 0.05 and lr_factor(c, stages, 134) == pytest.approx(0.5, rel=0.02)
+    for bad in ("present:30", "colour@1:30", "present@2:30", "present@1:0"):
+        with pytest.raises(ValueError, match="stage"):
+            training_stages(WorldTargetConfig(stages=(bad,)))
+
+
+def test_short_stages_draw_only_short_pooled_videos():
+    from sparrow.training.world_target import PooledVideo, length_groups, pool_batch
+
+    import torch
+    pool = [PooledVideo(torch.zeros(n, 2), {}, []) for n in (36, 144, 36, 72, 576, 144)]
+    short = [i for i, v in enumerate(pool) if v.embeds.shape[0] <= 72]
+    groups, rng = length_groups(pool), random.Random(0)
+    for _ in range(50):
+        batch = pool_batch(pool, groups, rng, 4, short)
+        assert len({v.embeds.shape[0] for v in batch}) == 1 and batch[0].embeds.shape[0] <= 72
+    seen = {pool_batch(pool, groups, rng, 1)[0].embeds.shape[0] for _ in range(200)}
+    assert seen == {36, 72, 144, 576}

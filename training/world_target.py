@@ -85,6 +85,18 @@ class WorldTargetConfig:
     # language prior, so the only way to lower the loss is to look at the video.
     warm_steps: int = 0
     warm_kinds: tuple[str, ...] = ("start", "end", "present")
+    # Later stages, after the first `steps`, each "KINDS@SHARE:STEPS[:short]": STEPS more steps
+    # (a warmup of stage_warmup, then cosine from stage_lr to 5%) in which a SHARE of the
+    # conversations asks only KINDS ("+"-joined question kinds) and the rest are drawn as in the
+    # first stage; ":short" draws the stage's videos from those of at most short_tokens visual
+    # tokens. Presence ("is there a <colour> shape?") and direction have little first-order
+    # signal in the mixed recipe and stay near chance; asked alone, on top of the features the
+    # other questions build, they are learned in a few hundred steps, and a mixed stage
+    # afterwards restores what the focused ones displaced (training/RESULTS.md).
+    stages: tuple[str, ...] = ()
+    stage_lr: float = 1e-3
+    stage_warmup: int = 20
+    short_tokens: int = 72
     seed: int = 0
     log_every: int = 50
     eval_every: int = 1000                # per-kind accuracy on a few held-out videos (0: never)
@@ -322,10 +334,13 @@ def length_groups(pool: list[PooledVideo]) -> list[list[int]]:
 
 
 def pool_batch(pool: list[PooledVideo], same_length: list[list[int]] | None, rng: random.Random,
-               batch: int) -> list[PooledVideo]:
+               batch: int, among: list[int] | None = None) -> list[PooledVideo]:
+    """`batch` videos drawn from the pool (or its indices `among`; a length group lies wholly
+    inside or outside a token bound, so `among` from one keeps batches inside it)."""
+    among = among if among is not None else range(len(pool))
     if same_length is None:
-        return [pool[rng.randrange(len(pool))] for _ in range(batch)]
-    group = same_length[rng.randrange(len(pool))]
+        return [pool[rng.choice(among)] for _ in range(batch)]
+    group = same_length[rng.choice(among)]
     return [pool[rng.choice(group)] for _ in range(batch)]
 
 
@@ -343,6 +358,61 @@ def pooled_loss(target: TargetModel, videos: list[PooledVideo], chats: list[list
                                             attention_mask=attention, use_cache=False).last_hidden_state
     pick = learn[:, 1:]
     return answer_loss(target.lm_head()(hidden[:, :-1][pick]), ids, pick, weighting)
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """A stretch of training with its own learning-rate schedule and question mix."""
+
+    start: int                     # first step (global)
+    steps: int
+    lr: float
+    warmup: int
+    kinds: tuple[str, ...] = ()    # asked alone in a `share` of the conversations
+    share: float = 0.0
+    short: bool = False            # videos of at most short_tokens visual tokens only
+
+    @staticmethod
+    def parse(spec: str, start: int, c: WorldTargetConfig) -> "Stage":
+        try:
+            head, steps, *flags = spec.split(":")
+            kinds, share = head.split("@")
+            stage = Stage(start, int(steps), c.stage_lr, c.stage_warmup, tuple(kinds.split("+")), float(share),
+                          flags == ["short"])
+        except ValueError:
+            raise ValueError(f"stage {spec!r}: expected KINDS@SHARE:STEPS or KINDS@SHARE:STEPS:short") from None
+        unknown = set(stage.kinds) - set(QUESTION_KINDS)
+        if unknown or not 0 <= stage.share <= 1 or stage.steps <= 0:
+            raise ValueError(f"stage {spec!r}: kinds among {QUESTION_KINDS}, share in [0, 1], steps > 0")
+        return stage
+
+
+def training_stages(c: WorldTargetConfig) -> list[Stage]:
+    stages = [Stage(0, c.steps, c.lr, c.warmup)] if c.steps else []
+    for spec in c.stages:
+        stages.append(Stage.parse(spec, sum(s.steps for s in stages), c))
+    return stages
+
+
+def stage_at(stages: list[Stage], step: int) -> Stage:
+    return next(s for s in reversed(stages) if s.start <= step)
+
+
+def lr_factor(c: WorldTargetConfig, stages: list[Stage], step: int) -> float:
+    """The learning rate at `step` over c.lr: each stage warms up, then decays (cosine) to 5%."""
+    st = stage_at(stages, step)
+    s = step - st.start
+    return st.lr / c.lr * min(1.0, (s + 1) / st.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / st.steps))))
+
+
+def step_turns(c: WorldTargetConfig, stage: Stage, step: int, events: list[dict],
+               rng: random.Random) -> list[tuple[str, str]]:
+    """One training conversation at `step`: the curriculum's kinds, or the stage's mix."""
+    if step < c.warm_steps:
+        return world_turns(events, rng, c.max_turns, 0.0, c.warm_kinds)
+    if stage.share and rng.random() < stage.share:
+        return world_turns(events, rng, c.max_turns, 0.0, stage.kinds)
+    return world_turns(events, rng, c.max_turns, c.caption_prob, c.kinds)
 
 
 def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None = None,
@@ -366,24 +436,28 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
     pool = video_pool(target, c, log) if c.pool else None
     same_length = length_groups(pool) if pool is not None and c.length_batches else None
     opt = torch.optim.AdamW(groups, lr=c.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / c.warmup) * (
-        0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / c.steps)))))
+    stages = training_stages(c)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(c, stages, s))
+    total = sum(s.steps for s in stages)
+    short = [i for i, v in enumerate(pool) if v.embeds.shape[0] <= c.short_tokens] if pool is not None else None
+    if short is not None and not short and any(s.short for s in stages):
+        raise ValueError(f"no pooled video has at most short_tokens={c.short_tokens} visual tokens")
     history, t0, run = [], time.perf_counter(), 0.0
-    for step in range(c.steps):
+    for step in range(total):
         rng = random.Random(c.seed * 1_000_003 + step)
-        warm = step < c.warm_steps
-        kinds, caption_prob = (c.warm_kinds, 0.0) if warm else (c.kinds, c.caption_prob)
+        stage = stage_at(stages, step)
         if pool is not None:
-            videos = pool_batch(pool, same_length, rng, c.batch)
-            chats = [world_turns(v.events, rng, c.max_turns, caption_prob, kinds) for v in videos]
+            videos = pool_batch(pool, same_length, rng, c.batch, short if stage.short else None)
+            chats = [step_turns(c, stage, step, v.events, rng) for v in videos]
             loss = pooled_loss(target, videos, chats, c.loss_weighting)
         else:
-            world = training_world(c, rng)   # one shape per batch
+            world = (WorldVideo(num_frames=min(c.frames), size=min(c.sizes)) if stage.short
+                     else training_world(c, rng))   # one shape per batch
             videos, chats = [], []
             for b in range(c.batch):
                 video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + step) * 64 + b)
                 videos.append(video)
-                chats.append(world_turns(events, rng, c.max_turns, caption_prob, kinds))
+                chats.append(step_turns(c, stage, step, events, rng))
             loss = conversation_loss(target, *conversation_batch(target, videos, chats), c.loss_weighting)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -391,9 +465,9 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
         opt.step()
         sched.step()
         run = float(loss.detach()) if step == 0 else 0.98 * run + 0.02 * float(loss.detach())
-        if (step + 1) % c.log_every == 0 or step + 1 == c.steps:
+        if (step + 1) % c.log_every == 0 or step + 1 == total:
             history.append({"step": step + 1, "loss": run, "seconds": time.perf_counter() - t0})
-            log(f"step {step + 1}/{c.steps} loss {run:.4f} lr {sched.get_last_lr()[0]:.2e} "
+            log(f"step {step + 1}/{total} loss {run:.4f} lr {sched.get_last_lr()[0]:.2e} "
                 f"{time.perf_counter() - t0:.0f}s")
         if c.eval_every and (step + 1) % c.eval_every == 0:
             hf.eval()
