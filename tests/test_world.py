@@ -225,3 +225,27 @@ def test_short_stages_draw_only_short_pooled_videos():
         assert len({v.embeds.shape[0] for v in batch}) == 1 and batch[0].embeds.shape[0] <= 72
     seen = {pool_batch(pool, groups, rng, 1)[0].embeds.shape[0] for _ in range(200)}
     assert seen == {36, 72, 144, 576}
+
+
+def test_tune_target_trains_on_from_a_saved_target_and_keeps_its_report(tmp_path):
+    import json
+
+    import torch
+
+    from sparrow.models import TargetModel
+    from sparrow.training.world_target import WorldTargetConfig, train_world_target_cli
+
+    tiny = dict(hidden=64, layers=1, heads=2, intermediate=64, batch=2, pool=4, frames=(8,), sizes=(84,),
+                long_frames=(), eval_every=0, log_every=1)
+    first = train_world_target_cli(WorldTargetConfig(steps=2, **tiny), tmp_path / "a", eval_videos=1)
+    with pytest.raises(ValueError, match="nothing to train"):
+        train_world_target_cli(WorldTargetConfig(steps=0, **tiny), tmp_path / "b", init=tmp_path / "a")
+    tuned = train_world_target_cli(WorldTargetConfig(steps=0, stages=("present@1:2:short",), short_tokens=36, **tiny),
+                                   tmp_path / "b", eval_videos=1, init=tmp_path / "a")
+    assert tuned["init"] == str(tmp_path / "a") and tuned["before"]["config"] == json.loads(json.dumps(first["config"]))
+    on_disk = json.loads((tmp_path / "b" / "world_target.json").read_text())
+    assert on_disk["config"]["stages"] == ["present@1:2:short"]
+    a, b = (TargetModel.from_pretrained(tmp_path / d).hf.state_dict() for d in "ab")
+    lm = [k for k in a if "visual" not in k]
+    assert any(not torch.equal(a[k], b[k]) for k in lm)                   # the language model trained on
+    assert all(torch.equal(a[k], b[k]) for k in a if "visual" in k)       # the tower stays frozen

@@ -3,6 +3,7 @@
     sparrow train-draft --target DIR --data MANIFEST|FOLDER --out DIR [--heldout ...] [--resume CKPT]
     sparrow world make-data    --out DIR [--videos N]          synthetic videos + JSONL manifest
     sparrow world train-target --out DIR [--steps N]           tiny Qwen2.5-VL from scratch
+    sparrow world tune-target  --target DIR --out DIR          its later stages (presence, direction)
     sparrow world train-draft  --target DIR --out DIR          the train-draft path on world data
     sparrow world eval         --target DIR [--draft DIR]      accuracy by video length, held-out tau
     sparrow world demo         [--seed N]                      the committed pair on a fresh video
@@ -92,6 +93,15 @@ def _cmd_world_train_target(args: argparse.Namespace) -> int:
     return 0 if report["accuracy"]["accuracy"] >= 0.9 else 1
 
 
+def _cmd_world_tune_target(args: argparse.Namespace) -> int:
+    from .world_target import TUNE, WorldTargetConfig, train_world_target_cli
+
+    report = train_world_target_cli(_config(WorldTargetConfig, args, **TUNE), args.out,
+                                    eval_videos=args.final_eval_videos, init=args.target)
+    print(json.dumps({k: v for k, v in report.items() if k != "before"}, indent=2))
+    return 0 if report["accuracy"]["accuracy"] >= 0.9 else 1
+
+
 def _cmd_world_train_draft(args: argparse.Namespace) -> int:
     from .world_data import world_draft_config, make_world_data
 
@@ -174,6 +184,13 @@ def add_commands(sub) -> None:
     p.add_argument("--final-eval-videos", type=int, default=40, help="fresh short videos for the final accuracy")
     _add_config_options(p, WorldTargetConfig)
     p.set_defaults(func=_cmd_world_train_target)
+
+    p = wsub.add_parser("tune-target", help="the later training stages on top of a trained world target")
+    p.add_argument("--target", required=True, help="a world target (train-target's output)")
+    p.add_argument("--out", required=True, help="where the tuned target goes (may be --target itself)")
+    p.add_argument("--final-eval-videos", type=int, default=40, help="fresh short videos for the final accuracy")
+    _add_config_options(p, WorldTargetConfig)
+    p.set_defaults(func=_cmd_world_tune_target)
 
     p = wsub.add_parser("train-draft", help="train the world draft through the train-draft path")
     p.add_argument("--target", required=True)
