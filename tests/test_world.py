@@ -174,34 +174,42 @@ def test_demo_streams_lossless_answers_with_real_acceptance(world_pair):
 
 def test_training_stages_ask_their_kinds_and_restart_the_schedule():
     from sparrow.training.world import CAPTION_PROMPTS, QUESTIONS
-    from sparrow.training.world_target import (WorldTargetConfig, lr_factor, stage_at, step_turns,
+    from sparrow.training.world_target import (WorldTargetConfig, focus_step, lr_factor, stage_at, step_turns,
                                                training_stages)
 
     c = WorldTargetConfig(steps=100, warmup=10, lr=1e-3, stage_lr=5e-4, stage_warmup=5,
-                          stages=("present@1:30:short", "present+direction@0.5:50"))
+                          stages=("present@1:30:short", "present+vanish@0.5:50"))
     stages = training_stages(c)
     assert [(s.start, s.steps, s.short) for s in stages] == [(0, 100, False), (100, 30, True), (130, 50, False)]
     events = WorldVideo().make(3).events
     kind_of = {q: k for k, qs in QUESTIONS.items() for q in qs}
     kind_of.update({p: "caption" for p in CAPTION_PROMPTS})
 
-    def kinds_at(step):
-        seen = []
+    def kinds_at(step, short=True):
+        focus, seen = 0, []
         for i in range(400):
-            (q, _), = step_turns(c, stage_at(stages, step), step, events, random.Random(i))
+            rng = random.Random(i)
+            f = focus_step(stage_at(stages, step), rng)
+            (q, _), = step_turns(c, stage_at(stages, step), step, events, rng, f, short)
+            focus += f
             seen.append(kind_of.get(q, "present"))          # presence questions carry the colour
-        return seen
+        return focus / 400, seen
 
-    first, alone, mixed = kinds_at(99), kinds_at(100), kinds_at(179)
+    (f0, first), (f1, alone), (f2, mixed) = kinds_at(99), kinds_at(100), kinds_at(179)
+    assert f0 == 0 and f1 == 1 and 0.4 < f2 < 0.6                       # focus steps: the stage's share
     assert {"caption", "start", "direction"} <= set(first) and set(alone) == {"present"}
     share = lambda seen, kinds: sum(k in kinds for k in seen) / len(seen)
     # 0.7 * 3/7 of the first stage's mix; 1/2 + 1/2 of that in the last
-    assert share(first, ("present", "direction")) < 0.4 < 0.55 < share(mixed, ("present", "direction")) < 0.8
-    assert "caption" in mixed
+    assert share(first, ("present", "vanish")) < 0.4 < 0.55 < share(mixed, ("present", "vanish")) < 0.8
+    assert "caption" in mixed and "direction" in mixed
+    # Direction (short_only_kinds) is asked about long videos in the first stage, not later.
+    assert "direction" in kinds_at(99, short=False)[1] and "direction" not in kinds_at(179, short=False)[1]
     # The first stage's draws do not depend on the later stages (same recipe, same videos).
     plain = WorldTargetConfig(steps=100)
-    assert all(step_turns(plain, training_stages(plain)[0], 7, events, random.Random(i))
-               == step_turns(c, stages[0], 7, events, random.Random(i)) for i in range(50))
+    for i in range(50):
+        a, b = random.Random(i), random.Random(i)
+        assert not focus_step(training_stages(plain)[0], a) and not focus_step(stages[0], b)
+        assert step_turns(plain, training_stages(plain)[0], 7, events, a) == step_turns(c, stages[0], 7, events, b)
     # Each stage warms up and decays on its own; later ones peak at stage_lr.
     assert lr_factor(c, stages, 9) == pytest.approx(1.0, rel=0.02)
     assert lr_factor(c, stages, 99) == pytest.approx(0.05, abs=0.01)

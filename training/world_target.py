@@ -88,17 +88,22 @@ class WorldTargetConfig:
     warm_steps: int = 0
     warm_kinds: tuple[str, ...] = ("start", "end", "present")
     # Later stages, after the first `steps`, each "KINDS@SHARE:STEPS[:short]": STEPS more steps
-    # (a warmup of stage_warmup, then cosine from stage_lr to 5%) in which a SHARE of the
-    # conversations asks only KINDS ("+"-joined question kinds) and the rest are drawn as in the
-    # first stage; ":short" draws the stage's videos from those of at most short_tokens visual
-    # tokens. Presence ("is there a <colour> shape?") and direction have little first-order
-    # signal in the mixed recipe and stay near chance; asked alone, on top of the features the
-    # other questions build, they are learned in a few hundred steps, and a mixed stage
-    # afterwards restores what the focused ones displaced (training/RESULTS.md).
+    # (a warmup of stage_warmup, then cosine from stage_lr to 5%) of which a SHARE are focus
+    # steps, asking only KINDS ("+"-joined question kinds) about videos of at most short_tokens
+    # visual tokens if ":short"; the others draw the first stage's mix from the whole pool,
+    # except that short_only_kinds are asked about short videos only. Presence ("is there a
+    # <colour> shape?") and direction have little first-order signal in the mixed recipe and
+    # stay near chance; asked alone, on top of the features the other questions build, they
+    # are learned in a few hundred steps, and mixed steps afterwards restore what the focused
+    # ones displaced (training/RESULTS.md).
     stages: tuple[str, ...] = ()
     stage_lr: float = 1e-3
     stage_warmup: int = 20
     short_tokens: int = 72
+    # Direction is learned on 3x3-token frames (84 px); asked about 6x6-token ones as well it
+    # was lost again (the width positions barely rotate, so where a token sits in a frame is
+    # read from the token order, which differs between the two).
+    short_only_kinds: tuple[str, ...] = ("direction",)
     seed: int = 0
     log_every: int = 50
     eval_every: int = 1000                # per-kind accuracy on a few held-out videos (0: never)
@@ -114,14 +119,16 @@ class WorldTargetConfig:
 
 
 # `sparrow world tune-target`: the later stages on top of a trained target (`train-target`'s
-# first stage), on 84 px videos of 8-16 frames (the ones whose frame pairs take temporal
-# positions 0-7 one by one); presence and direction asked alone on 8-frame ones. Presence
-# leaves its saddle sooner the better the colour features it starts from: from the committed
-# first stage (5200 steps) within ~500 steps; from 4000 steps at ~950 of 1500; from 3600 not
-# within 2500 (training/RESULTS.md), so the stages follow a full first stage, as a second
-# command, rather than a shortened first stage in one 30-minute run.
-TUNE = dict(steps=0, stages=("present@1:2000:short", "direction@1:400:short", "present+direction@0.4:1500"),
-            frames=(8, 12, 16), sizes=(84,), long_frames=(), pool=1200, batch=12, short_tokens=36)
+# first stage), over a pool drawn like the first stage's. Presence and direction are asked
+# alone about 84 px 8-frame videos (36 tokens); then 40% of the steps ask them about those and
+# the rest draw the first stage's mix from the whole pool, so long and 168 px videos (their
+# captions, which the draft learns from) are not forgotten. Presence leaves its saddle sooner
+# the better the colour features it starts from: from the committed first stage (5200 steps)
+# within ~500 steps; from 4000 steps at ~950 of 1500; from 3600 not within 2500
+# (training/RESULTS.md), so the stages follow a full first stage, as a second command, rather
+# than a shortened first stage in one 30-minute run.
+TUNE = dict(steps=0, stages=("present@1:2000:short", "direction@1:400:short", "present+direction@0.4:2000:short"),
+            pool=1500, batch=12, short_tokens=36)
 
 # The SpecVLM-style baseline's draft: a smaller full VLM of the same family, trained with the
 # same recipe (`sparrow world train-baselines --only small-target`).
@@ -417,14 +424,22 @@ def lr_factor(c: WorldTargetConfig, stages: list[Stage], step: int) -> float:
     return st.lr / c.lr * min(1.0, (s + 1) / st.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / st.steps))))
 
 
-def step_turns(c: WorldTargetConfig, stage: Stage, step: int, events: list[dict],
-               rng: random.Random) -> list[tuple[str, str]]:
-    """One training conversation at `step`: the curriculum's kinds, or the stage's mix."""
+def focus_step(stage: Stage, rng: random.Random) -> bool:
+    """Whether a step of this stage asks only the stage's kinds (drawn once per step)."""
+    return bool(stage.share) and rng.random() < stage.share
+
+
+def step_turns(c: WorldTargetConfig, stage: Stage, step: int, events: list[dict], rng: random.Random,
+               focus: bool = False, short: bool = True) -> list[tuple[str, str]]:
+    """One training conversation at `step`: the curriculum's kinds, the stage's own kinds on
+    a focus step, else the first stage's mix (in later stages without short_only_kinds when
+    the video is not short)."""
     if step < c.warm_steps:
         return world_turns(events, rng, c.max_turns, 0.0, c.warm_kinds)
-    if stage.share and rng.random() < stage.share:
+    if focus:
         return world_turns(events, rng, c.max_turns, 0.0, stage.kinds)
-    return world_turns(events, rng, c.max_turns, c.caption_prob, c.kinds)
+    kinds = c.kinds if short or stage.start == 0 else tuple(k for k in c.kinds if k not in c.short_only_kinds)
+    return world_turns(events, rng, c.max_turns, c.caption_prob, kinds)
 
 
 def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None = None,
@@ -458,18 +473,21 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
     for step in range(total):
         rng = random.Random(c.seed * 1_000_003 + step)
         stage = stage_at(stages, step)
+        focus = focus_step(stage, rng)
         if pool is not None:
-            videos = pool_batch(pool, same_length, rng, c.batch, short if stage.short else None)
-            chats = [step_turns(c, stage, step, v.events, rng) for v in videos]
+            videos = pool_batch(pool, same_length, rng, c.batch, short if focus and stage.short else None)
+            is_short = videos[0].embeds.shape[0] <= c.short_tokens
+            chats = [step_turns(c, stage, step, v.events, rng, focus, is_short) for v in videos]
             loss = pooled_loss(target, videos, chats, c.loss_weighting)
         else:
-            world = (WorldVideo(num_frames=min(c.frames), size=min(c.sizes)) if stage.short
+            world = (WorldVideo(num_frames=min(c.frames), size=min(c.sizes)) if focus and stage.short
                      else training_world(c, rng))   # one shape per batch
             videos, chats = [], []
             for b in range(c.batch):
                 video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + step) * 64 + b)
                 videos.append(video)
-                chats.append(step_turns(c, stage, step, events, rng))
+                chats.append(step_turns(c, stage, step, events, rng, focus,
+                                        video.num_visual_tokens <= c.short_tokens))
             loss = conversation_loss(target, *conversation_batch(target, videos, chats), c.loss_weighting)
         opt.zero_grad(set_to_none=True)
         loss.backward()
