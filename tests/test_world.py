@@ -203,6 +203,12 @@ def test_training_stages_ask_their_kinds_and_restart_the_schedule():
     assert "caption" in mixed and "direction" in mixed
     # Direction (short_only_kinds) is asked about long videos in the first stage, not later.
     assert "direction" in kinds_at(99, short=False)[1] and "direction" not in kinds_at(179, short=False)[1]
+    # Later stages' mixed steps can carry more captions than the first stage's.
+    more = WorldTargetConfig(steps=100, stages=("present@0.5:50",), stage_caption_prob=1.0)
+    later, first_stage = training_stages(more)[1], training_stages(more)[0]
+    assert all(step_turns(more, later, 120, events, random.Random(i))[0][0] in CAPTION_PROMPTS for i in range(20))
+    assert not all(step_turns(more, first_stage, 20, events, random.Random(i))[0][0] in CAPTION_PROMPTS
+                   for i in range(20))
     # The first stage's draws do not depend on the later stages (same recipe, same videos).
     plain = WorldTargetConfig(steps=100)
     for i in range(50):

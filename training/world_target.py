@@ -104,6 +104,10 @@ class WorldTargetConfig:
     # was lost again (the width positions barely rotate, so where a token sits in a frame is
     # read from the token order, which differs between the two).
     short_only_kinds: tuple[str, ...] = ("direction",)
+    # Caption share of the later stages' mixed steps (None: caption_prob). Focus steps teach
+    # one-word answers; with captions at the first stage's share, a tuned target began long
+    # videos' captions with "a" and ended the turn there.
+    stage_caption_prob: float | None = None
     seed: int = 0
     log_every: int = 50
     eval_every: int = 1000                # per-kind accuracy on a few held-out videos (0: never)
@@ -128,7 +132,7 @@ class WorldTargetConfig:
 # (training/RESULTS.md), so the stages follow a full first stage, as a second command, rather
 # than a shortened first stage in one 30-minute run.
 TUNE = dict(steps=0, stages=("present@1:2000:short", "direction@1:400:short", "present+direction@0.4:2000:short"),
-            pool=1500, batch=12, short_tokens=36)
+            pool=1500, batch=12, short_tokens=36, stage_caption_prob=0.6)
 
 # The SpecVLM-style baseline's draft: a smaller full VLM of the same family, trained with the
 # same recipe (`sparrow world train-baselines --only small-target`).
@@ -438,8 +442,11 @@ def step_turns(c: WorldTargetConfig, stage: Stage, step: int, events: list[dict]
         return world_turns(events, rng, c.max_turns, 0.0, c.warm_kinds)
     if focus:
         return world_turns(events, rng, c.max_turns, 0.0, stage.kinds)
-    kinds = c.kinds if short or stage.start == 0 else tuple(k for k in c.kinds if k not in c.short_only_kinds)
-    return world_turns(events, rng, c.max_turns, c.caption_prob, kinds)
+    if stage.start == 0:
+        return world_turns(events, rng, c.max_turns, c.caption_prob, c.kinds)
+    kinds = c.kinds if short else tuple(k for k in c.kinds if k not in c.short_only_kinds)
+    caption_prob = c.caption_prob if c.stage_caption_prob is None else c.stage_caption_prob
+    return world_turns(events, rng, c.max_turns, caption_prob, kinds)
 
 
 def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None = None,
