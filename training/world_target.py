@@ -130,8 +130,8 @@ class WorldTargetConfig:
 # the better the colour features it starts from: from the committed first stage (5200 steps)
 # within ~500 steps; from 4000 steps at ~950 of 1500; from 3600 not within 2500
 # (training/RESULTS.md), so the stages follow a full first stage, as a second command, rather
-# than a shortened first stage in one 30-minute run. Status: presence 0.90 and direction 0.88
-# on short videos, 0.893 overall, but long videos' captions break; not in the committed pair.
+# than a shortened first stage in one 30-minute run. Alone this preset leaves long videos'
+# captions broken; the committed target adds a run of mixed steps (`--stages present@0:1200`).
 TUNE = dict(steps=0, stages=("present@1:2000:short", "direction@1:400:short", "present+direction@0.4:2000:short"),
             pool=1500, batch=12, short_tokens=36, stage_caption_prob=0.6)
 
