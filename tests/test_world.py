@@ -262,3 +262,26 @@ def test_tune_target_trains_on_from_a_saved_target_and_keeps_its_report(tmp_path
     lm = [k for k in a if "visual" not in k]
     assert any(not torch.equal(a[k], b[k]) for k in lm)                   # the language model trained on
     assert all(torch.equal(a[k], b[k]) for k in a if "visual" in k)       # the tower stays frozen
+
+
+def test_world_target_commands_train_then_tune_with_the_preset(tmp_path):
+    import json
+
+    from sparrow.services.cli import build_parser
+    from sparrow.training.world_target import TUNE
+
+    tiny = ["--hidden", "64", "--layers", "1", "--heads", "2", "--intermediate", "64", "--batch", "2", "--pool", "4",
+            "--frames", "8", "--sizes", "84", "--long-frames", "", "--eval-every", "0", "--final-eval-videos", "1"]
+    for argv in (["world", "train-target", "--out", str(tmp_path / "a"), "--steps", "2", *tiny],
+                 ["world", "tune-target", "--target", str(tmp_path / "a"), "--out", str(tmp_path / "b"),
+                  "--stages", "present@0:2", *tiny]):
+        args = build_parser().parse_args(argv)
+        assert args.func(args) in (0, 1)                 # 1: below the 90% bar, as a 2-step model is
+    first = json.loads((tmp_path / "a" / "world_target.json").read_text())
+    tuned = json.loads((tmp_path / "b" / "world_target.json").read_text())
+    assert first["config"]["stages"] == [] and first["init"] is None
+    # tune-target: the preset where the command line is silent, the command line where it is not
+    assert tuned["config"]["stages"] == ["present@0:2"] and tuned["config"]["batch"] == 2
+    assert tuned["config"]["steps"] == 0 and tuned["config"]["short_tokens"] == TUNE["short_tokens"]
+    assert tuned["config"]["stage_caption_prob"] == TUNE["stage_caption_prob"]
+    assert tuned["init"] == str(tmp_path / "a") and tuned["before"]["config"] == first["config"]

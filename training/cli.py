@@ -29,12 +29,16 @@ def _parse_type(annotation: str):
     return {"int": int, "float": float, "str": str, "bool": lambda s: s.lower() in ("1", "true", "yes")}[base]
 
 
-def _add_config_options(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    group = parser.add_argument_group(f"{cls.__name__} (defaults as in the dataclass)")
+def _add_config_options(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
+                        preset: dict | None = None) -> None:
+    """One option per field; `preset`: the command's own defaults over the dataclass's."""
+    preset = preset or {}
+    where = "the command's preset, else the dataclass" if preset else "the dataclass"
+    group = parser.add_argument_group(f"{cls.__name__} (defaults as in {where})")
     for f in fields(cls):
         if f.name in skip:
             continue
-        default = f.default if f.default is not MISSING else None
+        default = preset.get(f.name, f.default if f.default is not MISSING else None)
         group.add_argument("--" + f.name.replace("_", "-"), dest=f"cfg_{f.name}", type=_parse_type(str(f.type)),
                            default=None, metavar=f.name.upper(), help=f"default {default}")
 
@@ -86,18 +90,12 @@ def _cmd_world_make_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_world_train_target(args: argparse.Namespace) -> int:
-    from .world_target import WorldTargetConfig, train_world_target_cli
-
-    report = train_world_target_cli(_config(WorldTargetConfig, args), args.out, eval_videos=args.final_eval_videos)
-    print(json.dumps(report, indent=2))
-    return 0 if report["accuracy"]["accuracy"] >= 0.9 else 1
-
-
-def _cmd_world_tune_target(args: argparse.Namespace) -> int:
+    """train-target (from scratch) and tune-target (on from --target, with the TUNE preset)."""
     from .world_target import TUNE, WorldTargetConfig, train_world_target_cli
 
-    report = train_world_target_cli(_config(WorldTargetConfig, args, **TUNE), args.out,
-                                    eval_videos=args.final_eval_videos, init=args.target)
+    init = getattr(args, "target", None)
+    c = _config(WorldTargetConfig, args, **(TUNE if init else {}))
+    report = train_world_target_cli(c, args.out, eval_videos=args.final_eval_videos, init=init)
     print(json.dumps({k: v for k, v in report.items() if k != "before"}, indent=2))
     return 0 if report["accuracy"]["accuracy"] >= 0.9 else 1
 
@@ -158,7 +156,7 @@ def _sizes(text: str) -> tuple[tuple[int, int], ...]:
 def add_commands(sub) -> None:
     """Register `train-draft` and the `world` group on the `sparrow` subparsers."""
     from .config import TrainConfig
-    from .world_target import WorldTargetConfig
+    from .world_target import TUNE, WorldTargetConfig
 
     p = sub.add_parser("train-draft", help="train a Sparrow draft for a target (online distillation)")
     p.add_argument("--target", required=True, help="target model directory (save_pretrained form)")
@@ -189,8 +187,8 @@ def add_commands(sub) -> None:
     p.add_argument("--target", required=True, help="a world target (train-target's output)")
     p.add_argument("--out", required=True, help="where the tuned target goes (may be --target itself)")
     p.add_argument("--final-eval-videos", type=int, default=40, help="fresh short videos for the final accuracy")
-    _add_config_options(p, WorldTargetConfig)
-    p.set_defaults(func=_cmd_world_tune_target)
+    _add_config_options(p, WorldTargetConfig, preset=TUNE)
+    p.set_defaults(func=_cmd_world_train_target)
 
     p = wsub.add_parser("train-draft", help="train the world draft through the train-draft path")
     p.add_argument("--target", required=True)

@@ -392,7 +392,7 @@ class Stage:
     steps: int
     lr: float
     warmup: int
-    kinds: tuple[str, ...] = ()    # asked alone in a `share` of the conversations
+    kinds: tuple[str, ...] = ()    # asked alone on a `share` of the stage's steps
     share: float = 0.0
     short: bool = False            # videos of at most short_tokens visual tokens only
 
