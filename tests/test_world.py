@@ -221,7 +221,12 @@ def test_training_stages_ask_their_kinds_and_restart_the_schedule():
     assert lr_factor(c, stages, 100) == pytest.approx(0.5 * 0.2)            # warmup 1/5 of stage_lr/lr
     assert lr_factor(c, stages, 104) == pytest.approx(0.5, rel=0.05)                # then decays
     assert lr_factor(c, stages, 129) < 0.05 and lr_factor(c, stages, 134) == pytest.approx(0.5, rel=0.02)
-    for bad in ("present:30", "colour@1:30", "present@2:30", "present@1:0"):
+    # "mix:STEPS": a stage of mixed steps only (its own schedule, no focus steps).
+    mix = training_stages(WorldTargetConfig(steps=100, stages=("mix:40",)))[1]
+    assert (mix.start, mix.steps, mix.kinds, mix.share, mix.short) == (100, 40, (), 0.0, False)
+    assert not any(focus_step(mix, random.Random(i)) for i in range(50))
+    for bad in ("present:30", "colour@1:30", "present@2:30", "present@1:0", "mix:0", "mix:30:short",
+                "present@1:30:long", "mix@1:30"):
         with pytest.raises(ValueError, match="stage"):
             training_stages(WorldTargetConfig(stages=(bad,)))
 

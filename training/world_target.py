@@ -87,7 +87,8 @@ class WorldTargetConfig:
     # language prior, so the only way to lower the loss is to look at the video.
     warm_steps: int = 0
     warm_kinds: tuple[str, ...] = ("start", "end", "present")
-    # Later stages, after the first `steps`, each "KINDS@SHARE:STEPS[:short]": STEPS more steps
+    # Later stages, after the first `steps`, each "KINDS@SHARE:STEPS[:short]" (or "mix:STEPS",
+    # no focus steps): STEPS more steps
     # (a warmup of stage_warmup, then cosine from stage_lr to 5%) of which a SHARE are focus
     # steps, asking only KINDS ("+"-joined question kinds) about videos of at most short_tokens
     # visual tokens if ":short"; the others draw the first stage's mix from the whole pool,
@@ -400,11 +401,14 @@ class Stage:
     def parse(spec: str, start: int, c: WorldTargetConfig) -> "Stage":
         try:
             head, steps, *flags = spec.split(":")
-            kinds, share = head.split("@")
-            stage = Stage(start, int(steps), c.stage_lr, c.stage_warmup, tuple(kinds.split("+")), float(share),
-                          flags == ["short"])
+            kinds, share = ("", "0") if head == "mix" and not flags else head.split("@")   # mixed steps only
+            if flags not in ([], ["short"]):
+                raise ValueError(flags)
+            stage = Stage(start, int(steps), c.stage_lr, c.stage_warmup, tuple(filter(None, kinds.split("+"))),
+                          float(share), flags == ["short"])
         except ValueError:
-            raise ValueError(f"stage {spec!r}: expected KINDS@SHARE:STEPS or KINDS@SHARE:STEPS:short") from None
+            raise ValueError(f"stage {spec!r}: expected KINDS@SHARE:STEPS, KINDS@SHARE:STEPS:short "
+                             "or mix:STEPS") from None
         unknown = set(stage.kinds) - set(QUESTION_KINDS)
         if unknown or not 0 <= stage.share <= 1 or stage.steps <= 0:
             raise ValueError(f"stage {spec!r}: kinds among {QUESTION_KINDS}, share in [0, 1], steps > 0")
