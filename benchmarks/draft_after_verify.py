@@ -19,13 +19,12 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks.world import ladder_ends  # noqa: E402
 from sparrow.config import SamplingParams, SpecConfig  # noqa: E402
 from sparrow.models.draft import SparrowDraft  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.spec.propose import SparrowProposer, build_context  # noqa: E402
 from sparrow.spec.sampling import new_generator  # noqa: E402
-from sparrow.training.world import LADDER, WorldVideo  # noqa: E402
-from sparrow.training.world_target import world_sample  # noqa: E402
 
 
 def main(models: str = "models/world", reps: int = 30) -> None:
@@ -33,10 +32,7 @@ def main(models: str = "models/world", reps: int = 30) -> None:
     target = TargetModel.from_pretrained(f"{models}/target")
     proposer = SparrowProposer(SparrowDraft.from_pretrained(f"{models}/draft", target), SpecConfig(window=16, anchors=32))
     sampling, rng = SamplingParams(), new_generator(0)
-    for size, frames in (LADDER[0], LADDER[-1]):
-        video, _ = world_sample(target, WorldVideo(num_frames=frames, size=size), 7)
-        inputs = target.build_inputs(video, "describe the video .")
-        pre = target.prefill(inputs, inputs["input_ids"].shape[1] + 64, feature_layers=proposer.feature_layers)
+    for video, pre in ladder_ends(target, 64, proposer.feature_layers):
         token = int(pre.logits.argmax())
         state = proposer.begin(build_context(pre, token, 0))
         alone, after = [], []

@@ -24,10 +24,9 @@ import torch  # noqa: E402
 
 from benchmarks.report import write_section  # noqa: E402
 from benchmarks.speculative import machine  # noqa: E402
+from benchmarks.world import ladder_ends  # noqa: E402
 from sparrow.models import gqa  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
-from sparrow.training.world import LADDER, WorldVideo  # noqa: E402
-from sparrow.training.world_target import world_sample  # noqa: E402
 
 
 def step_ms(target: TargetModel, state, n: int, reps: int) -> float:
@@ -53,10 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(x) for x in args.tokens.split(",")]
     rows = ["| visual tokens | attention | " + " | ".join(f"{n} tokens" for n in sizes) + " |",
             "|---|---|" + "---|" * len(sizes)]
-    for side, frames in (LADDER[0], LADDER[-1]):
-        video, _ = world_sample(target, WorldVideo(num_frames=frames, size=side), 7)
-        inputs = target.build_inputs(video, "describe the video .")
-        pre = target.prefill(inputs, inputs["input_ids"].shape[1] + 16)
+    for video, pre in ladder_ends(target, 16):
         for impl in ("sdpa", gqa.NAME):
             target.hf.set_attn_implementation({"text_config": impl})
             ms = {n: step_ms(target, pre.state, n, args.reps) for n in sizes}

@@ -33,6 +33,17 @@ SEED = 4 * 10**9
 SHORT = ((84, 8), (84, 16))
 
 
+def ladder_ends(target, new_tokens: int, feature_layers=None, seed: int = 7):
+    """(video, prefill) for a caption request on a video at each end of the ladder (the
+    shortest and ~25k visual tokens), with room for new_tokens more."""
+    from sparrow.training.world import WorldVideo
+    from sparrow.training.world_target import world_sample
+    for side, frames in (LADDER[0], LADDER[-1]):
+        video, _ = world_sample(target, WorldVideo(num_frames=frames, size=side), seed)
+        inputs = target.build_inputs(video, "describe the video .")
+        yield video, target.prefill(inputs, inputs["input_ids"].shape[1] + new_tokens, feature_layers=feature_layers)
+
+
 def table(report: dict) -> str:
     kinds = [k for k in QUESTION_KINDS]
     lines = ["| video (side px x frames) | visual tokens | QA accuracy | " + " | ".join(kinds)
