@@ -133,3 +133,46 @@ class OracleProposer:
 
     def commit(self, state: _OracleState, tokens: list[int], features) -> None:
         state.pos += len(tokens)
+
+
+def check_unroll_equals_proposer(draft: SparrowDraft, spec: SpecConfig, sig, start: int, pinned: torch.Tensor,
+                                 window: int, glimpse: int) -> list[torch.Tensor]:
+    """Propose spec.num_draft_tokens tokens from chain start `start` over the training signals
+    `sig` (as decoding does), recording every window mask the draft builds; run the training
+    unroll over the same tokens; assert that each step's distribution and the keys it sees are
+    the same. Returns the key positions each inference step saw."""
+    import sparrow.models.draft as draft_module
+    from .config import SamplingParams
+    from .spec.propose import DraftContext, SparrowProposer
+    from .spec.sampling import new_generator
+    from .training.unroll import unroll
+
+    s, k = start, spec.num_draft_tokens
+    recorded, real = [], draft_module.window_mask
+
+    def recording(q_pos, k_pos, k_pinned, w):
+        mask = real(q_pos, k_pos, k_pinned, w)
+        recorded.append((k_pos, mask))
+        return mask
+
+    proposer = SparrowProposer(draft, spec)
+    draft_module.window_mask = recording
+    try:
+        state = proposer.begin(DraftContext(sig.token_ids[: s + 1], sig.features[: s + 1], sig.num_prompt,
+                                            sig.prefix(glimpse), sig.num_visual))
+        proposal = proposer.propose(state, k, SamplingParams(temperature=1.0), new_generator(0))
+    finally:
+        draft_module.window_mask = real
+    ids = sig.token_ids.clone()
+    ids[s + 1: s + k] = proposal.tokens[: k - 1]        # the tokens the proposer fed forward
+    with torch.no_grad():
+        out = unroll(draft, ids, sig.features, pinned, sig.prefix(glimpse), torch.tensor([s]), k, window,
+                     keep_masks=True)
+    for j in range(k):
+        torch.testing.assert_close(torch.softmax(out.logits[j][0].float(), -1), proposal.probs[j])
+    # begin's last row (entry s), then one forward per fed-back draft token
+    inference_rows = [recorded[-k][0][recorded[-k][1][-1]]] + [kp[m[0]] for kp, m in recorded[-(k - 1):]]
+    for j, row in enumerate(inference_rows):
+        training_row = out.key_pos[j][out.masks[j][0]]
+        assert sorted(row.tolist()) == sorted(training_row.tolist()), f"step {j}"
+    return inference_rows

@@ -5,17 +5,16 @@ a draft span that grows with the video, and training == inference as for "text".
 import pytest
 import torch
 
-import sparrow.models.draft as draft_module
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest
 from sparrow.prefix_cache import PrefixCache
 from sparrow.spec.propose import FULL_WINDOW, DraftContext, SparrowProposer, build_context
 from sparrow.spec.prune import prune_budget, prune_visual
 from sparrow.spec.sampling import new_generator
-from sparrow.testing import synthetic_frames, tiny_draft
+from sparrow.testing import check_unroll_equals_proposer, synthetic_frames, tiny_draft
 from sparrow.training import TrainConfig
 from sparrow.training.signals import target_signals
-from sparrow.training.unroll import context_attention, unroll
+from sparrow.training.unroll import context_attention
 
 PROMPT = "What happens in the video?"
 CONTEXTS = ("all", "pruned")
@@ -194,7 +193,7 @@ def test_signals_are_what_prefill_gives_the_draft(qwen_target, response, context
 
 @pytest.mark.parametrize("offset", [0, 5])
 @pytest.mark.parametrize("context", CONTEXTS)
-def test_training_masks_and_outputs_equal_inference(qwen_target, response, monkeypatch, context, offset):
+def test_training_masks_and_outputs_equal_inference(qwen_target, response, context, offset):
     """As tests/test_training.py for "text": chain start s = P + offset; the proposer's
     distributions and the keys each step sees equal the training unroll's."""
     processed, tokens = response
@@ -203,37 +202,12 @@ def test_training_masks_and_outputs_equal_inference(qwen_target, response, monke
     dc = draft.config
     sig = target_signals(qwen_target, processed, PROMPT, tokens, dc.feature_layers, dc.bridge_layer,
                          context, s_cfg.prune_keep)
-    s, k, p = sig.num_prompt + offset, s_cfg.num_draft_tokens, sig.num_prompt
-    recorded = []
-    real = draft_module.window_mask
-
-    def recording(q_pos, k_pos, k_pinned, window):
-        mask = real(q_pos, k_pos, k_pinned, window)
-        recorded.append((k_pos, mask))
-        return mask
-
-    monkeypatch.setattr(draft_module, "window_mask", recording)
-    proposer = SparrowProposer(draft, s_cfg)
-    state = proposer.begin(DraftContext(sig.token_ids[: s + 1], sig.features[: s + 1], p, sig.prefix(s_cfg.glimpse),
-                                        sig.num_visual))
-    proposal = proposer.propose(state, k, SamplingParams(temperature=1.0), new_generator(0))
-    monkeypatch.undo()
-
-    ids = sig.token_ids.clone()
-    ids[s + 1: s + k] = proposal.tokens[: k - 1]
+    s, p = sig.num_prompt + offset, sig.num_prompt
     pinned, window = context_attention(context, sig.num_entries, p, s_cfg.anchors, s_cfg.window)
-    with torch.no_grad():
-        out = unroll(draft, ids, sig.features, pinned, sig.prefix(s_cfg.glimpse), torch.tensor([s]), k, window,
-                     keep_masks=True)
-    for j in range(k):
-        torch.testing.assert_close(torch.softmax(out.logits[j][0].float(), -1), proposal.probs[j])
-    inference_rows = [recorded[-k][0][recorded[-k][1][-1]]] + [kp[m[0]] for kp, m in recorded[-(k - 1):]]
-    for j, row in enumerate(inference_rows):
-        training_row = out.key_pos[j][out.masks[j][0]]
-        assert sorted(row.tolist()) == sorted(training_row.tolist()), f"step {j}"
+    inference_rows = check_unroll_equals_proposer(draft, s_cfg, sig, s, pinned, window, s_cfg.glimpse)
     # every query sees the whole glimpse + every entry up to itself: nothing is windowed out
     assert inference_rows[0].shape[0] == s_cfg.glimpse + s + 1
-    assert inference_rows[-1].shape[0] == s_cfg.glimpse + s + k
+    assert inference_rows[-1].shape[0] == s_cfg.glimpse + s + s_cfg.num_draft_tokens
 
 
 @pytest.mark.parametrize("context", CONTEXTS)

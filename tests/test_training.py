@@ -6,14 +6,12 @@ import json
 import pytest
 import torch
 
-import sparrow.models.draft as draft_module
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.spec.propose import DraftContext, SparrowProposer, build_context
-from sparrow.spec.sampling import new_generator
-from sparrow.testing import synthetic_frames, tiny_draft
+from sparrow.spec.propose import build_context
+from sparrow.testing import check_unroll_equals_proposer, synthetic_frames, tiny_draft
 from sparrow.training import DraftTrainer, Sample, TrainConfig, load_samples
 from sparrow.training.signals import target_signals
-from sparrow.training.unroll import anchor_flags, unroll
+from sparrow.training.unroll import anchor_flags
 
 PROMPT = "What happens in the video?"
 SPEC = SpecConfig(num_draft_tokens=4, window=4, anchors=5, glimpse=3)
@@ -48,37 +46,13 @@ def test_signals_are_what_prefill_gives_the_draft(qwen_target, signals):
 
 
 @pytest.mark.parametrize("offset", [0, 3, 8])
-def test_training_masks_and_outputs_equal_inference(qwen_target, signals, monkeypatch, offset):
+def test_training_masks_and_outputs_equal_inference(qwen_target, signals, offset):
     """Chain start s = P + offset: the proposer's masks (recorded from `window_mask` inside the
     draft) and its sampled distributions equal the training unroll's, step for step."""
     draft, _, sig = signals
-    s, k, p = sig.num_prompt + offset, SPEC.num_draft_tokens, sig.num_prompt
-    recorded = []
-    real = draft_module.window_mask
-
-    def recording(q_pos, k_pos, k_pinned, window):
-        mask = real(q_pos, k_pos, k_pinned, window)
-        recorded.append((k_pos, mask))
-        return mask
-
-    monkeypatch.setattr(draft_module, "window_mask", recording)
-    proposer = SparrowProposer(draft, SPEC)
-    state = proposer.begin(DraftContext(sig.token_ids[: s + 1], sig.features[: s + 1], p, sig.prefix(3)))
-    proposal = proposer.propose(state, k, SamplingParams(temperature=1.0), new_generator(0))
-    monkeypatch.undo()
-
-    ids = sig.token_ids.clone()
-    ids[s + 1: s + k] = proposal.tokens[: k - 1]        # the tokens the proposer fed forward
-    with torch.no_grad():
-        out = unroll(draft, ids, sig.features, anchor_flags(sig.num_entries, p, SPEC.anchors), sig.prefix(3),
-                     torch.tensor([s]), k, SPEC.window, keep_masks=True)
-    for j in range(k):
-        torch.testing.assert_close(torch.softmax(out.logits[j][0].float(), -1), proposal.probs[j])
-    # begin's last row (entry s), then one forward per fed-back draft token
-    inference_rows = [recorded[-k][0][recorded[-k][1][-1]]] + [kp[m[0]] for kp, m in recorded[-(k - 1):]]
-    for j, row in enumerate(inference_rows):
-        training_row = out.key_pos[j][out.masks[j][0]]
-        assert sorted(row.tolist()) == sorted(training_row.tolist()), f"step {j}"
+    s, p = sig.num_prompt + offset, sig.num_prompt
+    inference_rows = check_unroll_equals_proposer(draft, SPEC, sig, s, anchor_flags(sig.num_entries, p, SPEC.anchors),
+                                                  SPEC.window, 3)
     assert sum(row.shape[0] for row in inference_rows) > 0
 
 
