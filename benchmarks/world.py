@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "", table(report), "",
         "QA: one question of each kind per video (two for `present`: a colour in the video and one not), "
         "single-turn, greedy, exact match. The target trains on 84 and 168 px videos of 8-32 frames and "
-        "84 px videos of 64-128 frames (at most 576 visual tokens; see models/world/MODEL_CARD.md); every "
+        "84 px videos of 64-512 frames (at most 2,304 visual tokens; see models/world/MODEL_CARD.md); every "
         "video spans at most 8 temporal rope positions, so the longer rows are the same positions with "
         "more frame pairs on each."])
     if args.json:

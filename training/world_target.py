@@ -132,7 +132,8 @@ class WorldTargetConfig:
 # within ~500 steps; from 4000 steps at ~950 of 1500; from 3600 not within 2500
 # (training/RESULTS.md), so the stages follow a full first stage, as a second command, rather
 # than a shortened first stage in one 30-minute run. Alone this preset leaves long videos'
-# captions broken; the committed target adds a run of mixed steps (`--stages present@0:1200`).
+# captions broken; the committed target adds runs of mixed steps (`--stages mix:1200`, then
+# `mix:600` over longer videos: models/world/MODEL_CARD.md).
 TUNE = dict(steps=0, stages=("present@1:2000:short", "direction@1:400:short", "present+direction@0.4:2000:short"),
             pool=1500, batch=12, short_tokens=36, stage_caption_prob=0.6)
 
