@@ -148,8 +148,9 @@ class Engine:
         dstate = None
         if proposer is not None and hasattr(proposer, "begin_request"):
             # Hook for proposers that need the video itself, not a DraftContext (SpecVLM: a small
-            # VLM re-reads a pruned video): begin_request(prefill, prompt inputs, video, first token).
-            dstate = proposer.begin_request(pre, inputs, processed, token)
+            # VLM re-reads a pruned video): begin_request(prefill, prompt inputs, video, first token,
+            # video key: on a prefix-cache hit there are no pixels, and the key names the video).
+            dstate = proposer.begin_request(pre, inputs, processed, token, video_key)
         elif proposer is not None:
             ctx = (build_context(pre, token, self.spec.glimpse, self.spec.draft_context, self.spec.prune_keep)
                    if proposer.feature_layers else None)

@@ -36,8 +36,8 @@ class Recording(SpecVLMProposer):
         super().__init__(*args, **kwargs)
         self.states, self.committed = [], 0
 
-    def begin_request(self, pre, inputs, video, first_token):
-        state = super().begin_request(pre, inputs, video, first_token)
+    def begin_request(self, pre, inputs, video, first_token, video_key=None):
+        state = super().begin_request(pre, inputs, video, first_token, video_key)
         self.states.append(state)
         self.prompt_len = inputs["input_ids"].shape[1]
         self.committed = 1                                   # the first token, from prefill
@@ -58,8 +58,8 @@ class Recording(SpecVLMProposer):
         self.final_bytes = draft_memory_bytes(state)        # what the request held at its end
 
 
-def plain_tokens(target, video, sampling):
-    return Engine(target, spec=SpecConfig(method="none")).generate(video, PROMPT, sampling).token_ids
+def plain_tokens(target, video, sampling, prompt=PROMPT):
+    return Engine(target, spec=SpecConfig(method="none")).generate(video, prompt, sampling).token_ids
 
 
 @pytest.mark.parametrize("small_index", [0, 1])
@@ -194,10 +194,34 @@ def test_bad_config_raises(qwen_target, llava_target, small_vlms):
         specvlm_engine(qwen_target, small, num_draft_tokens=0)
 
 
-def test_prefix_cache_miss_works_and_hit_raises_clearly(qwen_target, small_vlms, small_video):
-    engine = specvlm_engine(qwen_target, small_vlms[0], prefix_cache=PrefixCache(max_entries=2))
+def test_prefix_cache_hits_reuse_the_small_vlms_visual_tokens(qwen_target, small_vlms, small_video):
+    """A hit carries no pixels: the proposer reuses the small VLM's visual tokens it kept for
+    the key, and a hit on a key it does not hold is a clear error that loses nothing."""
+    cache = PrefixCache(max_entries=2)
     sampling = SamplingParams(max_new_tokens=12)
-    out = engine.generate(small_video, PROMPT, sampling, video_key="clip")
-    assert out.token_ids == plain_tokens(qwen_target, small_video, sampling)
-    with pytest.raises(InvalidRequest, match="prefix-cache"):
-        engine.generate(small_video, PROMPT, sampling, video_key="clip")
+    plain = plain_tokens(qwen_target, small_video, sampling)
+    # The target as its own small VLM, seeing every visual token: it proposes exactly what the
+    # target decodes only if the visual tokens it gets on a hit are the video's own.
+    mirror = specvlm_engine(qwen_target, qwen_target, keep_ratio=1.0, prefix_cache=PrefixCache(max_entries=2))
+    first = mirror.generate(small_video, PROMPT, sampling, video_key="clip")
+    again = mirror.generate(None, PROMPT, sampling, video_key="clip")      # the video is not sent again
+    assert first.token_ids == plain and again.token_ids == plain
+    assert again.metrics.cached_prompt_tokens > 0 and first.metrics.cached_prompt_tokens == 0
+    assert again.metrics.accepted_tokens == again.metrics.draft_tokens > 0
+    assert again.metrics.tau == first.metrics.tau > 3.0
+
+    engine = specvlm_engine(qwen_target, small_vlms[0], prefix_cache=cache)
+    assert engine.generate(small_video, PROMPT, sampling, video_key="clip").token_ids == plain
+    # Another question on the cached video: the small VLM sees the same pruned video.
+    other = "Describe the colours."
+    assert (engine.generate(None, other, sampling, video_key="clip").token_ids
+            == plain_tokens(qwen_target, small_video, sampling, other))
+    # The proposer keeps as many videos as the prefix cache; a prefix made by another engine
+    # (sharing the cache) is not in this proposer's keeping.
+    assert engine.proposer.video_cache_entries == 2
+    elsewhere = specvlm_engine(qwen_target, small_vlms[0], prefix_cache=cache)
+    with pytest.raises(InvalidRequest, match="'clip' is not among them"):
+        elsewhere.generate(None, PROMPT, sampling, video_key="clip")
+    assert engine.generate(None, PROMPT, sampling, video_key="clip").token_ids == plain   # still serving
+    with pytest.raises(InvalidRequest, match="video_cache_entries"):
+        SpecVLMProposer(qwen_target, small_vlms[0], video_cache_entries=-1)

@@ -17,10 +17,12 @@ Per request:
      rejection sampling); `commit` crops the draft cache back to the accepted prefix and
      queues the emitted tokens, which the next `propose` feeds first.
 
-The engine calls `begin_request(pre, inputs, video, first_token)` (instead of build_context +
-begin) because this proposer needs the prompt inputs and the video, not only a DraftContext.
-With a prefix cache, the first request on a video works; a later hit raises InvalidRequest,
-since cached entries drop the pixels the small VLM's vision tower needs.
+The engine calls `begin_request(pre, inputs, video, first_token, video_key)` (instead of
+build_context + begin) because this proposer needs the prompt inputs and the video, not only a
+DraftContext. Prefix-cache entries drop the video's pixels, so the proposer keeps the small
+VLM's visual tokens of recent keyed videos itself (`video_cache_entries`, LRU): a hit reuses
+them; a hit on a key it no longer holds (evicted here, or a prefix made by another engine)
+raises InvalidRequest.
 
 Cache bookkeeping (lazy append, no extra forward in commit). The draft cache always holds a
 prefix of the request's sequence: kept prompt + emitted tokens, except a short `pending`
@@ -33,6 +35,8 @@ tokens not in the cache: [correction] if a < k, [d_k, bonus] if a == k.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -97,12 +101,15 @@ class SpecVLMProposer:
         (default num_layers // 2, as the Sparrow draft's glimpse).
     on_end: called with each request's state when it ends, before its cache is freed (e.g. a
         benchmark collecting `draft_memory_bytes(state)` per request).
+    video_cache_entries: keyed videos whose small-VLM visual tokens are kept for prefix-cache
+        hits (which carry no pixels); the prefix cache's own entry budget is a good value.
     """
 
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, target: TargetModel, small: TargetModel, keep_ratio: float = 0.1, mass: float = 0.5,
-                 bridge_layer: int | None = None, on_end: Callable[[SpecVLMState], None] | None = None):
+                 bridge_layer: int | None = None, on_end: Callable[[SpecVLMState], None] | None = None,
+                 video_cache_entries: int = 32):
         _check_compatible(target, small)
         if not isinstance(keep_ratio, (int, float)) or not 0.0 <= keep_ratio <= 1.0:
             raise InvalidRequest(f"keep_ratio must be in [0, 1], got {keep_ratio!r}")
@@ -117,12 +124,18 @@ class SpecVLMProposer:
         self.bridge_layer = bridge_layer if keep_ratio < 1.0 else None
         self.video_token_id = target.video_token_id
         self.on_end = on_end
+        if video_cache_entries < 0:
+            raise InvalidRequest(f"video_cache_entries must be >= 0, got {video_cache_entries}")
+        self.video_cache_entries = video_cache_entries
+        self._visual: OrderedDict[str, torch.Tensor] = OrderedDict()   # video key -> (Nv, H) visual tokens
+        self._visual_lock = threading.Lock()
 
     # ----- per request ------------------------------------------------------------------------
     @torch.inference_mode()
     def begin_request(self, pre: PrefillOutput, inputs: dict[str, torch.Tensor], video,
-                      first_token: int) -> SpecVLMState:
-        """Prune, prefill the small VLM on text + kept visual tokens; `first_token` is pending."""
+                      first_token: int, video_key: str | None = None) -> SpecVLMState:
+        """Prune, prefill the small VLM on text + kept visual tokens; `first_token` is pending.
+        With a video_key the small VLM's visual tokens are kept for later prefix-cache hits."""
         small = self.small
         dev = small.device
         ids = inputs["input_ids"][0].to(dev)
@@ -131,10 +144,6 @@ class SpecVLMProposer:
         n_vis = int(vis_pos.shape[0])
         kept = self.select_visual(pre, inputs, n_vis).to(dev)
 
-        pixels = inputs.get("pixel_values_videos")
-        if kept.numel() > 0 and (pixels is None or pixels.numel() == 0):
-            raise InvalidRequest("SpecVLM's small VLM re-reads the video's pixels, which a prefix-cache hit does not "
-                                 "keep: serve SpecVLM without a prefix cache (or without a video_key)")
         sm_inputs = {k: v.to(dev) for k, v in inputs.items()}
         if "pixel_values_videos" in sm_inputs:
             sm_inputs["pixel_values_videos"] = sm_inputs["pixel_values_videos"].to(small.hf.dtype)
@@ -144,7 +153,7 @@ class SpecVLMProposer:
         keep_mask[vis_pos[kept]] = True
         embeds = small.embed_tokens()(ids[keep_mask][None])                       # (1, L, H)
         if kept.numel() > 0:
-            visual = _video_embeds(small, sm_inputs)                             # (Nv, H)
+            visual = self._visual_tokens(sm_inputs, video_key)                   # (Nv, H)
             if visual.shape[0] != n_vis:
                 raise InvalidRequest(f"the small VLM's vision tower made {visual.shape[0]} visual tokens "
                                      f"for a prompt with {n_vis}: its vision config does not match the target's")
@@ -156,6 +165,30 @@ class SpecVLMProposer:
                  past_key_values=cache, use_cache=True, logits_to_keep=1)
         return SpecVLMState(cache=cache, next_index=ids.shape[0], rope_delta=rope_delta, pending=[int(first_token)],
                             num_visual=n_vis, kept_visual=kept.cpu(), prompt_entries=length)
+
+    def _visual_tokens(self, sm_inputs: dict[str, torch.Tensor], video_key: str | None) -> torch.Tensor:
+        """The small VLM's visual tokens: from the pixels (kept under video_key), or, on a
+        prefix-cache hit (no pixels), those kept for the key."""
+        pixels = sm_inputs.get("pixel_values_videos")
+        if pixels is not None and pixels.numel() > 0:
+            visual = _video_embeds(self.small, sm_inputs)
+            if video_key is not None and self.video_cache_entries:
+                with self._visual_lock:
+                    self._visual.pop(video_key, None)
+                    self._visual[video_key] = visual
+                    while len(self._visual) > self.video_cache_entries:
+                        self._visual.popitem(last=False)
+            return visual
+        with self._visual_lock:
+            visual = self._visual.get(video_key) if video_key is not None else None
+            if visual is not None:
+                self._visual.move_to_end(video_key)
+        if visual is None:
+            raise InvalidRequest(f"SpecVLM's small VLM needs the video's pixels, and a prefix-cache hit has none: "
+                                 f"it keeps the visual tokens of the last {self.video_cache_entries} keyed videos "
+                                 f"it read, and video key {video_key!r} is not among them (evicted, or cached by "
+                                 "another engine); send the video again under a new key")
+        return visual
 
     def select_visual(self, pre: PrefillOutput, inputs: dict[str, torch.Tensor], num_visual: int) -> torch.Tensor:
         """Sorted indices (CPU long) of the visual tokens the small VLM keeps."""
@@ -286,5 +319,6 @@ def specvlm_engine(target: TargetModel, small_target: TargetModel, keep_ratio: f
 
     prefix_cache = spec_kwargs.pop("prefix_cache", None)
     spec = SpecConfig(num_draft_tokens=num_draft_tokens, **spec_kwargs)
-    proposer = SpecVLMProposer(target, small_target, keep_ratio=keep_ratio, mass=mass, bridge_layer=bridge_layer)
+    proposer = SpecVLMProposer(target, small_target, keep_ratio=keep_ratio, mass=mass, bridge_layer=bridge_layer,
+                               video_cache_entries=prefix_cache.max_entries if prefix_cache is not None else 0)
     return Engine(target, spec=spec, proposer=proposer, prefix_cache=prefix_cache)
