@@ -26,8 +26,9 @@ import torch  # noqa: E402
 
 from benchmarks.report import write_section  # noqa: E402
 from benchmarks.speculative import machine  # noqa: E402
-from sparrow.training.world import LADDER, QUESTION_KINDS  # noqa: E402
+from sparrow.training.world import LADDER, QUESTION_KINDS, WorldVideo  # noqa: E402
 from sparrow.training.world_data import evaluate_world  # noqa: E402
+from sparrow.training.world_target import world_sample  # noqa: E402
 
 SEED = 4 * 10**9
 SHORT = ((84, 8), (84, 16))
@@ -36,8 +37,6 @@ SHORT = ((84, 8), (84, 16))
 def ladder_ends(target, new_tokens: int, feature_layers=None, seed: int = 7):
     """(video, prefill) for a caption request on a video at each end of the ladder (the
     shortest and ~25k visual tokens), with room for new_tokens more."""
-    from sparrow.training.world import WorldVideo
-    from sparrow.training.world_target import world_sample
     for side, frames in (LADDER[0], LADDER[-1]):
         video, _ = world_sample(target, WorldVideo(num_frames=frames, size=side), seed)
         inputs = target.build_inputs(video, "describe the video .")

@@ -149,8 +149,9 @@ class Engine:
         if proposer is not None and hasattr(proposer, "begin_request"):
             # Hook for proposers that need the video itself, not a DraftContext (SpecVLM: a small
             # VLM re-reads a pruned video): begin_request(prefill, prompt inputs, video, first token,
-            # video key: on a prefix-cache hit there are no pixels, and the key names the video).
-            dstate = proposer.begin_request(pre, inputs, processed, token, video_key)
+            # video key if the prefix cache serves it: a hit has no pixels, the key names the video).
+            dstate = proposer.begin_request(pre, inputs, processed, token,
+                                            video_key if self.prefix_cache is not None else None)
         elif proposer is not None:
             ctx = (build_context(pre, token, self.spec.glimpse, self.spec.draft_context, self.spec.prune_keep)
                    if proposer.feature_layers else None)

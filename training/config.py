@@ -29,7 +29,7 @@ class TrainConfig:
     ce_weight / hidden_weight: loss = ce_weight * CE(target dist, draft) + hidden_weight *
         SmoothL1(draft hidden, target final hidden). EAGLE-3 is (1, 0); EAGLE-1 is (0.1, 1).
         The default is (1, 0): on the world pair (1, 1) gave higher tau up to 8k visual tokens
-        and lower at 25k, (0.1, 1) lower at every length (training/RESULTS.md).
+        and lower at 25k; (0.1, 1) was lower on average up to 8k (training/RESULTS.md).
     window / anchors / glimpse: the draft's attention at inference (and, via the same mask
         function, at training).
     context / prune_keep: the draft context (SpecConfig.draft_context / prune_keep): "text"

@@ -88,10 +88,9 @@ class WorldTargetConfig:
     warm_steps: int = 0
     warm_kinds: tuple[str, ...] = ("start", "end", "present")
     # Later stages, after the first `steps`, each "KINDS@SHARE:STEPS[:short]" (or "mix:STEPS",
-    # no focus steps): STEPS more steps
-    # (a warmup of stage_warmup, then cosine from stage_lr to 5%) of which a SHARE are focus
-    # steps, asking only KINDS ("+"-joined question kinds) about videos of at most short_tokens
-    # visual tokens if ":short"; the others draw the first stage's mix from the whole pool,
+    # no focus steps): STEPS more steps (a warmup of stage_warmup, then cosine from stage_lr to
+    # 5%) of which a SHARE are focus steps, asking only KINDS ("+"-joined question kinds) about
+    # videos of at most short_tokens visual tokens if ":short"; the others draw the first stage's mix from the whole pool,
     # except that short_only_kinds are asked about short videos only. Presence ("is there a
     # <colour> shape?") and direction have little first-order signal in the mixed recipe and
     # stay near chance; asked alone, on top of the features the other questions build, they
