@@ -27,7 +27,8 @@ def _demo(args: argparse.Namespace) -> int:
     models = Path(args.models) if args.models else DEFAULT_MODELS
     if not args.random and (models / "target" / "config.json").is_file():
         report = run_world_demo(None if args.seed is None else args.seed, models, k=args.k,
-                                print_fn=lambda *a, **kw: print(*a, **kw, flush=True))
+                                print_fn=lambda *a, **kw: print(*a, **kw, flush=True),
+                                dtype=args.dtype, device=args.device)
         return 0 if all(r["lossless"] for r in report["results"]) else 1
     if not args.random:
         print(f"no trained world pair at {models}: falling back to random weights (--random)")
@@ -36,7 +37,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _random_demo(args: argparse.Namespace) -> int:
     from sparrow import Engine, SamplingParams, SpecConfig
-    from sparrow.testing import tiny_draft, tiny_target
+    from sparrow.services.models import load_target
+    from sparrow.testing import tiny_draft
     from sparrow.video import VideoOptions, write_synthetic_video
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,7 +49,7 @@ def _random_demo(args: argparse.Namespace) -> int:
               f"{len(video.events)} scripted events (moving coloured shapes)")
         print("models: tiny Qwen2.5-VL target + Sparrow draft, RANDOM WEIGHTS - the answer is noise and "
               "acceptance is low until a trained pair is used (see README).")
-        target = tiny_target("qwen2_5_vl", seed=args.seed or 0)
+        target = load_target(f"tiny:qwen2_5_vl:{args.seed or 0}", args.dtype, args.device)
         spec = SpecConfig(method="sparrow", num_draft_tokens=args.k)
         engine = Engine(target, tiny_draft(target, spec, seed=args.seed or 0), spec)
         plain = Engine(target, spec=SpecConfig(method="none"))
@@ -96,7 +98,9 @@ def _settings(args: argparse.Namespace):
     return AppSettings(
         target=args.target, draft=_draft_spec(args),
         draft_placement=args.draft_placement, spec=SpecConfig(num_draft_tokens=args.k), cache=args.cache,
-        service=service, target_deployment=deployments.get("target", {}), draft_deployment=deployments.get("draft", {}))
+        service=service, target_deployment=deployments.get("target", {}), draft_deployment=deployments.get("draft", {}),
+        dtype=args.dtype, device=args.device, device_map=args.device_map)
+
 
 
 def _draft_spec(args: argparse.Namespace) -> str | None:
@@ -155,6 +159,8 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
 
 
 def _add_serve(sub) -> None:
+    from sparrow.models.placement import add_placement_arguments
+
     p = sub.add_parser("serve", help="serve sparrow.v1 over gRPC (embedded, or --ray)")
     p.add_argument("--ray", action="store_true", help="run as a Ray Serve application")
     p.add_argument("--host", default="127.0.0.1", help="embedded: bind address; --ray: HTTP proxy address")
@@ -163,6 +169,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--draft", help="Sparrow draft directory, tiny[:seed], or none (default: tiny for a tiny target)")
     p.add_argument("--draft-placement", choices=("colocated", "remote"), default="colocated")
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    add_placement_arguments(p, device_map=True)
     p.add_argument("--cache", default="memory", help="state cache: memory or redis://host:port/db")
     p.add_argument("--media-root", help="directory the server may read video paths from")
     p.add_argument("--allow-url-scheme", action="append", default=[], help="http, https or rtsp (repeat)")
@@ -245,6 +252,8 @@ def _add_generate(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sparrow.models.placement import add_placement_arguments
+
     parser = argparse.ArgumentParser(prog="sparrow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -256,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--k", type=int, default=4, help="draft tokens per step")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--seed", type=int, help="video seed (default: a fresh one for the world demo, 0 with --random)")
+    add_placement_arguments(demo)
     demo.set_defaults(func=_demo)
     _add_serve(sub)
     _add_generate(sub)

@@ -6,6 +6,11 @@
 
 A draft replica never loads the target: it reads only the target's token embedding and
 lm_head (which the draft shares) from the checkpoint.
+
+Every loader takes the placement settings (sparrow.models.placement): dtype ("float32",
+"bfloat16", "float16", "auto"), device ("cpu", "cuda[:N]", "auto") and, for a target too
+large for one GPU, device_map ("auto"). The draft goes where the target's embedding is, in its
+dtype, unless told otherwise.
 """
 
 from __future__ import annotations
@@ -22,19 +27,27 @@ from transformers import AutoConfig
 from sparrow.config import SpecConfig
 from sparrow.errors import InvalidRequest
 from sparrow.models.draft import SparrowDraft
+from sparrow.models.placement import parse_device, parse_dtype
 from sparrow.models.target import TargetModel
 
 
-def load_target(spec: str) -> TargetModel:
+def load_target(spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
+                device_map: str | dict | None = None) -> TargetModel:
     if spec.startswith("tiny:"):
         from sparrow.testing import tiny_target
         arch, _, seed = spec.removeprefix("tiny:").partition(":")
-        return tiny_target(arch, seed=int(seed or 0))
-    return TargetModel.from_pretrained(spec)
+        target = tiny_target(arch, seed=int(seed or 0))
+        if device_map is not None:
+            raise InvalidRequest("a tiny target is built on one device: give device, not device_map")
+        want = parse_dtype(dtype)
+        target.hf.to(parse_device(device), **({"dtype": want} if want != "auto" else {}))
+        return target
+    return TargetModel.from_pretrained(spec, dtype=dtype, device=device, device_map=device_map)
 
 
 def load_draft(spec: str, target, spec_config: SpecConfig) -> SparrowDraft:
-    """target: a TargetModel, or SharedHeads on a draft replica."""
+    """target: a TargetModel, or SharedHeads on a draft replica. The draft takes the device
+    and dtype of the target's embedding (which it shares)."""
     if spec.startswith("tiny"):
         from sparrow.testing import tiny_draft
         if not isinstance(target, TargetModel):
@@ -64,16 +77,18 @@ class SharedHeads:
         return self.embed.weight.device
 
 
-def load_heads(target_spec: str) -> SharedHeads | TargetModel:
+def load_heads(target_spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> SharedHeads | TargetModel:
     """The target's embedding and lm_head without the rest of it (a tiny target is cheap
-    to build whole)."""
+    to build whole), in `dtype` ("auto": as stored) on `device`."""
     if target_spec.startswith("tiny:"):
-        return load_target(target_spec)
+        return load_target(target_spec, dtype, device)
+    want, where = parse_dtype(dtype), parse_device(device)
     path = Path(target_spec)
     text = AutoConfig.from_pretrained(path).get_text_config()
     weights = _read_tensors(path, ("embed_tokens.weight", "lm_head.weight"))
     if "embed_tokens.weight" not in weights:
         raise InvalidRequest(f"no embed_tokens weight in {path}")
+    weights = {k: w.to(where, **({"dtype": want} if want != "auto" else {})) for k, w in weights.items()}
     embed = nn.Embedding.from_pretrained(weights["embed_tokens.weight"], freeze=True)
     head_weight = weights.get("lm_head.weight", weights["embed_tokens.weight"])    # tied when absent
     head = nn.Linear(head_weight.shape[1], head_weight.shape[0], bias=False)

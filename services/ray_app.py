@@ -114,7 +114,8 @@ class DraftDeployment:
     LRU bounds the sessions a replica keeps."""
 
     def __init__(self, settings: AppSettings):
-        draft = load_draft(settings.draft, load_heads(settings.target), settings.spec)
+        draft = load_draft(settings.draft, load_heads(settings.target, settings.dtype, settings.device),
+                           settings.spec)
         self.worker = DraftWorker(SparrowProposer(draft, settings.spec), open_cache(settings.cache))
         self.replica = ray.get_runtime_context().get_actor_name() or ""
         self.sessions: weakref.WeakValueDictionary[str, DraftSession] = weakref.WeakValueDictionary()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from sparrow.cache import StateCache, open_cache
 from sparrow.config import SpecConfig
 from sparrow.engine import Engine
+from sparrow.models.placement import check_placement
 from sparrow.prefix_cache import PrefixCache
 from sparrow.spec.propose import SparrowProposer
 
@@ -35,10 +36,17 @@ class AppSettings:
     draft_session_idle_s: float = 30.0         # a draft replica frees a session idle this long
     target_deployment: dict = field(default_factory=dict)
     draft_deployment: dict = field(default_factory=dict)
+    # Where the models load (sparrow.models.placement): dtype float32 | bfloat16 | float16 | auto;
+    # device cpu | cuda[:N] | auto; device_map "auto" splits a target too large for one GPU across
+    # the visible ones (needs accelerate). The draft goes on the target's device, in its dtype.
+    dtype: str = "float32"
+    device: str = "cpu"
+    device_map: str | None = None
 
     def __post_init__(self) -> None:
         if self.draft_placement not in PLACEMENTS:
             raise ValueError(f"draft_placement must be one of {PLACEMENTS}, got {self.draft_placement!r}")
+        check_placement(self.dtype, self.device, self.device_map)
 
     @property
     def placement(self) -> str:
@@ -50,7 +58,7 @@ def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, Stat
     engine drafts through it, keeping a colocated draft as the fallback."""
     from .draft import RemoteDraftProposer
 
-    target = load_target(settings.target)
+    target = load_target(settings.target, settings.dtype, settings.device, settings.device_map)
     cache = open_cache(settings.cache)
     prefix = PrefixCache(settings.prefix_cache_bytes, settings.prefix_cache_entries)
     if settings.draft is None:

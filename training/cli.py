@@ -51,13 +51,14 @@ def _config(cls, args: argparse.Namespace, **overrides):
 
 # ----- train-draft ---------------------------------------------------------------------------------
 def train_draft(target_dir: str | Path, data: str | Path, out: str | Path, cfg, heldout: str | Path | None = None,
-                resume: str | Path | None = None, log=None) -> dict:
-    """Load the target, read the samples, train (or resume), save the draft to `out`."""
+                resume: str | Path | None = None, log=None, dtype: str = "float32", device: str = "cpu") -> dict:
+    """Load the target (in `dtype` on `device`), read the samples, train (or resume), save the
+    draft to `out`."""
     from .data import load_samples
     from .trainer import DraftTrainer
     from sparrow.models.target import TargetModel
 
-    target = TargetModel.from_pretrained(target_dir)
+    target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
     samples = load_samples(data)
     held = load_samples(heldout) if heldout else []
     kw = dict(heldout=held, out_dir=out, log=log)
@@ -75,7 +76,8 @@ def _jsonable(cfg) -> dict:
 def _cmd_train_draft(args: argparse.Namespace) -> int:
     from .config import TrainConfig
 
-    summary = train_draft(args.target, args.data, args.out, _config(TrainConfig, args), args.heldout, args.resume)
+    summary = train_draft(args.target, args.data, args.out, _config(TrainConfig, args), args.heldout, args.resume,
+                          dtype=args.dtype, device=args.device)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -106,7 +108,7 @@ def _cmd_world_train_draft(args: argparse.Namespace) -> int:
     cfg = _config(type(world_draft_config()), args, **_jsonable(world_draft_config(seed=args.seed)))
     data = make_world_data(Path(args.out) / "data" / "train", args.videos, (8,), args.seed, args.questions_per_video)
     held = make_world_data(Path(args.out) / "data" / "heldout", cfg.eval_samples, (8,), args.seed + 10**6, 0)
-    summary = train_draft(args.target, data, args.out, cfg, held, args.resume)
+    summary = train_draft(args.target, data, args.out, cfg, held, args.resume, dtype=args.dtype, device=args.device)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -127,7 +129,7 @@ def _cmd_world_train_baselines(args: argparse.Namespace) -> int:
         cfg = world_draft_config(seed=args.seed, **VARIANTS[name])
         data = make_world_data(out / "data" / "train", args.videos, (8,), args.seed, args.questions_per_video)
         held = make_world_data(out / "data" / "heldout", cfg.eval_samples, (8,), args.seed + 10**6, 0)
-        summary = train_draft(args.target, data, out, cfg, held)
+        summary = train_draft(args.target, data, out, cfg, held, dtype=args.dtype, device=args.device)
         print(f"{name}: held-out tau {summary.get('heldout', {}).get('tau')}", flush=True)
     return 0
 
@@ -136,7 +138,8 @@ def _cmd_world_eval(args: argparse.Namespace) -> int:
     from .world_data import evaluate_world
 
     report = evaluate_world(args.target, args.draft, args.videos_at, args.videos, args.seed,
-                            log=lambda line: print(line, file=sys.stderr, flush=True))
+                            log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype,
+                            device=args.device)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -145,7 +148,8 @@ def _cmd_world_demo(args: argparse.Namespace) -> int:
     from .world_demo import DEFAULT_MODELS, run_world_demo
 
     report = run_world_demo(args.seed, args.models or DEFAULT_MODELS, k=args.k,
-                            print_fn=lambda *a, **kw: print(*a, **kw, flush=True))
+                            print_fn=lambda *a, **kw: print(*a, **kw, flush=True), dtype=args.dtype,
+                            device=args.device)
     return 0 if all(r["lossless"] for r in report["results"]) else 1
 
 
@@ -155,6 +159,8 @@ def _sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 def add_commands(sub) -> None:
     """Register `train-draft` and the `world` group on the `sparrow` subparsers."""
+    from sparrow.models.placement import add_placement_arguments
+
     from .config import TrainConfig
     from .world_target import TUNE, WorldTargetConfig
 
@@ -165,6 +171,7 @@ def add_commands(sub) -> None:
     p.add_argument("--out", required=True, help="where the draft, checkpoint and log go")
     p.add_argument("--resume", help="checkpoint directory to continue from (OUT/checkpoint)")
     _add_config_options(p, TrainConfig)
+    add_placement_arguments(p)
     p.set_defaults(func=_cmd_train_draft)
 
     world = sub.add_parser("world", help="the synthetic video world: data, a trained target and draft")
@@ -198,6 +205,7 @@ def add_commands(sub) -> None:
     p.add_argument("--resume")
     p.add_argument("--seed", type=int, default=0, dest="seed")
     _add_config_options(p, TrainConfig, skip=("seed",))
+    add_placement_arguments(p)
     p.set_defaults(func=_cmd_world_train_draft)
 
     p = wsub.add_parser("train-baselines", help="the benchmark's EAGLE-style and ablation drafts and the small VLM")
@@ -207,6 +215,7 @@ def add_commands(sub) -> None:
     p.add_argument("--videos", type=int, default=192)
     p.add_argument("--questions-per-video", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    add_placement_arguments(p)
     p.set_defaults(func=_cmd_world_train_baselines)
 
     p = wsub.add_parser("eval", help="world accuracy by video length and held-out tau")
@@ -216,12 +225,14 @@ def add_commands(sub) -> None:
                    help="SIDExFRAMES list, e.g. 84x8,168x28,168x1392 (the benchmark ladder: 168x28 ... 168x1392)")
     p.add_argument("--videos", type=int, default=20)
     p.add_argument("--seed", type=int, default=10**6)
+    add_placement_arguments(p)
     p.set_defaults(func=_cmd_world_eval)
 
     p = wsub.add_parser("demo", help="stream answers about a fresh world video with the committed pair")
     p.add_argument("--seed", type=int, help="video seed (default: a fresh random one)")
     p.add_argument("--models", help="folder with target/ and draft/ (default: models/world)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    add_placement_arguments(p)
     p.set_defaults(func=_cmd_world_demo)
 
 

@@ -60,10 +60,11 @@ def caption_samples(world: WorldVideo, seeds: list[int]) -> list[Sample]:
 
 
 def evaluate_world(target_dir: str | Path, draft_dir: str | Path | None, videos_at: tuple[tuple[int, int], ...],
-                   videos: int, seed: int, draft_tokens: int = 4, log=None) -> dict:
+                   videos: int, seed: int, draft_tokens: int = 4, log=None, dtype: str = "float32",
+                   device: str = "cpu") -> dict:
     """Per video (side px, frames): visual tokens, QA accuracy, caption exact match, and (with
     a draft) held-out tau of the draft and of an untrained draft of the same shape."""
-    target = TargetModel.from_pretrained(target_dir)
+    target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
     draft = SparrowDraft.from_pretrained(draft_dir, target) if draft_dir else None
     report = {}
     for size, n in videos_at:

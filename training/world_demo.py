@@ -22,12 +22,12 @@ DEFAULT_MODELS = Path(__file__).resolve().parents[1] / "models" / "world"
 
 
 def run_world_demo(seed: int | None = None, models: str | Path = DEFAULT_MODELS, k: int = 4,
-                   num_frames: int = 8, print_fn=print) -> dict:
+                   num_frames: int = 8, print_fn=print, dtype: str = "float32", device: str = "cpu") -> dict:
     models = Path(models)
     torch.set_num_threads(1)      # a tiny model: a second thread costs more in sync than it gives
     seed = random.SystemRandom().randrange(10**6, 10**9) if seed is None else seed
-    target = TargetModel.from_pretrained(models / "target")
-    draft = SparrowDraft.from_pretrained(models / "draft", target)
+    target = TargetModel.from_pretrained(models / "target", dtype=dtype, device=device)
+    draft = SparrowDraft.from_pretrained(models / "draft", target)        # on the target's device, in its dtype
     spec = SpecConfig(num_draft_tokens=k, window=16, anchors=32)
     fast, plain = Engine(target, draft, spec), Engine(target, spec=SpecConfig(method="none"))
     world = WorldVideo(num_frames=num_frames)

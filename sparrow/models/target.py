@@ -20,10 +20,11 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from ..errors import ContextOverflow, InvalidRequest
-from ..video import ProcessedVideo, VideoProcessor, processor_for
+from ..video import ProcessedVideo, VideoProcessor, processor_for, processor_from_hf
 from . import gqa
 from .families import FAMILIES, Family
 from .kv_cache import new_kv_cache
+from .placement import check_device_map, parse_device, parse_dtype
 
 
 @dataclass(slots=True)
@@ -94,23 +95,63 @@ class VideoPrefix:
 
 
 VIDEO_PROCESSOR_FILE = "sparrow_video_processor.json"
+# HF's processor files, in the order HF's video processor looks for them: a processor_config.json
+# with a nested "video_processor" (transformers 5), then the video processor's own file, then the
+# image processor's (which Qwen2.5-VL-7B ships alone, and HF's video processor then reads).
+HF_PROCESSOR_FILE = "processor_config.json"
+HF_VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
+HF_IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidRequest(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"{file} must hold a JSON object")
+    return data
+
+
+def read_hf_processor_config(path: Path) -> dict | None:
+    """The video processor settings HF would load from this checkpoint, or None if it has none."""
+    nested = path / HF_PROCESSOR_FILE
+    if nested.is_file():
+        video = _read_json(nested).get("video_processor")
+        if isinstance(video, dict):
+            return video
+    for name in (HF_VIDEO_PROCESSOR_FILE, HF_IMAGE_PROCESSOR_FILE):
+        if (path / name).is_file():
+            return _read_json(path / name)
+    return None
 
 
 def _read_processor(path: Path, hf_config) -> VideoProcessor:
-    """The processor saved with the model, else the config's defaults."""
+    """The checkpoint's own processor, read as HF reads it (so visual token counts equal HF's
+    for this checkpoint), with Sparrow's additions from sparrow_video_processor.json on top
+    (fields HF has none for, e.g. temporal_positions). A checkpoint with neither file gets the
+    model config's defaults; one saved before the HF file was written keeps every field in
+    Sparrow's file, which is read as before."""
     file = path / VIDEO_PROCESSOR_FILE
-    if not file.is_file():
-        return processor_for(hf_config)
+    hf = read_hf_processor_config(path)
+    settings, kind = {}, None
+    if file.is_file():
+        settings = _read_json(file)
+        kind = settings.pop("processor", None)
+        if kind is None:
+            raise InvalidRequest(f"{file} is not a valid video processor file: no 'processor' entry")
     try:
-        settings = json.loads(file.read_text())
-        kind = settings.pop("processor")
         overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
-        processor = processor_for(hf_config, **overrides)
+        processor = processor_for(hf_config, **overrides) if hf is None else processor_from_hf(hf_config, hf, **overrides)
     except (ValueError, KeyError, TypeError) as e:
-        raise InvalidRequest(f"{file} is not a valid video processor file: {e}") from e
-    if type(processor).__name__ != kind:
+        raise InvalidRequest(f"{path}: the video processor settings are not valid: {e}") from e
+    if kind is not None and type(processor).__name__ != kind:
         raise InvalidRequest(f"{file} is for a {kind}, but the model needs a {type(processor).__name__}")
     return processor
+
+
+# What HF's processor files cannot say; saved beside them in sparrow_video_processor.json.
+_SPARROW_ONLY_FIELDS = ("temporal_positions", "tokens_per_second")
 
 
 class TargetModel:
@@ -131,28 +172,42 @@ class TargetModel:
 
     # ----- loading ---------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        attn_implementation: str = "sdpa", device: str = "cpu") -> "TargetModel":
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str = torch.float32,
+                        attn_implementation: str = "sdpa", device: str | torch.device = "cpu",
+                        device_map: str | dict | None = None) -> "TargetModel":
+        """dtype: a torch dtype or its name ("bfloat16"), or "auto" (the checkpoint's).
+        device: where the whole model goes ("auto": cuda when visible). device_map: instead of
+        `device`, let HF/accelerate place the layers ("auto": across the visible GPUs)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise InvalidRequest(f"{path} is not a saved model directory (no config.json)")
         config = AutoConfig.from_pretrained(path)
         if config.model_type not in FAMILIES:
             raise InvalidRequest(f"unsupported target model type {config.model_type!r}")
+        processor = _read_processor(path, config)      # before the weights: a bad file fails fast
+        place = {"device_map": device_map} if device_map is not None else {}
+        if device_map is not None:
+            check_device_map(device_map)
         hf = AutoModelForImageTextToText.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation).to(device)
+            path, dtype=parse_dtype(dtype), attn_implementation=attn_implementation, **place)
+        if device_map is None:
+            hf = hf.to(parse_device(device))
         tokenizer = AutoTokenizer.from_pretrained(path)
         if tokenizer.chat_template is None:
             tokenizer.chat_template = _read_chat_template(path)
-        return cls(hf, tokenizer, _read_processor(path, hf.config))
+        return cls(hf, tokenizer, processor)
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Weights, tokenizer and the video processor's settings (so a model trained on, say,
-        small frames without upscaling is served the same way after loading)."""
-        self.hf.save_pretrained(path)
+    def save_pretrained(self, path: str | Path, max_shard_size: str | int | None = None) -> None:
+        """Weights (sharded safetensors above max_shard_size, HF's default when None), tokenizer,
+        and the video processor: HF's video_preprocessor_config.json, so HF's own processor
+        gives the same inputs, and sparrow_video_processor.json for what HF has no field for
+        (so a model trained on, say, time as a fraction of the video is served the same way)."""
+        self.hf.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
         self.tokenizer.save_pretrained(path)
         if dataclasses.is_dataclass(self.processor):
-            settings = {"processor": type(self.processor).__name__, **dataclasses.asdict(self.processor)}
+            Path(path, HF_VIDEO_PROCESSOR_FILE).write_text(json.dumps(self.processor.to_hf_dict(), indent=2) + "\n")
+            extra = {k: v for k, v in dataclasses.asdict(self.processor).items() if k in _SPARROW_ONLY_FIELDS}
+            settings = {"processor": type(self.processor).__name__, **extra}
             Path(path, VIDEO_PROCESSOR_FILE).write_text(json.dumps(settings, indent=2) + "\n")
 
     # ----- shape facts -------------------------------------------------------------------

@@ -19,6 +19,7 @@ from sparrow.video.processors import (
     VideoPlan,
     VideoProcessor,
     processor_for,
+    processor_from_hf,
     smart_resize,
 )
 from sparrow.video.sources import ALLOWED_DEMUXERS
@@ -42,6 +43,7 @@ __all__ = [
     "load_frames",
     "prepare_video",
     "processor_for",
+    "processor_from_hf",
     "smart_resize",
     "write_synthetic_video",
 ]

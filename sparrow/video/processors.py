@@ -68,13 +68,65 @@ class VideoProcessor(abc.ABC):
     @abc.abstractmethod
     def from_hf_config(cls, config: Any, **overrides: Any) -> VideoProcessor: ...
 
+    @classmethod
+    @abc.abstractmethod
+    def hf_settings(cls, config: Any, hf: dict) -> dict[str, Any]:
+        """This class's fields from an HF video (or image) processor dict, read the way the HF
+        processor class reads it: HF's class defaults where the dict is silent."""
 
-def processor_for(hf_config: Any, **overrides: Any) -> VideoProcessor:
-    """The processor matching an HF model config (dispatch on `config.model_type`)."""
+    @abc.abstractmethod
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF video processor config (video_preprocessor_config.json) for these settings."""
+
+
+def _processor_class(hf_config: Any) -> type[VideoProcessor]:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _PROCESSORS:
         raise InvalidRequest(f"no video processor for model_type {model_type!r}; supported: {sorted(_PROCESSORS)}")
-    return _PROCESSORS[model_type].from_hf_config(hf_config, **overrides)
+    return _PROCESSORS[model_type]
+
+
+def processor_for(hf_config: Any, **overrides: Any) -> VideoProcessor:
+    """The processor matching an HF model config (dispatch on `config.model_type`)."""
+    return _processor_class(hf_config).from_hf_config(hf_config, **overrides)
+
+
+def processor_from_hf(hf_config: Any, hf: dict, **overrides: Any) -> VideoProcessor:
+    """The processor a checkpoint's own HF processor config describes (see
+    `sparrow.models.target.read_processor` for which file that is); `overrides` (Sparrow's
+    additions, e.g. temporal_positions) go on top."""
+    cls = _processor_class(hf_config)
+    _check_hf_steps(hf)
+    return cls.from_hf_config(hf_config, **{**cls.hf_settings(hf_config, hf), **overrides})
+
+
+# HF resamples with PIL's enum values; ours is bicubic (3), the value every supported family ships.
+_BICUBIC = 3
+
+
+def _check_hf_steps(hf: dict) -> None:
+    """Refuse a processor config that switches off a step we always do (resize, rescale by
+    1/255, normalize, RGB) or resamples differently: its token counts or pixels would differ."""
+    for step in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+        if hf.get(step) is False:
+            raise InvalidRequest(f"the checkpoint's processor config sets {step}=false, which is not supported")
+    if hf.get("resample", _BICUBIC) != _BICUBIC:
+        raise InvalidRequest(f"the checkpoint's processor config resamples with {hf['resample']}; only bicubic "
+                             f"({_BICUBIC}) is supported")
+    if abs(float(hf.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-12:
+        raise InvalidRequest(f"rescale_factor {hf['rescale_factor']} is not supported (only 1/255)")
+
+
+def _hf_stats(hf: dict, mean: tuple[float, ...], std: tuple[float, ...]) -> dict[str, tuple[float, ...]]:
+    return {"image_mean": tuple(hf.get("image_mean") or mean), "image_std": tuple(hf.get("image_std") or std)}
+
+
+def _same_as_model(name: str, file_value: Any, model_value: Any) -> None:
+    """A processor field the model's config also fixes (the vision tower's patch size...):
+    a checkpoint whose two files disagree cannot be run as HF would; refuse it."""
+    if file_value is not None and file_value != model_value:
+        raise InvalidRequest(f"the checkpoint's processor config has {name}={file_value}, but its model "
+                             f"config has {model_value}")
 
 
 # ---------------------------------------------------------------- shared numpy steps
@@ -182,6 +234,31 @@ class QwenVLVideoProcessor(VideoProcessor):
             tokens_per_second=float(getattr(vision, "tokens_per_second", 2.0)),
         )
         return cls(**{**sizes, **overrides})
+
+    # HF's Qwen2VLVideoProcessor: `size` {shortest_edge, longest_edge} (pixels per frame), which
+    # top-level min_pixels / max_pixels override (the older layout, as Qwen2.5-VL-7B ships it).
+    @classmethod
+    def hf_settings(cls, config: Any, hf: dict) -> dict[str, Any]:
+        vision = config.vision_config
+        _same_as_model("patch_size", hf.get("patch_size"), vision.patch_size)
+        _same_as_model("temporal_patch_size", hf.get("temporal_patch_size"), vision.temporal_patch_size)
+        _same_as_model("merge_size", hf.get("merge_size"), vision.spatial_merge_size)
+        size = dict(hf.get("size") or {})
+        min_pixels = hf.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", cls.min_pixels)))
+        max_pixels = hf.get("max_pixels", size.get("longest_edge", size.get("max_pixels", cls.max_pixels)))
+        # HF caps the whole video only with cap_pixels_per_frame (its budget: max_video_tokens, default 128000).
+        cap = hf.get("max_video_tokens", 128000) if hf.get("cap_pixels_per_frame") else None
+        return {"min_pixels": int(min_pixels), "max_pixels": int(max_pixels), "max_video_tokens": cap,
+                **_hf_stats(hf, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)}
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {"video_processor_type": "Qwen2VLVideoProcessor",
+                "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+                "patch_size": self.patch_size, "temporal_patch_size": self.temporal_patch_size,
+                "merge_size": self.merge_size, "image_mean": list(self.image_mean), "image_std": list(self.image_std),
+                "resample": _BICUBIC, "do_resize": True, "do_rescale": True, "do_normalize": True,
+                "do_convert_rgb": True, "cap_pixels_per_frame": self.max_video_tokens is not None,
+                **({"max_video_tokens": self.max_video_tokens} if self.max_video_tokens is not None else {})}
 
     @property
     def factor(self) -> int:
@@ -317,6 +394,23 @@ class LlavaOnevisionVideoProcessor(VideoProcessor):
     def from_hf_config(cls, config: Any, **overrides: Any) -> LlavaOnevisionVideoProcessor:
         vision = config.vision_config
         return cls(**{"image_size": vision.image_size, "patch_size": vision.patch_size, **overrides})
+
+    # HF's LlavaOnevisionVideoProcessor: `size` {height, width} (square here: the tower's
+    # position embeddings are for one size), CLIP mean/std unless the file sets them.
+    @classmethod
+    def hf_settings(cls, config: Any, hf: dict) -> dict[str, Any]:
+        size = dict(hf.get("size") or {"height": cls.image_size, "width": cls.image_size})
+        side = size.get("height", size.get("shortest_edge"))
+        if side is None or size.get("width", side) != side:
+            raise InvalidRequest(f"LLaVA-OneVision frames must be resized to a square, got size {size}")
+        _same_as_model("size", side, config.vision_config.image_size)
+        return {"image_size": int(side), **_hf_stats(hf, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)}
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {"video_processor_type": "LlavaOnevisionVideoProcessor",
+                "size": {"height": self.image_size, "width": self.image_size},
+                "image_mean": list(self.image_mean), "image_std": list(self.image_std), "resample": _BICUBIC,
+                "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True}
 
     def tokens_per_frame(self) -> int:
         # The model pools each frame's p x p features bilinearly to ceil(p/2) x ceil(p/2).

@@ -1,0 +1,93 @@
+"""dtype / device / device_map: from settings files and CLI flags down to the loaded models."""
+
+import importlib.util
+
+import pytest
+import torch
+import yaml
+
+from sparrow import SpecConfig
+from sparrow.errors import InvalidRequest
+from sparrow.models.placement import check_placement, parse_device, parse_dtype
+from sparrow.services import ray_entry
+from sparrow.services.cli import _settings, build_parser
+from sparrow.services.models import load_draft, load_heads, load_target
+from sparrow.services.settings import AppSettings, build_engine
+from sparrow.testing import tiny_draft
+
+
+def test_settings_file_round_trips_and_reaches_the_models(tmp_path):
+    path = tmp_path / "settings.yaml"
+    path.write_text(yaml.safe_dump({"target": "tiny:qwen2_5_vl", "draft": "tiny", "dtype": "bfloat16",
+                                    "device": "cpu", "spec": {"num_draft_tokens": 3}}))
+    settings = ray_entry.settings_from_args({"settings_file": str(path)})
+    assert (settings.dtype, settings.device, settings.device_map) == ("bfloat16", "cpu", None)
+    engine, _ = build_engine(settings)
+    assert engine.target.hf.dtype == torch.bfloat16
+    assert {p.dtype for p in engine.proposer.draft.parameters()} == {torch.bfloat16}
+    assert {p.device for p in engine.proposer.draft.parameters()} == {engine.target.device}
+    inline = ray_entry.settings_from_args({"settings_file": str(path), "dtype": "float32"})   # inline args win
+    assert build_engine(inline)[0].target.hf.dtype == torch.float32
+
+
+def test_serve_flags_become_settings():
+    args = build_parser().parse_args(["serve", "--dtype", "bfloat16", "--device", "auto", "--device-map", "auto"])
+    settings = _settings(args)
+    assert (settings.dtype, settings.device, settings.device_map) == ("bfloat16", "auto", "auto")
+    defaults = _settings(build_parser().parse_args(["serve"]))
+    assert (defaults.dtype, defaults.device, defaults.device_map) == ("float32", "cpu", None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "float8"])
+    for command in (["train-draft", "--target", "t", "--data", "d", "--out", "o"], ["world", "eval", "--target", "t"],
+                    ["world", "demo"], ["demo"]):
+        assert build_parser().parse_args([*command, "--dtype", "bfloat16"]).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("bad", [dict(dtype="float8"), dict(device="gpu0"), dict(device_map="everywhere")])
+def test_bad_placement_settings_are_refused(bad):
+    with pytest.raises((InvalidRequest, ValueError)):
+        AppSettings(target="tiny:qwen2_5_vl", **bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a CPU-only machine gives")
+def test_cuda_on_a_machine_without_one_is_a_clear_error():
+    check_placement("bfloat16", "cuda")              # a Ray head without GPUs may check a GPU replica's settings
+    assert parse_device("auto") == torch.device("cpu")
+    with pytest.raises(InvalidRequest, match="no CUDA device"):
+        load_target("tiny:qwen2_5_vl", "bfloat16", "cuda")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is not None, reason="accelerate installed")
+def test_device_map_without_accelerate_is_a_clear_error(tmp_path, qwen_target):
+    qwen_target.save_pretrained(tmp_path)
+    with pytest.raises(InvalidRequest, match="accelerate"):
+        load_target(str(tmp_path), "bfloat16", device_map="auto")
+
+
+def test_saved_sharded_checkpoint_loads_in_bf16_with_draft_and_heads(tmp_path, qwen_target):
+    qwen_target.save_pretrained(tmp_path / "target", max_shard_size="200KB")
+    assert len(list((tmp_path / "target").glob("model-*.safetensors"))) > 1        # really sharded
+    spec = SpecConfig(num_draft_tokens=2)
+    tiny_draft(qwen_target, spec).save_pretrained(tmp_path / "draft")
+    target = load_target(str(tmp_path / "target"), "bfloat16", "cpu")
+    assert target.hf.dtype == torch.bfloat16 and parse_dtype("auto") == "auto"
+    draft = load_draft(str(tmp_path / "draft"), target, spec)
+    assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
+    heads = load_heads(str(tmp_path / "target"), "bfloat16", "cpu")     # a draft replica's view: no target
+    assert heads.embed.weight.dtype == heads.head.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(heads.embed.weight, target.embed_tokens().weight, atol=0, rtol=0)
+    torch.testing.assert_close(heads.head.weight, target.lm_head().weight, atol=0, rtol=0)
+    remote = load_draft(str(tmp_path / "draft"), heads, spec)
+    assert {p.dtype for p in remote.parameters()} == {torch.bfloat16}
+    kept = load_target(str(tmp_path / "target"), "auto")                # the checkpoint's own dtype
+    assert kept.hf.dtype == torch.float32
+
+
+def test_gpu_settings_of_the_k8s_base_load_on_a_cpu_machine_as_cpu():
+    """The gpu overlay's settings (k8s/base/settings.yaml): bfloat16, device auto, so a replica
+    Ray gives no GPU (the draft's) loads on the CPU instead of failing."""
+    data = yaml.safe_load(open("k8s/base/settings.yaml"))
+    settings = ray_entry.settings_from_args(data)
+    assert (settings.dtype, settings.device) == ("bfloat16", "auto")
+    if not torch.cuda.is_available():
+        assert parse_device(settings.device) == torch.device("cpu")
