@@ -11,7 +11,20 @@ from sparrow.errors import (ContextOverflow, InvalidRequest, ResourceExhausted, 
 
 
 class VideoNotFound(InvalidRequest):
-    """A video_id the service does not hold (never uploaded, or expired)."""
+    """A video the service does not hold: a video_id never uploaded, expired or found damaged
+    (and deleted), or a path with no file under the media root."""
+
+
+class SourceChanged(SparrowError):
+    """The video file was written to while this request read it: retry (ABORTED)."""
+
+
+class DeadlineExceeded(SparrowError, TimeoutError):
+    """The deadline the client gave (gRPC's own, or `sparrow-timeout-ms` metadata) passed."""
+
+
+class UndecodableRequest(InvalidRequest):
+    """A message gRPC could not parse as its type (corrupt bytes, invalid UTF-8 in a string)."""
 
 
 class NotReady(SparrowError):
@@ -32,6 +45,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.DEADLINE_EXCEEDED, message
     if isinstance(exc, SourceUnavailable):        # a URL that could not be fetched: may work later
         return grpc.StatusCode.UNAVAILABLE, message
+    if isinstance(exc, SourceChanged):            # a concurrent writer: the same request may work now
+        return grpc.StatusCode.ABORTED, message
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, message
     if isinstance(exc, NotReady):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from sparrow.cache import StateCache
@@ -25,10 +27,10 @@ from sparrow.metrics import SpecMetrics
 from sparrow.video import SourcePolicy, VideoOptions, prepare_video
 
 from . import logs
-from .errors import NotReady, VideoNotFound
+from .errors import DeadlineExceeded, NotReady, VideoNotFound
 from .protos import pb
 from .runner import EngineRunner, RunningRequest
-from .sources import VideoStore, content_id, path_id
+from .sources import HashedFile, VideoStore, content_id
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,10 @@ class ServiceConfig:
     max_prompt_chars: int = 16384
     max_stop_strings: int = 16
     max_concurrent: int = 16               # running requests per replica; above: RESOURCE_EXHAUSTED
+    # Per-frame pixel options a request may ask for (min_pixels, max_pixels). Qwen2.5-VL's
+    # own ceiling for one image is 16384 merged tokens (12.8 M pixels); a floor above what
+    # the request's token budget can hold for its frames is refused as contradictory.
+    max_frame_pixels: int = 16384 * 28 * 28
     media_root: str | None = None          # paths are read only inside it (None: no paths)
     allowed_url_schemes: tuple[str, ...] = ()   # of http, https, rtsp (none: no URLs)
     allowed_url_hosts: tuple[str, ...] = ()     # see sparrow.video.SourcePolicy
@@ -61,7 +67,7 @@ class ServiceConfig:
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
             raise ValueError("need 1 <= default_max_new_tokens <= max_new_tokens")
         if min(self.max_visual_tokens, self.max_frames, self.max_video_bytes, self.max_message_bytes,
-               self.max_prompt_chars, self.max_concurrent) < 1:
+               self.max_prompt_chars, self.max_concurrent, self.max_frame_pixels) < 1:
             raise ValueError("limits must be >= 1")
 
 
@@ -75,6 +81,7 @@ class _Job:
     num_draft_tokens: int | None
     video: object          # zero-argument callable -> ProcessedVideo, called only on a prefix-cache miss
     video_key: str | None
+    close: Callable[[], None]   # frees what the source holds (an open file), once the request is done
 
 
 class SparrowService:
@@ -98,17 +105,24 @@ class SparrowService:
         is aborted then, whether or not the host noticed the client go."""
         request_id = request.request_id or uuid.uuid4().hex
         logs.request_id_var.set(request_id)      # log lines of this request carry its id
+        _check_deadline(deadline)
         self._admit(request_id)
+        job = None
         try:
             job = await self._job(request)
+            _check_deadline(deadline)
             running = self.runner.start(job.video, job.prompt, job.sampling, job.options,
                                         video_key=job.video_key, num_draft_tokens=job.num_draft_tokens)
             self.live[request_id] = running
             # aclosing: however this generator ends, the nested ones end now, not at GC time
             async with contextlib.aclosing(self._respond(request_id, running, deadline)) as responses:
                 async for response in responses:
+                    if response.HasField("completion") and response.completion.finish_reason == pb.FINISH_REASON_ABORT:
+                        _check_deadline(deadline)      # aborted by the deadline: say so, on every host
                     yield response
         finally:
+            if job is not None:
+                job.close()
             self.live.pop(request_id, None)
             self.last_released = time.monotonic()     # the request's thread and state are gone
 
@@ -167,15 +181,19 @@ class SparrowService:
             raise ResourceExhausted(f"prompt is {len(request.prompt)} characters, over the limit of {cfg.max_prompt_chars}")
         sampling = self._sampling(request.sampling)
         options = self._video_options(request.video_options)
-        source, content = await self._source(request.video)
+        draft_tokens = self._draft_tokens(request.spec)
+        # Last: the source may hold an open file, released by the job's close().
+        source, content, check, close = await self._source(request.video)
         processor, policy = self.engine.target.processor, self.policy
 
         def decode():
-            return prepare_video(source(), processor, options, policy=policy)
+            video = prepare_video(source(), processor, options, policy=policy)
+            check()        # a file written to while it was read is refused, never cached under its old hash
+            return video
 
         # The prefix cache key: the video's content and everything that shapes its tokens.
         key = None if content is None else hashlib.sha256(f"{content}|{options!r}".encode()).hexdigest()
-        return _Job(request.prompt, sampling, options, self._draft_tokens(request.spec), decode, key)
+        return _Job(request.prompt, sampling, options, draft_tokens, decode, key, close)
 
     def _sampling(self, s: pb.SamplingParams) -> SamplingParams:
         cfg = self.config
@@ -184,23 +202,50 @@ class SparrowService:
             raise ResourceExhausted(f"max_new_tokens {max_new} is over the limit of {cfg.max_new_tokens}")
         if len(s.stop) > cfg.max_stop_strings:
             raise InvalidRequest(f"at most {cfg.max_stop_strings} stop strings")
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(s, name)):
+                raise InvalidRequest(f"{name} must be a finite number, got {getattr(s, name)}")
         return SamplingParams(max_new_tokens=max_new, temperature=s.temperature, top_k=s.top_k,
                               top_p=s.top_p or 1.0, seed=s.seed if s.HasField("seed") else None,
                               stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
 
     def _video_options(self, v: pb.VideoOptions) -> VideoOptions:
+        """The request's video options, refused (before anything is decoded) when over this
+        service's limits or contradicting each other."""
         cfg = self.config
         for name, limit in (("num_frames", cfg.max_frames), ("max_frames", cfg.max_frames),
                             ("max_visual_tokens", cfg.max_visual_tokens)):
             if v.HasField(name) and getattr(v, name) > limit:
                 raise ResourceExhausted(f"{name} {getattr(v, name)} is over the limit of {limit}")
+        for name in ("min_pixels", "max_pixels"):
+            if v.HasField(name) and getattr(v, name) > cfg.max_frame_pixels:
+                raise InvalidRequest(f"{name} {getattr(v, name)} is over the {cfg.max_frame_pixels} pixels "
+                                     "a frame may have here")
+        if v.HasField("num_frames") and v.HasField("max_frames") and v.num_frames > v.max_frames:
+            raise InvalidRequest(f"num_frames {v.num_frames} is over the max_frames {v.max_frames} of the same request")
         given = {name: getattr(v, name) for name in ("fps", "num_frames", "start_s", "end_s", "min_pixels",
                                                       "max_pixels") if v.HasField(name)}
-        return VideoOptions(**given, max_frames=v.max_frames if v.HasField("max_frames") else cfg.max_frames,
-                            min_frames=min(4, cfg.max_frames),
-                            max_visual_tokens=v.max_visual_tokens or cfg.max_visual_tokens,
-                            max_bytes=cfg.max_video_bytes, max_duration_s=cfg.max_duration_s,
-                            timeout_s=cfg.decode_timeout_s)
+        options = VideoOptions(**given, max_frames=v.max_frames if v.HasField("max_frames") else cfg.max_frames,
+                               min_frames=min(4, cfg.max_frames),
+                               max_visual_tokens=v.max_visual_tokens or cfg.max_visual_tokens,
+                               max_bytes=cfg.max_video_bytes, max_duration_s=cfg.max_duration_s,
+                               timeout_s=cfg.decode_timeout_s)
+        if options.min_pixels is not None:
+            self._check_pixel_floor(options)
+        return options
+
+    def _check_pixel_floor(self, options: VideoOptions) -> None:
+        """min_pixels is a floor on each frame's resolution: the processor's plan for the
+        fewest frames the request can get (num_frames, else min_frames) at that floor must
+        keep them all within the token budget. If it must drop frames instead, the floor and
+        the budget contradict each other (and a tiny clip would be upscaled to fill the
+        budget). The plan is pure arithmetic on a 1x1 frame, which min_pixels scales up."""
+        frames, processor = options.num_frames or options.min_frames, self.engine.target.processor
+        # Compared with the plan without the floor: a small budget alone may drop frames too.
+        unfloored = processor.plan(frames, 1, 1, dataclasses.replace(options, min_pixels=None)).num_frames
+        if processor.plan(frames, 1, 1, options).num_frames < unfloored:
+            raise InvalidRequest(f"min_pixels {options.min_pixels} leaves no room for {frames} frames within "
+                                 f"max_visual_tokens {options.max_visual_tokens}; lower min_pixels")
 
     def _draft_tokens(self, spec: pb.SpecOptions) -> int | None:
         if spec.HasField("enabled") and not spec.enabled:
@@ -212,28 +257,30 @@ class SparrowService:
         return None
 
     async def _source(self, video: pb.VideoSource):
-        """(zero-argument loader of the video, content id or None) for the request's video.
-        Nothing is decoded here; loading waits for a prefix-cache miss. URLs get no content
-        id (their bytes are not known before decoding), so their prefill is not reused."""
+        """(zero-argument loader of the video, content id or None, check after decoding,
+        close) for the request's video. Nothing is decoded here; loading waits for a
+        prefix-cache miss. The content id is the SHA-256 of the video's bytes however it
+        came, so a cached prefill is only ever reused for the same bytes. URLs get none
+        (their bytes are not known before decoding), so their prefill is not reused."""
         cfg, which = self.config, video.WhichOneof("source")
         if which == "video_id":
             video_id = video.video_id
             if not await asyncio.to_thread(self.videos.contains, video_id):
                 raise VideoNotFound(f"no video with id {video_id}: upload it (again) first")
-            return (lambda: self.videos.get(video_id)), video_id
+            return (lambda: self.videos.get(video_id)), video_id, _nothing, _nothing
         if which == "data":
             data = video.data
             if len(data) > cfg.max_video_bytes:
                 raise VideoTooLarge(f"video is {len(data)} bytes, over the limit of {cfg.max_video_bytes}")
-            return (lambda: data), await asyncio.to_thread(content_id, data)
+            return (lambda: data), await asyncio.to_thread(content_id, data), _nothing, _nothing
         if which == "path":
             path = self.policy.resolve(video.path)           # SourceNotAllowed outside the media root
-            if not path.is_file():
-                raise VideoUnreadable(f"{video.path!r} is not a readable file")
-            return (lambda: path), path_id(path)
+            # Hashed through the file it opens, and decoded from that same open file.
+            opened = await asyncio.to_thread(HashedFile, path, self.policy, cfg.max_video_bytes)
+            return opened.reader, opened.content_id, opened.check_unchanged, opened.close
         if which == "url":
             url = self.policy.resolve(video.url)             # SourceNotAllowed off the allowlists
-            return (lambda: url), None
+            return (lambda: url), None, _nothing, _nothing
         raise InvalidRequest("the request names no video (set video_id, path, url or data)")
 
     # ----- the other calls -----------------------------------------------------------------------
@@ -242,7 +289,9 @@ class SparrowService:
         async for chunk in chunks:
             if claimed is None:
                 claimed = chunk.sha256.lower()
-                if claimed and await asyncio.to_thread(self.videos.contains, claimed):
+                # Said stored only once the shared copy was read back whole and hashed; a
+                # damaged one is deleted there, and this upload then writes it again.
+                if claimed and await asyncio.to_thread(self.videos.stored, claimed):
                     return pb.VideoRef(video_id=claimed, already_stored=True)    # the rest need not come
             size += len(chunk.data)
             if size > cfg.max_video_bytes:
@@ -254,7 +303,7 @@ class SparrowService:
         video_id = digest.hexdigest()
         if claimed and claimed != video_id:
             raise InvalidRequest(f"the upload's SHA-256 is {video_id}, not the {claimed} its first chunk claimed")
-        stored = await asyncio.to_thread(self.videos.contains, video_id)
+        stored = await asyncio.to_thread(self.videos.stored, video_id)
         if not stored:
             await asyncio.to_thread(self.videos.put, b"".join(parts))
         return pb.VideoRef(video_id=video_id, size_bytes=size, already_stored=stored)
@@ -290,6 +339,15 @@ class SparrowService:
 
 def _abort_key(request_id: str) -> str:
     return f"abort:{request_id}"
+
+
+def _nothing() -> None:
+    pass
+
+
+def _check_deadline(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise DeadlineExceeded("the request's deadline passed")
 
 
 # The host's own deadline handling answers DEADLINE_EXCEEDED; this backstop aborts a little

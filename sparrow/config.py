@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import InvalidRequest
@@ -31,9 +32,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        # inf would sample uniformly at random and nan compares false everywhere: both refused.
+        _check(math.isfinite(self.temperature) and self.temperature >= 0.0,
+               f"temperature must be a finite number >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")   # false for nan
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
 

@@ -118,6 +118,12 @@ class VideoOptions:
         for name in ("min_pixels", "max_pixels", "total_pixels"):
             value = getattr(self, name)
             _require(_positive_int_or_none(value), f"{name} must be an int > 0 or None, got {value!r}")
+        for name in ("min_pixels", "max_pixels"):
+            # A per-frame pixel option over the decoded-frame bound could never be honoured,
+            # only upscaled into: refused before anything is decoded.
+            value = getattr(self, name)
+            _require(value is None or not _is_int(self.max_frame_pixels) or value <= self.max_frame_pixels,
+                     f"{name} ({value}) must be <= max_frame_pixels ({self.max_frame_pixels})")
         if self.min_pixels is not None and self.max_pixels is not None:
             _require(self.min_pixels <= self.max_pixels,
                      f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
