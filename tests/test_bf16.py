@@ -1,18 +1,24 @@
 """Lossless in bfloat16: the golden tests of test_engine.py on bf16 models, loaded the way a
 server loads them (from_pretrained with dtype=bfloat16). bf16 on CPU is the cheap proxy for
 the GPU dtype: a verify forward over k+1 tokens and HF's one-token decode steps must still
-pick the same tokens, and sampling must still follow the target's distribution."""
+pick the same tokens, and sampling must still follow the target's distribution.
+
+SPARROW_TEST_DEVICE=cuda (or auto) runs them on a GPU: `make gpu-check` does."""
+
+import os
 
 import pytest
 import torch
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models import TargetModel
+from sparrow.models.placement import parse_device
 from sparrow.spec.sampling import logits_to_probs
 from sparrow.testing import OracleProposer, tiny_draft
 
 PROMPTS = ["What happens in the video?", "Which shape moves first, and where does it go?"]
 SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)
+DEVICE = parse_device(os.environ.get("SPARROW_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "llava_onevision"])
@@ -20,8 +26,8 @@ def bf16_target(request, tmp_path_factory, qwen_target, llava_target):
     fp32 = qwen_target if request.param == "qwen2_5_vl" else llava_target
     path = tmp_path_factory.mktemp(request.param)
     fp32.save_pretrained(path)
-    target = TargetModel.from_pretrained(path, dtype=torch.bfloat16)
-    assert target.hf.dtype == torch.bfloat16
+    target = TargetModel.from_pretrained(path, dtype=torch.bfloat16, device=DEVICE)
+    assert target.hf.dtype == torch.bfloat16 and target.device.type == DEVICE.type
     return target
 
 
@@ -75,7 +81,7 @@ def test_bf16_speculative_sampling_follows_the_target(qwen_target, tmp_path, sma
     never leaves the target's top-2 at that position, and its frequencies given the first
     token match the target's bf16 distribution there."""
     qwen_target.save_pretrained(tmp_path)
-    target = TargetModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    target = TargetModel.from_pretrained(tmp_path, dtype=torch.bfloat16, device=DEVICE)
     spec = SpecConfig(num_draft_tokens=1, window=8, anchors=16)
     engine = Engine(target, tiny_draft(target, spec, seed=2), spec)
     video = engine.process_video(small_video)          # processed once, reused by every request
@@ -87,11 +93,11 @@ def test_bf16_speculative_sampling_follows_the_target(qwen_target, tmp_path, sma
         seconds.append(out.token_ids[1])
     first = max(set(firsts), key=firsts.count)
     inputs = engine.prepare(video, PROMPTS[0])
-    ids = torch.cat([inputs["input_ids"], torch.tensor([[first]])], dim=1)
+    ids = torch.cat([inputs["input_ids"], torch.tensor([[first]], device=target.device)], dim=1)
     with torch.no_grad():
         logits = target.hf(**{**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids),
                               "mm_token_type_ids": torch.cat([inputs["mm_token_type_ids"],
-                                                              torch.zeros(1, 1, dtype=torch.int32)], 1)}).logits
+                                                              torch.zeros(1, 1, dtype=torch.int32, device=target.device)], 1)}).logits
     p = logits_to_probs(logits[0, -1], 1.0, top_k=2)
     support = set(torch.nonzero(p).view(-1).tolist())
     after = [s for f, s in zip(firsts, seconds) if f == first]
