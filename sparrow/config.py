@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 from .errors import InvalidRequest
 
-SPEC_METHODS = ("sparrow", "none")
+SPEC_METHODS = ("sparrow", "eagle-style", "specvlm", "none")
 DRAFT_CONTEXTS = ("text", "all", "pruned")
-KV_CACHE_KINDS = ("static", "dynamic")
 
 
 def _check(cond: bool, message: str) -> None:
@@ -49,8 +48,14 @@ class SamplingParams:
 class SpecConfig:
     """Speculative decoding settings for an engine.
 
-    method: "sparrow" (draft + verify) or "none" (plain autoregressive decoding through the
-    same prefill and KV path: the baseline every benchmark compares against).
+    method: the proposer, by its registered name (sparrow.spec.proposer): "sparrow" (the
+    Sparrow draft), "eagle-style" (the same draft over a context with visual entries:
+    draft_context "all" unless "pruned" is asked for), "specvlm" (a small VLM on a pruned
+    video), or "none" (plain autoregressive decoding through the same prefill and KV path:
+    the baseline every benchmark compares against).
+    num_draft_tokens: the most draft tokens per step (k). adaptive_k: the engine chooses each
+    step's k in [0, num_draft_tokens] from the batch size and measured acceptance and costs
+    (scheduler.DraftPolicy); seeded sampling and a request's explicit k keep k fixed.
     window/anchors/glimpse: the draft's text-anchored window attention sees at most
     `anchors` prompt text tokens + the last `window` tokens + `glimpse` bridge-layer visual
     states, whatever the length of the video.
@@ -65,6 +70,7 @@ class SpecConfig:
 
     method: str = "sparrow"
     num_draft_tokens: int = 4
+    adaptive_k: bool = True
     window: int = 32
     anchors: int = 64
     glimpse: int = 0
@@ -73,9 +79,7 @@ class SpecConfig:
     # Draft architecture, used when a fresh draft is built with SparrowDraft.for_target.
     draft_layers: int = 1
     feature_layers: tuple[int, ...] | None = None   # indices into the target's hidden_states; None: low/mid/high
-    # Engine internals.
-    kv_cache: str = "static"       # "static": preallocated per request; "dynamic": HF DynamicCache
-    attention_backend: str = "sdpa"
+    attention_backend: str = "sdpa"   # the draft's window attention (sparrow.models.attention)
 
     def __post_init__(self) -> None:
         _check(self.method in SPEC_METHODS, f"method must be one of {SPEC_METHODS}, got {self.method!r}")
@@ -88,7 +92,8 @@ class SpecConfig:
         _check(isinstance(self.prune_keep, (int, float)) and 0.0 <= self.prune_keep <= 1.0,
                f"prune_keep must be in [0, 1], got {self.prune_keep!r}")
         _check(self.draft_layers >= 1, f"draft_layers must be >= 1, got {self.draft_layers}")
-        _check(self.kv_cache in KV_CACHE_KINDS, f"kv_cache must be one of {KV_CACHE_KINDS}")
+        if self.method == "eagle-style" and self.draft_context == "text":
+            object.__setattr__(self, "draft_context", "all")
         if self.feature_layers is not None:
             _check(len(self.feature_layers) >= 1 and all(i >= 0 for i in self.feature_layers),
                    "feature_layers must be a non-empty tuple of hidden-state indices")

@@ -15,7 +15,8 @@ from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGene
 from .config import SpecConfig
 from .models.draft import SparrowDraft
 from .models.target import TargetModel
-from .spec.propose import Proposal
+from .models.target import FeatureNeeds
+from .spec.proposer import Proposal
 from .tokenizer import llava_ov_tokenizer, qwen_vl_tokenizer
 
 ARCHS = ("qwen2_5_vl", "llava_onevision")
@@ -113,26 +114,32 @@ class OracleProposer:
     is accepted while the continuation is right. `corrupt` flips every draft token to a wrong
     one instead (nothing is accepted). A test stub, never used for serving."""
 
-    feature_layers: tuple[int, ...] = ()
-    bridge_layer = None
+    needs = FeatureNeeds()
 
     def __init__(self, continuation: list[int], corrupt: bool = False, vocab_size: int | None = None):
         self.continuation = list(continuation)
         self.corrupt = corrupt
         self.vocab_size = vocab_size
 
-    def begin(self, ctx) -> _OracleState:
+    def begin(self, start) -> _OracleState:
         return _OracleState(pos=1)          # the first token comes from prefill
 
-    def propose(self, state: _OracleState, k: int, sampling, generator) -> Proposal:
-        seq = self.continuation[state.pos: state.pos + k]
-        seq += [self.continuation[-1]] * (k - len(seq))
-        if self.corrupt:
-            seq = [(t + 1) % self.vocab_size for t in seq]
-        return Proposal(torch.tensor(seq, dtype=torch.long), None)
+    def propose(self, batch) -> list[Proposal]:
+        out = []
+        for r in batch:
+            seq = self.continuation[r.state.pos: r.state.pos + r.k]
+            seq += [self.continuation[-1]] * (r.k - len(seq))
+            if self.corrupt:
+                seq = [(t + 1) % self.vocab_size for t in seq]
+            out.append(Proposal(torch.tensor(seq, dtype=torch.long), None))
+        return out
 
-    def commit(self, state: _OracleState, tokens: list[int], features) -> None:
-        state.pos += len(tokens)
+    def commit(self, states, results) -> None:
+        for state, result in zip(states, results):
+            state.pos += len(result.tokens)
+
+    def end(self, state) -> None:
+        pass
 
 
 def check_unroll_equals_proposer(draft: SparrowDraft, spec: SpecConfig, sig, start: int, pinned: torch.Tensor,

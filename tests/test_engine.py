@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.scheduler import EngineConfig
 from sparrow.errors import ContextOverflow, InvalidRequest, VideoError
 from sparrow.models import SparrowDraft, TargetModel
 from sparrow.testing import OracleProposer, synthetic_frames, tiny_draft
@@ -38,7 +39,7 @@ def test_golden_oracle_all_accepted_and_corrupt_none_accepted(any_target, small_
     for corrupt in (False, True):
         proposer = OracleProposer(reference, corrupt=corrupt, vocab_size=any_target.vocab_size)
         engine = Engine(any_target, spec=SPEC, proposer=proposer)
-        out = engine.generate(small_video, prompt, sampling)
+        out = engine.generate(small_video, prompt, sampling, num_draft_tokens=4)   # k fixed: no adapting
         assert out.token_ids == reference
         m = out.metrics
         if corrupt:
@@ -49,14 +50,17 @@ def test_golden_oracle_all_accepted_and_corrupt_none_accepted(any_target, small_
             assert m.mean_acceptance_length > 4.0
 
 
-def test_plain_decoding_matches_hf_and_dynamic_cache_matches_static(qwen_target, large_video):
+def test_plain_and_speculative_decoding_match_hf_with_prefill_in_chunks(qwen_target, large_video):
+    """The prompt prefilled whole or a few positions at a time (chunks between decode steps):
+    the same greedy tokens, plain and speculative."""
     prompt = PROMPTS[0]
     ref = hf_greedy(qwen_target, Engine(qwen_target, spec=SpecConfig(method="none")), large_video, prompt, 20)
-    for kv in ("static", "dynamic"):
-        plain = Engine(qwen_target, spec=SpecConfig(method="none", kv_cache=kv))
+    for chunk in (1 << 20, 37):
+        config = EngineConfig(prefill_chunk_tokens=chunk)
+        plain = Engine(qwen_target, spec=SpecConfig(method="none"), config=config)
         assert plain.generate(large_video, prompt, SamplingParams(max_new_tokens=20)).token_ids == ref
-        spec = SpecConfig(num_draft_tokens=3, kv_cache=kv)
-        sd = Engine(qwen_target, tiny_draft(qwen_target, spec), spec)
+        spec = SpecConfig(num_draft_tokens=3)
+        sd = Engine(qwen_target, tiny_draft(qwen_target, spec), spec, config=config)
         assert sd.generate(large_video, prompt, SamplingParams(max_new_tokens=20)).token_ids == ref
 
 

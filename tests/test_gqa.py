@@ -9,12 +9,19 @@ from sparrow.models import gqa
 PROMPT = "What happens in the video?"
 
 
-def _verify_logits(target, video, n: int):
+def _verify_logits(target, video, n: int, ragged: bool = True):
+    """n tokens on top of the prompt's cache: through the engine's ragged verify, or through
+    the HF model's own forward (its attention implementation, its mask)."""
     inputs = Engine(target, spec=SpecConfig(method="none")).prepare(video, PROMPT)
     pre = target.prefill(inputs, inputs["input_ids"].shape[1] + n + 1)
     tokens = torch.arange(10, 10 + n)
-    logits, _ = target.step(pre.state, tokens)
-    return logits
+    if ragged:
+        return target.step(pre.state, tokens)[0]
+    st = pre.state
+    position_ids = target.family.step_positions(st.length, n, st.rope_delta)
+    with torch.inference_mode():
+        return target.hf(input_ids=tokens.view(1, n), position_ids=position_ids, past_key_values=st.kv,
+                         use_cache=True).logits[0].float()
 
 
 @pytest.mark.parametrize("n", [1, 5])
@@ -29,7 +36,7 @@ def test_packed_verify_equals_transformers_sdpa_without_copying_the_cache(any_ta
     assert copies == []                                                 # the cache was read in place
     try:
         any_target.hf.set_attn_implementation({"text_config": "sdpa"})
-        theirs = _verify_logits(any_target, large_video, n)
+        theirs = _verify_logits(any_target, large_video, n, ragged=False)
     finally:
         any_target.hf.set_attn_implementation({"text_config": gqa.NAME})
     assert (len(copies) > 0) == (n > 1)                                 # transformers copies K/V for n > 1

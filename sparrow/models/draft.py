@@ -15,7 +15,7 @@ The shared embedding and lm_head are held outside the module tree, so `state_dic
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -89,47 +89,122 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-@dataclass
 class DraftKV:
-    """One request's draft cache: per layer keys/values over a bounded set of entries.
+    """One request's draft cache: per-layer key/value buffers (1, Hkv, capacity, D) plus each
+    entry's position and pinned flag, and a fill length (buffer + position, as the target's).
 
     Entries are glimpse states (pos -1, pinned), anchor tokens (pinned) and recent tokens.
-    `evict` drops recent entries no future query can see, so the size stays <=
-    glimpse + anchors + window + draft tokens.
+    `truncate` (dropping speculative entries) is a length move. `evict` forgets recent
+    entries no future query can see; it compacts the buffers in place only when they run
+    short of room, so most steps move nothing. A buffer that is still too small grows
+    (doubling), so a full-attention context never fails.
     """
 
-    keys: list[torch.Tensor] = field(default_factory=list)     # per layer (1, Hkv, N, D)
-    values: list[torch.Tensor] = field(default_factory=list)
-    pos: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))     # (N,)
-    pinned: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))  # (N,)
-    max_visible: int = 0     # most keys any query has attended to (for checks and metrics)
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (1, num_kv_heads, max(1, capacity), head_dim)
+        self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._pos = torch.empty(shape[2], dtype=torch.long, device=device)
+        self._pinned = torch.empty(shape[2], dtype=torch.bool, device=device)
+        self.length = 0
+        self.max_visible = 0     # most keys any query has attended to (for checks and metrics)
 
     @classmethod
-    def empty(cls, device: torch.device | str) -> "DraftKV":
-        return cls(pos=torch.empty(0, dtype=torch.long, device=device),
-                   pinned=torch.empty(0, dtype=torch.bool, device=device))
+    def for_draft(cls, cfg: "DraftConfig", capacity: int, dtype: torch.dtype, device) -> "DraftKV":
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, dtype, device)
 
     def __len__(self) -> int:
-        return self.pos.shape[0]
+        return self.length
+
+    @property
+    def capacity(self) -> int:
+        return self._pos.shape[0]
+
+    @property
+    def pos(self) -> torch.Tensor:          # (N,) views of the filled part
+        return self._pos[: self.length]
+
+    @property
+    def pinned(self) -> torch.Tensor:
+        return self._pinned[: self.length]
+
+    @property
+    def keys(self) -> list[torch.Tensor]:   # per layer (1, Hkv, N, D)
+        return [k[:, :, : self.length] for k in self._k]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [v[:, :, : self.length] for v in self._v]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._k + self._v)
+
+    def reserve(self, n: int) -> None:
+        """Room for n more entries (grows the buffers, keeping the filled part)."""
+        need = self.length + n
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity)
+        for bufs in (self._k, self._v):
+            for i, b in enumerate(bufs):
+                grown = b.new_empty((*b.shape[:2], cap, b.shape[3]))
+                grown[:, :, : self.length] = b[:, :, : self.length]
+                bufs[i] = grown
+        for name in ("_pos", "_pinned"):
+            old = getattr(self, name)
+            grown = old.new_empty(cap)
+            grown[: self.length] = old[: self.length]
+            setattr(self, name, grown)
 
     def append_meta(self, pos: torch.Tensor, pinned: torch.Tensor) -> None:
-        self.pos = torch.cat([self.pos, pos])
-        self.pinned = torch.cat([self.pinned, pinned])
+        n = pos.shape[0]
+        self._pos[self.length: self.length + n] = pos
+        self._pinned[self.length: self.length + n] = pinned
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write n new entries' keys/values after the filled part of one layer; views of all
+        (old + new) keys and values. The length moves once per forward (`advance`)."""
+        n = k.shape[2]
+        end = self.length + n
+        self._k[layer][:, :, self.length:end] = k
+        self._v[layer][:, :, self.length:end] = v
+        return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
 
     def truncate(self, n: int) -> None:
         """Keep the first n entries (drop speculative ones appended after)."""
-        self.pos, self.pinned = self.pos[:n], self.pinned[:n]
-        self.keys = [k[:, :, :n] for k in self.keys]
-        self.values = [v[:, :, :n] for v in self.values]
+        self.length = min(self.length, n)
 
-    def evict(self, next_pos: int, window: int) -> None:
-        keep = self.pinned | (self.pos > next_pos - window)
-        if bool(keep.all()):
+    def evict(self, next_pos: int, window: int, room: int = 0) -> None:
+        """Forget entries no query at >= next_pos can see, if `room` more entries would not
+        fit otherwise (compaction in place; the order of the kept entries is unchanged)."""
+        if self.length + room <= self.capacity:
             return
+        keep = self.pinned | (self.pos > next_pos - window)
         idx = torch.nonzero(keep).view(-1)
-        self.pos, self.pinned = self.pos[idx], self.pinned[idx]
-        self.keys = [k[:, :, idx] for k in self.keys]
-        self.values = [v[:, :, idx] for v in self.values]
+        m = idx.shape[0]
+        if m == self.length:
+            return
+        for bufs in (self._k, self._v):
+            for b in bufs:
+                b[:, :, :m] = b[:, :, idx]
+        self._pos[:m] = self._pos[idx]
+        self._pinned[:m] = self._pinned[idx]
+        self.length = m
+
+
+@dataclass(slots=True)
+class DraftSegment:
+    """One request's rows [start, end) of a packed draft batch, over its own DraftKV."""
+
+    kv: DraftKV
+    start: int
+    end: int
+    window: int
 
 
 class DraftLayer(nn.Module):
@@ -147,22 +222,42 @@ class DraftLayer(nn.Module):
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, past_k: torch.Tensor | None,
-                past_v: torch.Tensor | None, mask: torch.Tensor, attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (n, H) new entries; past_k/v: (1, Hkv, N, D); mask: (n, N + n). Returns (out, k_all, v_all)."""
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (n, H) -> q (1, H, n, D), k and v (1, Hkv, n, D), rotated at positions pos (n,)."""
         cfg, n = self.cfg, x.shape[0]
         hx = self.input_norm(x)
-        q = self.q_proj(hx).view(1, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)      # (1, H, n, D)
-        k = self.k_proj(hx).view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)   # (1, Hkv, n, D)
+        q = self.q_proj(hx).view(1, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(hx).view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(hx).view(1, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
-        if past_k is not None:
-            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        a = attn(q, k, v, mask).transpose(1, 2).reshape(n, -1)
+        return rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta), v
+
+    def finish(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Residual + output projection of the attention output a (n, H*D), then the MLP."""
         x = x + self.o_proj(a)
         hx = self.post_norm(x)
-        x = x + self.down_proj(nn.functional.silu(self.gate_proj(hx)) * self.up_proj(hx))
-        return x, k, v
+        return x + self.down_proj(nn.functional.silu(self.gate_proj(hx)) * self.up_proj(hx))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, past_k: torch.Tensor | None,
+                past_v: torch.Tensor | None, mask: torch.Tensor, attn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sequence (training): x (n, H) new entries; past_k/v: (1, Hkv, N, D); mask: (n, N + n).
+        Returns (out, k_all, v_all)."""
+        q, k, v = self.qkv(x, pos)
+        if past_k is not None:
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        a = attn(q, k, v, mask).transpose(1, 2).reshape(x.shape[0], -1)
+        return self.finish(x, a), k, v
+
+    def forward_packed(self, x: torch.Tensor, pos: torch.Tensor, segments: list[DraftSegment],
+                       masks: list[torch.Tensor], index: int, attn) -> torch.Tensor:
+        """Many requests at once (inference): the linear layers run over all packed rows x (N, H);
+        each segment's rows attend to its own DraftKV (written in place) under its mask."""
+        q, k, v = self.qkv(x, pos)
+        out = []
+        for seg, mask in zip(segments, masks):
+            keys, values = seg.kv.write(index, k[:, :, seg.start:seg.end], v[:, :, seg.start:seg.end])
+            out.append(attn(q[:, :, seg.start:seg.end], keys, values, mask))
+        a = torch.cat(out, dim=2).transpose(1, 2).reshape(x.shape[0], -1)
+        return self.finish(x, a)
 
 
 class SparrowDraft(nn.Module):
@@ -244,24 +339,36 @@ class SparrowDraft(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._shared[1](self.norm(hidden))
 
+    def new_kv(self, capacity: int) -> DraftKV:
+        p = self.fuse.weight
+        return DraftKV.for_draft(self.config, capacity, p.dtype, p.device)
+
     def forward_entries(self, z: torch.Tensor, pos: torch.Tensor, pinned: torch.Tensor,
                         kv: DraftKV, window: int) -> torch.Tensor:
-        """Run new entries (n, H) at positions (n,) through the layers, appending them to kv.
-        Each entry attends to the keys `window_mask` allows. Returns hidden states (n, H)."""
+        """Run one request's new entries (n, H) at positions (n,) through the layers, appending
+        them to kv. Each entry attends to the keys `window_mask` allows. Returns (n, H)."""
+        return self.forward_packed(z, pos, pinned, [DraftSegment(kv, 0, z.shape[0], window)])
+
+    def forward_packed(self, z: torch.Tensor, pos: torch.Tensor, pinned: torch.Tensor,
+                       segments: list[DraftSegment]) -> torch.Tensor:
+        """Several requests' new entries packed in rows: z (N, H), pos/pinned (N,); segment i
+        owns rows [start, end) and its DraftKV. One batched pass of the linear layers, each
+        request's attention over its own cache. Returns hidden states (N, H)."""
         attn = get_backend(self.attention_backend)
-        k_pos, k_pin = torch.cat([kv.pos, pos]), torch.cat([kv.pinned, pinned])
-        mask = window_mask(pos, k_pos, k_pin, window)
-        kv.max_visible = max(kv.max_visible, int(mask.sum(-1).max()))
+        masks = []
+        for seg in segments:
+            kv, n = seg.kv, seg.end - seg.start
+            kv.reserve(n)
+            kv.append_meta(pos[seg.start:seg.end], pinned[seg.start:seg.end])
+            end = kv.length + n
+            mask = window_mask(pos[seg.start:seg.end], kv._pos[:end], kv._pinned[:end], seg.window)
+            kv.max_visible = max(kv.max_visible, int(mask.sum(-1).max()))
+            masks.append(mask)
         x = z
         for i, layer in enumerate(self.layers):
-            have = i < len(kv.keys)
-            x, k, v = layer(x, pos, kv.keys[i] if have else None, kv.values[i] if have else None, mask, attn)
-            if have:
-                kv.keys[i], kv.values[i] = k, v
-            else:
-                kv.keys.append(k)
-                kv.values.append(v)
-        kv.append_meta(pos, pinned)
+            x = layer.forward_packed(x, pos, segments, masks, i, attn)
+        for seg in segments:
+            seg.kv.advance(seg.end - seg.start)
         return x
 
     def num_parameters(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidRequest
+
 
 class Family:
     model_type: str
@@ -28,6 +30,29 @@ class Family:
 
     def step_positions(self, start: int, n: int, delta: int) -> torch.Tensor:
         return torch.arange(start + delta, start + delta + n).view(1, n)
+
+    def video_embeds(self, hf, inputs: dict) -> torch.Tensor:
+        """(Nv, H) the visual tokens' embeddings in prompt order, from the model's public
+        `get_video_features`, as its own forward builds them."""
+        raise NotImplementedError
+
+    def prompt_embeds(self, hf, inputs: dict, start: int, end: int, video_token_id: int) -> torch.Tensor:
+        """(1, end - start, H) input embeddings of prompt positions [start, end): token
+        embeddings with the video's visual tokens scattered over its placeholders, exactly
+        as the HF forward does (it then runs the language model on them)."""
+        ids = inputs["input_ids"][:, start:end]
+        embeds = hf.get_input_embeddings()(ids)
+        placeholders = ids == video_token_id
+        if not bool(placeholders.any()):
+            return embeds
+        if start != 0:
+            raise ValueError("a prompt slice with video placeholders must start at 0 (the video's pixels are whole)")
+        visual = self.video_embeds(hf, inputs)
+        count = int((inputs["input_ids"] == video_token_id).sum())
+        if visual.shape[0] != count:
+            raise InvalidRequest(f"the vision tower made {visual.shape[0]} visual tokens for {count} placeholders")
+        visual = visual[: int(placeholders.sum())].to(embeds.device, embeds.dtype)
+        return embeds.masked_scatter(placeholders[..., None].expand_as(embeds), visual)
 
 
 class QwenVLFamily(Family):
@@ -48,6 +73,10 @@ class QwenVLFamily(Family):
         )
         return position_ids, int(deltas.view(-1)[0])    # position_ids: (3, 1, T)
 
+    def video_embeds(self, hf, inputs: dict) -> torch.Tensor:
+        out = hf.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
+        return torch.cat(out.pooler_output, dim=0)
+
     def step_positions(self, start: int, n: int, delta: int) -> torch.Tensor:
         # After the prompt every token is text: the three axes share one position.
         return super().step_positions(start, n, delta).view(1, 1, n).expand(3, 1, n)
@@ -56,6 +85,9 @@ class QwenVLFamily(Family):
 class LlavaOnevisionFamily(Family):
     model_type = "llava_onevision"
     video_token_attr = "video_token_index"
+
+    def video_embeds(self, hf, inputs: dict) -> torch.Tensor:
+        return hf.model.get_video_features(inputs["pixel_values_videos"], return_dict=True).pooler_output.flatten(0, 1)
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (QwenVLFamily(), LlavaOnevisionFamily())}

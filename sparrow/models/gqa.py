@@ -25,12 +25,16 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .ragged import RaggedBatch
+
 NAME = "sparrow_sdpa"
 
 
 def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  **kwargs) -> tuple[torch.Tensor, None]:
+    if isinstance(attention_mask, RaggedBatch):       # several requests in one forward (ragged.py)
+        return attention_mask.attend(module, query, scaling), None
     groups = getattr(module, "num_key_value_groups", 1)
     n = query.shape[2]
     packable = (groups > 1 and n > 1 and attention_mask is not None and attention_mask.dim() == 4

@@ -17,12 +17,17 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 
 class PreallocatedLayer(DynamicLayer):
-    """One layer's keys/values: buffers [B, H, capacity, D] and a fill length."""
+    """One layer's keys/values: buffers [B, H, capacity, D] and a fill length. The buffers
+    are allocated on first use, or given (views of a KVArena's slot)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, k_buf: torch.Tensor | None = None, v_buf: torch.Tensor | None = None):
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        if k_buf is not None:
+            self.k_buf, self.v_buf = k_buf, v_buf
+            self.dtype, self.device = k_buf.dtype, k_buf.device
+            self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -63,9 +68,91 @@ class PreallocatedLayer(DynamicLayer):
         self.length = 0
         self.keys = self.values = None
 
+    def view(self, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of the filled part plus `extra` slots after it (no copy)."""
+        end = self.length + extra
+        return self.k_buf[:, :, :end], self.v_buf[:, :, :end]
+
 
 def new_kv_cache(kind: str, num_layers: int, capacity: int) -> Cache:
     """A fresh cache for one request. kind: "static" (preallocated) or "dynamic" (HF default)."""
     if kind == "static":
         return Cache(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
     return DynamicCache()
+
+
+class KVArena:
+    """The target's KV memory for every running request: ONE key and one value buffer per
+    layer, (1, Hkv, tokens, D), allocated once. A request holds a slot, a contiguous range of
+    `capacity` token positions (prompt + max new tokens + draft tokens + 1), and its cache is
+    a `Cache` of PreallocatedLayers over views of that range: writes go in place, rollback is
+    a length move, and nothing is copied as a request grows. Slots are placed first-fit and
+    freed ranges merge with their neighbours; admission asks `can_fit` (memory, not a count).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, tokens: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if tokens < 1:
+            raise ValueError(f"a KV arena needs >= 1 token, got {tokens}")
+        shape = (1, num_kv_heads, tokens, head_dim)
+        # torch.empty: pages never written are never touched, so an idle arena costs address space only.
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.tokens = tokens
+        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.keys[0].element_size()
+        self._free: list[tuple[int, int]] = [(0, tokens)]       # (start, length), sorted by start
+
+    @classmethod
+    def for_model(cls, text_config, budget_bytes: int, dtype: torch.dtype, device) -> "KVArena":
+        """An arena of `budget_bytes` for a transformers text config."""
+        heads = text_config.num_attention_heads
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        per_token = 2 * text_config.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+        return cls(text_config.num_hidden_layers, kv_heads, head_dim, max(1, budget_bytes // per_token), dtype, device)
+
+    @property
+    def free_tokens(self) -> int:
+        return sum(n for _, n in self._free)
+
+    def can_fit(self, capacity: int) -> bool:
+        return any(n >= capacity for _, n in self._free)
+
+    def allocate(self, capacity: int) -> "KVSlot | None":
+        """A slot of `capacity` tokens, or None while no free range is that large."""
+        for i, (start, n) in enumerate(self._free):
+            if n >= capacity:
+                self._free[i:i + 1] = [(start + capacity, n - capacity)] if n > capacity else []
+                return KVSlot(self, start, capacity)
+        return None
+
+    def release(self, slot: "KVSlot") -> None:
+        self._free.append((slot.start, slot.capacity))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, n in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((start, n))
+        self._free = merged
+
+
+class KVSlot:
+    """One request's range of a KVArena; `cache` is its transformers Cache."""
+
+    def __init__(self, arena: KVArena, start: int, capacity: int):
+        self.arena, self.start, self.capacity = arena, start, capacity
+        end = start + capacity
+        self.cache = Cache(layers=[PreallocatedLayer(capacity, k[:, :, start:end], v[:, :, start:end])
+                                   for k, v in zip(arena.keys, arena.values)])
+        self.released = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.arena.bytes_per_token
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.arena.release(self)

@@ -24,6 +24,7 @@ from ..video import ProcessedVideo, VideoProcessor, processor_for, processor_fro
 from . import gqa
 from .families import FAMILIES, Family
 from .kv_cache import new_kv_cache
+from .ragged import RaggedBatch, RaggedSegment
 from .placement import check_device_map, parse_device, parse_dtype
 
 
@@ -52,8 +53,189 @@ class PrefillOutput:
     video_token_id: int | None = None              # the token id at the visual positions
 
 
-# Model inputs with one entry per prompt token (the rest describe the whole video).
-_PER_TOKEN_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids")
+@dataclass(frozen=True, slots=True)
+class FeatureNeeds:
+    """What a proposer reads from the target's prefill (the Proposer contract's `needs`):
+    feature_layers   hidden-state indices whose rows at t-1 pair with each text token t
+    bridge_layer     the layer whose states at text and visual positions guide glimpse/pruning
+    visual_features  also the feature rows at t-1 of the visual tokens (drafts with visual entries)
+    """
+
+    feature_layers: tuple[int, ...] = ()
+    bridge_layer: int | None = None
+    visual_features: bool = False
+
+    @property
+    def hidden(self) -> bool:
+        return bool(self.feature_layers) or self.bridge_layer is not None
+
+
+class FeatureCollector:
+    """The rows of the target's hidden states a draft reads, gathered chunk by chunk as a
+    prefill runs (or in one go over a whole teacher-forced sequence, for training). One
+    definition of "the target features": prefill, the video-prefix prefill and the training
+    signals all take their rows from here.
+
+    For every text token t >= 1: features at t-1 (the draft's input pairs x_t with h_{t-1}) and
+    bridge-layer states at t; for the visual tokens: bridge-layer states at each, and (only
+    with needs.visual_features) features at t-1 for t >= 1.
+    """
+
+    def __init__(self, ids: torch.Tensor, video_token_id: int, needs: FeatureNeeds, prefix: "VideoPrefix | None" = None):
+        n = ids.shape[0]
+        pos = torch.arange(n, device=ids.device)
+        visual = ids == video_token_id
+        self.ids, self.needs = ids, needs
+        self.text_pos = pos[~visual & (pos >= 1)]        # (n_text,)
+        self.visual_pos = pos[visual & (pos >= 1)]       # visual entries (their t-1 exists)
+        self.visual_all = pos[visual]                    # every visual position (bridge states)
+        self.features: list[torch.Tensor] = []
+        self.visual_features: list[torch.Tensor] = []
+        self.bridge_text: list[torch.Tensor] = []
+        self.bridge_visual: list[torch.Tensor] = []
+        self.last: torch.Tensor | None = None
+        if prefix is not None:                            # rows of the prefix span, prefilled before
+            if needs.feature_layers and prefix.features is None:
+                raise ValueError("this video prefix was prefilled without the draft's features")
+            if needs.visual_features and prefix.visual_features is None:
+                raise ValueError("this video prefix was prefilled without visual features")
+            if needs.bridge_layer is not None and prefix.bridge_text is None:
+                raise ValueError("this video prefix was prefilled without bridge-layer states")
+            self._extend(prefix.features, prefix.visual_features, prefix.bridge_text, prefix.bridge_visual)
+
+    def _extend(self, feats, vfeats, btext, bvis) -> None:
+        needs = self.needs
+        if needs.feature_layers:
+            self.features.append(feats)
+            if needs.visual_features:
+                self.visual_features.append(vfeats)
+        if needs.bridge_layer is not None:
+            self.bridge_text.append(btext)
+            self.bridge_visual.append(bvis)
+
+    def add(self, hidden_states: tuple[torch.Tensor, ...], start: int) -> None:
+        """hidden_states: HF's tuple of (1, c, H) for positions [start, start + c)."""
+        needs = self.needs
+        end = start + hidden_states[0].shape[1]
+        feats = vfeats = btext = bvis = None
+
+        def rows(positions: torch.Tensor, shift: int) -> torch.Tensor:     # positions p with p - shift in the chunk
+            p = positions - shift
+            return p[(p >= start) & (p < end)] - start
+
+        if needs.feature_layers:
+            hs = torch.cat([hidden_states[i][0] for i in needs.feature_layers], dim=-1)    # (c, F*H)
+            feats = hs[rows(self.text_pos, 1)]
+            if needs.visual_features:
+                vfeats = hs[rows(self.visual_pos, 1)]
+            if end == self.ids.shape[0]:
+                self.last = hs[-1]
+        if needs.bridge_layer is not None:
+            bridge = hidden_states[needs.bridge_layer][0]                                   # (c, H)
+            btext, bvis = bridge[rows(self.text_pos, 0)], bridge[rows(self.visual_all, 0)]
+        self._extend(feats, vfeats, btext, bvis)
+
+    @staticmethod
+    def _cat(parts: list[torch.Tensor]) -> torch.Tensor | None:
+        return torch.cat(parts) if parts else None
+
+    def output(self, state: "TargetState", logits: torch.Tensor) -> "PrefillOutput":
+        visual = {}
+        if self.needs.feature_layers and self.needs.visual_features:
+            visual = dict(text_positions=self.text_pos, visual_positions=self.visual_pos,
+                          visual_features=self._cat(self.visual_features), video_token_id=None)
+        return PrefillOutput(state, logits, self.ids[self.text_pos], self._cat(self.features), self.last,
+                             self._cat(self.bridge_text), self._cat(self.bridge_visual), **visual)
+
+    def prefix(self, kv, end: int) -> "VideoPrefix":
+        """The VideoPrefix of positions [0, end) from a cache that holds them and the rows
+        collected so far (at least through end - 1)."""
+        feats = self._cat(self.features)
+        n_feat = int((self.text_pos <= end).sum())      # text tokens t with t-1 < end
+        n_btext = int((self.text_pos < end).sum())
+        btext = self._cat(self.bridge_text)
+        layers = kv.layers
+        return VideoPrefix(self.ids[:end].clone(), [layer.keys[:, :, :end].clone() for layer in layers],
+                           [layer.values[:, :, :end].clone() for layer in layers],
+                           feats[:n_feat].clone() if feats is not None else None,
+                           btext[:n_btext].clone() if btext is not None else None,
+                           self._cat(self.bridge_visual), self._cat(self.visual_features))
+
+
+class PrefillJob:
+    """One request's prefill, a chunk of at most `chunk_tokens` prompt positions per `step()`,
+    so a scheduler can interleave a 25k-token prefill with other requests' decode steps.
+
+    The prompt's embeddings are built once (the vision tower runs on the first step, over the
+    whole video), then the language model runs over them chunk by chunk on top of the
+    request's KV cache. With `prefix` the cache starts as a copy of the video prefix's and
+    only the rest of the prompt runs. `end` stops early (a video-prefix prefill).
+    """
+
+    def __init__(self, target: "TargetModel", inputs: dict, kv, needs: FeatureNeeds = FeatureNeeds(),
+                 prefix: "VideoPrefix | None" = None, chunk_tokens: int = 1 << 30, end: int | None = None):
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.target, self.inputs, self.kv, self.needs = target, inputs, kv, needs
+        self.ids = inputs["input_ids"][0]
+        self.end = self.ids.shape[0] if end is None else end
+        self.position_ids, self.rope_delta = target.family.prefill_positions(target.hf, inputs)  # pure, no pixels
+        self.cursor = 0
+        if prefix is not None:
+            if not prefix.matches(self.ids, target.video_token_id):
+                raise ValueError("this video prefix was prefilled for a different prompt start")
+            self.cursor = prefix.load_into(kv)
+        self.start = self.cursor
+        self.collector = FeatureCollector(self.ids, target.video_token_id, needs, prefix)
+        self.chunk_tokens = chunk_tokens
+        self._embeds: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.cursor >= self.end
+
+    @property
+    def remaining(self) -> int:
+        return self.end - self.cursor
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Run the next chunk; True once the whole prompt is in the cache."""
+        target = self.target
+        if self._embeds is None:
+            self._embeds = target.family.prompt_embeds(target.hf, self.inputs, self.start, self.end,
+                                                       target.video_token_id)
+        a = self.cursor
+        b = min(self.end, a + self.chunk_tokens)
+        out = target.hf(inputs_embeds=self._embeds[:, a - self.start: b - self.start],
+                        position_ids=self.position_ids[..., a:b].to(target.device), past_key_values=self.kv,
+                        use_cache=True, output_hidden_states=self.needs.hidden, logits_to_keep=1)
+        if self.needs.hidden:
+            self.collector.add(out.hidden_states, a)
+        self.cursor = b
+        if self.done:
+            self._logits, self._embeds = out.logits[0, -1].float(), None
+        return self.done
+
+    def run(self) -> "PrefillJob":
+        while not self.step():
+            pass
+        return self
+
+    def output(self) -> "PrefillOutput":
+        state = TargetState(kv=self.kv, length=self.end, rope_delta=self.rope_delta)
+        pre = self.collector.output(state, self._logits)
+        if pre.visual_features is not None:
+            pre.video_token_id = self.target.video_token_id
+        return pre
+
+    def video_prefix(self) -> "VideoPrefix":
+        """The prompt through its last video token, for the prefix cache (after the run)."""
+        video_pos = torch.nonzero(self.ids == self.target.video_token_id).view(-1)
+        if video_pos.numel() == 0:
+            raise InvalidRequest("the prompt holds no video tokens")
+        return self.collector.prefix(self.kv, int(video_pos[-1]) + 1)
 
 
 @dataclass(slots=True)
@@ -270,107 +452,64 @@ class TargetModel:
                 f"smaller resolution or fewer new tokens")
 
     # ----- forward passes ----------------------------------------------------------------
-    @torch.inference_mode()
     def prefill(self, inputs: dict, capacity: int, feature_layers: tuple[int, ...] = (),
                 bridge_layer: int | None = None, kv_cache: str = "static",
                 prefix: VideoPrefix | None = None, visual_features: bool = False) -> PrefillOutput:
-        """One forward over the prompt. capacity: KV slots to reserve for the whole request.
-
-        With `prefix` (this video's tokens, prefilled before: see `prefill_prefix`) the KV
-        cache starts as a copy of the prefix's and only the rest of the prompt is run.
-        visual_features: also return the features at t-1 of the visual positions t (drafts
-        that attend to visual entries: SpecConfig.draft_context "all" / "pruned"); the prefix
-        must then have been prefilled with them too.
-        """
-        position_ids, delta = self.family.prefill_positions(self.hf, inputs)   # pure, needs no pixels
+        """The whole prompt in one go into a fresh cache of `capacity` slots (the engine's
+        scheduler runs a PrefillJob over an arena slot instead, chunk by chunk).
+        With `prefix` the cache starts as a copy of the video prefix's. visual_features: also
+        the features at t-1 of the visual positions (drafts whose context holds visual entries)."""
+        needs = FeatureNeeds(tuple(feature_layers), bridge_layer, visual_features)
         kv = new_kv_cache(kv_cache, self.num_layers, capacity)
-        ids = inputs["input_ids"][0]
-        start = 0
-        if prefix is not None:
-            if not prefix.matches(ids, self.video_token_id):
-                raise ValueError("this video prefix was prefilled for a different prompt start")
-            start = prefix.load_into(kv)
-            inputs = {"input_ids": inputs["input_ids"][:, start:]}    # text only: the video is in the KV
-        want_hidden = bool(feature_layers) or bridge_layer is not None
-        out = self.hf(**inputs, position_ids=position_ids[..., start:], past_key_values=kv, use_cache=True,
-                      output_hidden_states=want_hidden, logits_to_keep=1)
-        state = TargetState(kv=out.past_key_values, length=ids.shape[0], rope_delta=delta)
-        text_pos = torch.nonzero(ids != self.video_token_id).view(-1)
-        text_pos = text_pos[text_pos >= 1]                                # t-1 must exist
-        feats = bridge_t = bridge_v = last = None
-        visual = {}
-        if feature_layers:
-            hs = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)   # (n - start, F*H)
-            feats, last = hs[text_pos[text_pos > start] - 1 - start], hs[-1]
-            if prefix is not None:                       # features at t-1 for text tokens t <= start
-                feats = torch.cat([prefix.features, feats])
-            if visual_features:
-                visual_pos = torch.nonzero(ids == self.video_token_id).view(-1)
-                visual_pos = visual_pos[visual_pos >= 1]
-                if prefix is None:
-                    vfeats = hs[visual_pos - 1]
-                elif prefix.visual_features is None:
-                    raise ValueError("this video prefix was prefilled without visual features")
-                else:                                     # every visual token is in the prefix
-                    vfeats = prefix.visual_features
-                visual = dict(text_positions=text_pos, visual_positions=visual_pos, visual_features=vfeats,
-                              video_token_id=self.video_token_id)
-        if bridge_layer is not None:
-            bridge = out.hidden_states[bridge_layer][0]                  # (n - start, H)
-            bridge_t, bridge_v = bridge[text_pos[text_pos >= start] - start], bridge[ids[start:] == self.video_token_id]
-            if prefix is not None:
-                bridge_t, bridge_v = torch.cat([prefix.bridge_text, bridge_t]), prefix.bridge_visual
-        return PrefillOutput(state, out.logits[0, -1].float(), ids[text_pos], feats, last, bridge_t, bridge_v,
-                             **visual)
+        return PrefillJob(self, inputs, kv, needs, prefix).run().output()
 
-    @torch.inference_mode()
     def prefill_prefix(self, inputs: dict, feature_layers: tuple[int, ...] = (),
                        bridge_layer: int | None = None, visual_features: bool = False) -> VideoPrefix:
         """Prefill the prompt up to its last video token and keep what `prefill` needs to
         continue from there: the KV cache and the few hidden-state rows of that span that
-        the draft reads (never the hidden states of the visual positions, except the bridge's,
-        and their features at t-1 when `visual_features` is asked for)."""
+        the draft reads."""
         ids = inputs["input_ids"][0]
         video_pos = torch.nonzero(ids == self.video_token_id).view(-1)
         if video_pos.numel() == 0:
             raise InvalidRequest("the prompt holds no video tokens")
         end = int(video_pos[-1]) + 1
-        position_ids, _ = self.family.prefill_positions(self.hf, inputs)
-        span = {k: (v[:, :end] if k in _PER_TOKEN_INPUTS else v) for k, v in inputs.items()}
-        kv = new_kv_cache("dynamic", self.num_layers, end)
-        want_hidden = bool(feature_layers) or bridge_layer is not None
-        out = self.hf(**span, position_ids=position_ids[..., :end], past_key_values=kv, use_cache=True,
-                      output_hidden_states=want_hidden, logits_to_keep=1)
-        text_pos = torch.nonzero(ids != self.video_token_id).view(-1)
-        text_pos = text_pos[text_pos >= 1]
-        feats = bridge_t = bridge_v = vfeats = None
-        if feature_layers:   # rows t-1 for text tokens t <= end (ids[end] is text: the video ended)
-            hs = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)   # (end, F*H)
-            feats = hs[text_pos[text_pos <= end] - 1]      # indexing copies: the (end, F*H) rows are freed
-            if visual_features:
-                vfeats = hs[video_pos[video_pos >= 1] - 1]
-        if bridge_layer is not None:
-            bridge = out.hidden_states[bridge_layer][0]                  # (end, H)
-            bridge_t, bridge_v = bridge[text_pos[text_pos < end]], bridge[ids[:end] == self.video_token_id]
-        layers = out.past_key_values.layers
-        return VideoPrefix(ids[:end].clone(), [layer.keys for layer in layers], [layer.values for layer in layers],
-                           feats, bridge_t, bridge_v, vfeats)
+        needs = FeatureNeeds(tuple(feature_layers), bridge_layer, visual_features)
+        job = PrefillJob(self, inputs, new_kv_cache("static", self.num_layers, end), needs, end=end).run()
+        return job.collector.prefix(job.kv, end)
 
     @torch.inference_mode()
+    def verify(self, states: list[TargetState], tokens: list[torch.Tensor],
+               feature_layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Score every request's new tokens in ONE forward: request i's tokens (n_i,) on top of
+        its own cache (n_i = 1: a decode step; k_i + 1: a verify step). The tokens are packed
+        along the sequence and each request attends only to its own keys (ragged.py).
+        Returns per request logits (n_i, V) and, if asked, features (n_i, F*H)."""
+        segments, positions, row = [], [], 0
+        for state, t in zip(states, tokens):
+            n = t.shape[-1]
+            segments.append(RaggedSegment(state.kv, row, row + n))
+            positions.append(self.family.step_positions(state.length, n, state.rope_delta))
+            row += n
+        batch = RaggedBatch(segments)
+        ids = torch.cat([t.view(-1) for t in tokens]).view(1, row).to(self.device)
+        out = self.hf(input_ids=ids, position_ids=torch.cat(positions, dim=-1).to(self.device),
+                      past_key_values=batch, attention_mask=batch.as_mask(), use_cache=True,
+                      output_hidden_states=bool(feature_layers))
+        logits = out.logits[0].float()                                              # (N, V)
+        feats = (torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)
+                 if feature_layers else None)                                       # (N, F*H)
+        result_logits, result_feats = [], []
+        for state, seg in zip(states, segments):
+            state.length += seg.end - seg.start
+            result_logits.append(logits[seg.start:seg.end])
+            result_feats.append(feats[seg.start:seg.end] if feats is not None else None)
+        return result_logits, result_feats
+
     def step(self, state: TargetState, token_ids: torch.Tensor,
              feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Score n tokens on top of the cache in ONE forward (n = 1: a decode step; n = k + 1:
-        a verify step). Returns logits (n, V) and, if asked, features (n, F*H)."""
-        n = token_ids.shape[-1]
-        position_ids = self.family.step_positions(state.length, n, state.rope_delta).to(self.device)
-        out = self.hf(input_ids=token_ids.view(1, n).to(self.device), position_ids=position_ids,
-                      past_key_values=state.kv, use_cache=True,
-                      output_hidden_states=bool(feature_layers))
-        state.length += n
-        feats = None
-        if feature_layers:
-            feats = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)
-        return out.logits[0].float(), feats
+        """One request's n tokens on top of its cache: `verify` with a batch of one."""
+        logits, feats = self.verify([state], [token_ids], feature_layers)
+        return logits[0], feats[0]
 
     def rollback(self, state: TargetState, n_remove: int) -> None:
         """Drop the last n_remove tokens (rejected drafts) from the KV cache."""

@@ -1,13 +1,8 @@
-"""Proposers: where draft tokens come from. Every proposer goes through the one acceptance
-path (accept.py); the engine sees only this interface:
+"""The Sparrow proposer (and the EAGLE-style baselines, the same draft over a context with
+visual entries): the draft context a request starts from, and batched chain drafting.
 
-    feature_layers / bridge_layer   which target states the proposer needs from the target
-    begin(context) -> state         per request, from what prefill produced
-    propose(state, k, ...) -> Proposal
-    commit(state, tokens, features) the tokens the step emitted, with the target's features
-                                    at the positions before each of them
-
-Proposers keep no per-request state on themselves, so one serves many requests.
+It follows the Proposer contract (proposer.py); the engine sees nothing else. Proposers keep
+no per-request state on themselves, so one serves many requests.
 """
 
 from __future__ import annotations
@@ -17,20 +12,17 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingParams, SpecConfig
-from ..models.draft import DraftKV, SparrowDraft
+from ..errors import InvalidRequest
+from ..models.draft import DraftKV, DraftSegment, SparrowDraft
+from ..models.target import FeatureNeeds
 from .glimpse import select_glimpse, text_to_visual_attention
+from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
 from .prune import prune_budget, prune_visual
 from .sampling import draw_token
 
 # A window no sequence reaches: with it nothing slides out of view and nothing is evicted, so
 # `window_mask` is plain causal attention ("all" / "pruned" draft contexts).
 FULL_WINDOW = 1 << 40
-
-
-@dataclass(slots=True)
-class Proposal:
-    tokens: torch.Tensor                # (k,) long
-    probs: torch.Tensor | None          # (k, V) draft distributions, None for a deterministic draft
 
 
 @dataclass(slots=True)
@@ -124,71 +116,124 @@ class SparrowState:
     last_hidden: torch.Tensor    # (H,) draft output at the last committed entry
 
 
+# Room the draft cache keeps beyond its visible entries: one step's drafts and commits.
+_STEP_ROOM = 2 * 33
+
+
 class SparrowProposer:
     """Chain drafting with the Sparrow draft. With the "text" draft context (Sparrow) it runs
     text-anchored window attention; with "all" / "pruned" (the EAGLE-style baselines) the
-    same draft attends causally to every entry, visual ones included, and keeps them all."""
+    same draft attends causally to every entry, visual ones included, and keeps them all.
+    Every draft forward is batched over the requests of a step."""
 
     def __init__(self, draft: SparrowDraft, spec: SpecConfig):
         self.draft = draft
         self.spec = spec
-        self.feature_layers = draft.config.feature_layers
         needs_bridge = spec.glimpse > 0 or spec.draft_context == "pruned"
-        self.bridge_layer = draft.config.bridge_layer if needs_bridge else None
-        self.visual_features = spec.draft_context != "text"     # prefill must return them
+        self.needs = FeatureNeeds(tuple(draft.config.feature_layers),
+                                  draft.config.bridge_layer if needs_bridge else None,
+                                  spec.draft_context != "text")
         self.window = draft_attention(spec.draft_context, spec.window, spec.anchors, 0)[0]
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.needs.feature_layers
+
+    def begin(self, start: BeginInput) -> SparrowState:
+        spec = self.spec
+        ctx = build_context(start.prefill, start.first_token, spec.glimpse, spec.draft_context, spec.prune_keep)
+        return self.begin_context(ctx, start.max_new_tokens)
+
     @torch.inference_mode()
-    def begin(self, ctx: DraftContext) -> SparrowState:
+    def begin_context(self, ctx: DraftContext, max_new_tokens: int = 0) -> SparrowState:
         """Process glimpse + anchors + window of the context. Entries that are neither an
         anchor nor in the final window are never visible to a later query: skipped."""
         spec, draft, n = self.spec, self.draft, ctx.token_ids.shape[0]
         window, anchors = draft_attention(spec.draft_context, spec.window, spec.anchors, ctx.num_prompt)
         device = ctx.features.device
-        kv = DraftKV.empty(device)
-        if ctx.glimpse.shape[0] > 0:
-            g = ctx.glimpse.shape[0]
-            draft.forward_entries(draft.inputs_from_glimpse(ctx.glimpse), torch.full((g,), -1, device=device),
-                                  torch.ones(g, dtype=torch.bool, device=device), kv, window)
         pos = torch.arange(n, device=device)
         anchor = (pos >= ctx.num_prompt - anchors) & (pos < ctx.num_prompt)
         keep = anchor | (pos > n - 1 - window)
+        g = ctx.glimpse.shape[0]
+        visible = g + int(keep.sum())
+        # A sliding window keeps its cache bounded; full attention keeps every entry it is given.
+        grows = max_new_tokens if spec.draft_context != "text" else min(max_new_tokens, spec.window)
+        kv = draft.new_kv(visible + grows + _STEP_ROOM)
+        if g > 0:
+            draft.forward_entries(draft.inputs_from_glimpse(ctx.glimpse), torch.full((g,), -1, device=device),
+                                  torch.ones(g, dtype=torch.bool, device=device), kv, window)
         z = draft.inputs_from_target(ctx.token_ids[keep], ctx.features[keep])
         hidden = draft.forward_entries(z, pos[keep], anchor[keep], kv, window)
-        kv.evict(n, window)
+        kv.evict(n, window, _STEP_ROOM)
         return SparrowState(kv, n, len(kv), hidden[-1])
 
     @torch.inference_mode()
-    def propose(self, state: SparrowState, k: int, sampling: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+    def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        """k_i draft tokens for every request i: step j drafts one token for each request with
+        k_i > j, then feeds those still drafting forward in one packed draft pass."""
         draft = self.draft
-        hidden = state.last_hidden
-        tokens, probs = [], []
-        for j in range(k):
-            tok, q = draw_token(draft.logits(hidden), sampling, generator)
-            if q is not None:
-                probs.append(q)
-            tokens.append(tok)
-            if j + 1 < k:   # feed the drafted token forward (speculative entry, dropped at commit)
-                z = draft.inputs_from_draft(torch.tensor([tok], device=hidden.device), hidden[None])
-                pos = torch.tensor([state.next_pos + j], device=hidden.device)
-                hidden = draft.forward_entries(z, pos, torch.zeros(1, dtype=torch.bool, device=hidden.device),
-                                               state.kv, self.window)[0]
-        return Proposal(torch.tensor(tokens, dtype=torch.long),
-                        torch.stack(probs) if probs else None)
+        hidden = [r.state.last_hidden for r in batch]
+        tokens: list[list[int]] = [[] for _ in batch]
+        probs: list[list[torch.Tensor]] = [[] for _ in batch]
+        for j in range(max((r.k for r in batch), default=0)):
+            live = [i for i, r in enumerate(batch) if r.k > j]
+            logits = draft.logits(torch.stack([hidden[i] for i in live]))             # (b, V)
+            for row, i in enumerate(live):      # each request draws with its own generator, in order
+                tok, q = draw_token(logits[row], batch[i].sampling, batch[i].generator)
+                tokens[i].append(tok)
+                if q is not None:
+                    probs[i].append(q)
+            feed = [i for i in live if j + 1 < batch[i].k]     # the last draft token is never fed
+            if not feed:
+                continue
+            device = hidden[feed[0]].device
+            ids = torch.tensor([tokens[i][-1] for i in feed], device=device)
+            z = draft.inputs_from_draft(ids, torch.stack([hidden[i] for i in feed]))
+            pos = torch.tensor([batch[i].state.next_pos + j for i in feed], device=device)
+            segments = [DraftSegment(batch[i].state.kv, row, row + 1, self.window) for row, i in enumerate(feed)]
+            out = draft.forward_packed(z, pos, torch.zeros(len(feed), dtype=torch.bool, device=device), segments)
+            for row, i in enumerate(feed):
+                hidden[i] = out[row]
+        return [Proposal(torch.tensor(t, dtype=torch.long), torch.stack(p) if p else None)
+                for t, p in zip(tokens, probs)]
 
     @torch.inference_mode()
-    def commit(self, state: SparrowState, tokens: list[int], features: torch.Tensor) -> None:
-        """tokens: (m,) emitted this step; features: (m, F*H) target features before each."""
+    def commit(self, states: list[SparrowState], results: list[StepResult]) -> None:
+        """Drop the speculative entries; run every request's emitted tokens, paired with the
+        target's features before each, through the draft in one packed pass."""
+        if not states:
+            return
         draft = self.draft
-        state.kv.truncate(state.committed)
-        m = len(tokens)
-        ids = torch.tensor(tokens, device=features.device)
-        pos = torch.arange(state.next_pos, state.next_pos + m, device=features.device)
-        hidden = draft.forward_entries(draft.inputs_from_target(ids, features), pos,
-                                       torch.zeros(m, dtype=torch.bool, device=features.device),
-                                       state.kv, self.window)
-        state.next_pos += m
-        state.kv.evict(state.next_pos, self.window)
-        state.committed = len(state.kv)
-        state.last_hidden = hidden[-1]
+        segments, ids, feats, pos, row = [], [], [], [], 0
+        for state, res in zip(states, results):
+            state.kv.truncate(state.committed)
+            m = len(res.tokens)
+            segments.append(DraftSegment(state.kv, row, row + m, self.window))
+            ids.extend(res.tokens)
+            feats.append(res.features[:m])
+            pos.append(torch.arange(state.next_pos, state.next_pos + m))
+            row += m
+        device = feats[0].device
+        hidden = draft.forward_packed(draft.inputs_from_target(torch.tensor(ids, device=device), torch.cat(feats)),
+                                      torch.cat(pos).to(device), torch.zeros(row, dtype=torch.bool, device=device),
+                                      segments)
+        for state, seg in zip(states, segments):
+            state.next_pos += seg.end - seg.start
+            state.kv.evict(state.next_pos, self.window, _STEP_ROOM)
+            state.committed = len(state.kv)
+            state.last_hidden = hidden[seg.end - 1]
+
+    def end(self, state: SparrowState) -> None:
+        """Nothing to release beyond the state itself (its buffers go with it)."""
+
+
+def _sparrow(target, draft, spec: SpecConfig) -> SparrowProposer:
+    if not isinstance(draft, SparrowDraft):
+        raise InvalidRequest(f"method {spec.method!r} needs a Sparrow draft, got {type(draft).__name__}")
+    if not draft.bound:
+        draft.bind(target)
+    return SparrowProposer(draft, spec)
+
+
+register_proposer("sparrow", _sparrow)
+register_proposer("eagle-style", _sparrow)     # the same draft over a context with visual entries

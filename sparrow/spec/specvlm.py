@@ -17,9 +17,8 @@ Per request:
      rejection sampling); `commit` crops the draft cache back to the accepted prefix and
      queues the emitted tokens, which the next `propose` feeds first.
 
-The engine calls `begin_request(pre, inputs, video, first_token, video_key)` (instead of
-build_context + begin) because this proposer needs the prompt inputs and the video, not only a
-DraftContext. Prefix-cache entries drop the video's pixels, so the proposer keeps the small
+It follows the Proposer contract (proposer.py): `begin` reads the prompt inputs and the video
+from its BeginInput, not only the prefill. Prefix-cache entries drop the video's pixels, so the proposer keeps the small
 VLM's visual tokens of recent keyed videos itself (`video_cache_entries`, LRU): a hit reuses
 them; a hit on a key it no longer holds (evicted here, or a prefix made by another engine)
 raises InvalidRequest.
@@ -45,9 +44,9 @@ import torch
 from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.kv_cache import new_kv_cache
-from ..models.target import PrefillOutput, TargetModel
+from ..models.target import FeatureNeeds, PrefillOutput, TargetModel
 from .glimpse import text_to_visual_attention
-from .propose import Proposal
+from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
 from .prune import prune_budget, prune_visual
 from .sampling import draw_token
 
@@ -105,8 +104,6 @@ class SpecVLMProposer:
         hits (which carry no pixels); the prefix cache's own entry budget is a good value.
     """
 
-    feature_layers: tuple[int, ...] = ()
-
     def __init__(self, target: TargetModel, small: TargetModel, keep_ratio: float = 0.1, mass: float = 0.5,
                  bridge_layer: int | None = None, on_end: Callable[[SpecVLMState], None] | None = None,
                  video_cache_entries: int = 32):
@@ -122,6 +119,7 @@ class SpecVLMProposer:
         self.keep_ratio, self.mass = float(keep_ratio), float(mass)
         # Pruning at ratio 1 needs no guidance: then the target's prefill is not asked for hidden states.
         self.bridge_layer = bridge_layer if keep_ratio < 1.0 else None
+        self.needs = FeatureNeeds(bridge_layer=self.bridge_layer)
         self.video_token_id = target.video_token_id
         self.on_end = on_end
         if video_cache_entries < 0:
@@ -131,6 +129,9 @@ class SpecVLMProposer:
         self._visual_lock = threading.Lock()
 
     # ----- per request ------------------------------------------------------------------------
+    def begin(self, start: BeginInput) -> SpecVLMState:
+        return self.begin_request(start.prefill, start.inputs, start.video, start.first_token, start.video_key)
+
     @torch.inference_mode()
     def begin_request(self, pre: PrefillOutput, inputs: dict[str, torch.Tensor], video,
                       first_token: int, video_key: str | None = None) -> SpecVLMState:
@@ -171,7 +172,7 @@ class SpecVLMProposer:
         prefix-cache hit (no pixels), those kept for the key."""
         pixels = sm_inputs.get("pixel_values_videos")
         if pixels is not None and pixels.numel() > 0:
-            visual = _video_embeds(self.small, sm_inputs)
+            visual = self.small.family.video_embeds(self.small.hf, sm_inputs)
             if video_key is not None and self.video_cache_entries:
                 with self._visual_lock:
                     self._visual.pop(video_key, None)
@@ -216,9 +217,18 @@ class SpecVLMProposer:
         return dims if dims[0] * dims[1] * dims[2] == num_visual else None
 
     # ----- decoding -----------------------------------------------------------------------------
+    def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        """Each request's small VLM drafts on its own cache (a KV cache per request, in HF's
+        layout): the batch is served one request after another."""
+        return [self.propose_one(r.state, r.k, r.sampling, r.generator) for r in batch]
+
+    def commit(self, states: list[SpecVLMState], results: list[StepResult]) -> None:
+        for state, result in zip(states, results):
+            self.commit_one(state, result.tokens)
+
     @torch.inference_mode()
-    def propose(self, state: SpecVLMState, k: int, sampling: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+    def propose_one(self, state: SpecVLMState, k: int, sampling: SamplingParams,
+                    generator: torch.Generator) -> Proposal:
         if state.cache is None:
             raise RuntimeError("this request's draft state was already released")
         if not state.pending:
@@ -236,7 +246,7 @@ class SpecVLMProposer:
         return Proposal(torch.tensor(tokens, dtype=torch.long), out_probs)
 
     @torch.inference_mode()
-    def commit(self, state: SpecVLMState, tokens: list[int], features=None) -> None:
+    def commit_one(self, state: SpecVLMState, tokens: list[int]) -> None:
         """tokens: what the step emitted (accepted drafts + the correction/bonus token)."""
         tokens = [int(t) for t in tokens]
         accepted = 0           # fed drafts the target agreed with: they stay in the cache
@@ -288,19 +298,6 @@ def _check_compatible(target: TargetModel, small: TargetModel) -> None:
                              f"({small.processor} vs {target.processor})")
 
 
-def _video_embeds(small: TargetModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(Nv, H) the small VLM's visual token embeddings, in prompt order, via the public
-    `get_video_features` of the HF model (as its own forward builds them)."""
-    model = small.hf.model
-    if small.family.model_type == "qwen2_5_vl":
-        out = model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
-        return torch.cat(out.pooler_output, dim=0)
-    if small.family.model_type == "llava_onevision":
-        out = model.get_video_features(inputs["pixel_values_videos"], return_dict=True)
-        return out.pooler_output.flatten(0, 1)
-    raise InvalidRequest(f"SpecVLM does not support model type {small.family.model_type!r}")
-
-
 def _cache_plan(pre: PrefillOutput, prompt_len: int, draft_prompt_len: int) -> tuple[str, int]:
     """The draft's cache kind and capacity: preallocated like the target's when the target's is
     (the draft needs at most what the target needs beyond its prompt: new tokens + k + 1)."""
@@ -311,14 +308,10 @@ def _cache_plan(pre: PrefillOutput, prompt_len: int, draft_prompt_len: int) -> t
     return "static", draft_prompt_len + max(1, capacity - prompt_len)
 
 
-def specvlm_engine(target: TargetModel, small_target: TargetModel, keep_ratio: float = 0.1, mass: float = 0.5,
-                   num_draft_tokens: int = 4, bridge_layer: int | None = None, **spec_kwargs):
-    """An Engine that decodes speculatively with a SpecVLM proposer (for the benchmarks).
-    spec_kwargs go to SpecConfig (e.g. kv_cache="dynamic"); prefix_cache= goes to the Engine."""
-    from ..engine import Engine   # the engine imports the proposers, not the other way round
+def _specvlm(target: TargetModel, small: TargetModel, spec: SpecConfig) -> SpecVLMProposer:
+    """The registry's "specvlm": the draft is the small VLM; spec.prune_keep is the share of
+    visual tokens it sees."""
+    return SpecVLMProposer(target, small, keep_ratio=spec.prune_keep)
 
-    prefix_cache = spec_kwargs.pop("prefix_cache", None)
-    spec = SpecConfig(num_draft_tokens=num_draft_tokens, **spec_kwargs)
-    proposer = SpecVLMProposer(target, small_target, keep_ratio=keep_ratio, mass=mass, bridge_layer=bridge_layer,
-                               video_cache_entries=prefix_cache.max_entries if prefix_cache is not None else 0)
-    return Engine(target, spec=spec, proposer=proposer, prefix_cache=prefix_cache)
+
+register_proposer("specvlm", _specvlm)

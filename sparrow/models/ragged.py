@@ -1,0 +1,79 @@
+"""A ragged batch for the target: several requests' new tokens in ONE forward, each reading
+only its own KV cache.
+
+Decoding many requests at once pays off because the weights are read once for all of them;
+their KV caches have different lengths (a 0.5k video beside a 25k one) and their steps
+different sizes (k + 1 tokens, k chosen per request). Padding them to one rectangle would
+copy every cache into a padded batch each step, so instead the new tokens are packed along
+the sequence axis, (1, N_total), and attention is computed per request over its own slot of
+the KV arena (views, no copy), causal within the request's new tokens:
+
+    request r:  rows [start_r, end_r) of the packed queries
+                keys = its cache's filled part + its own new tokens (written in place)
+
+`RaggedBatch` is handed to the HF model through public arguments only: as `past_key_values`
+(its `update` writes each request's keys into that request's cache) and as the attention
+mask (`{"full_attention": batch}`, which transformers passes through untouched), which the
+`sparrow_sdpa` attention function (gqa.py) recognises and answers with `attend`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache
+
+
+@dataclass(slots=True)
+class RaggedSegment:
+    cache: Cache          # the request's own cache (PreallocatedLayers over its arena slot)
+    start: int            # rows of the packed batch
+    end: int
+
+
+class RaggedBatch(Cache):
+    def __init__(self, segments: list[RaggedSegment]):
+        super().__init__(layers=[])
+        self.segments = segments
+        self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states: (1, Hkv, N_total, D). Each request's rows go to its own cache."""
+        self._views[layer_idx] = [
+            seg.cache.layers[layer_idx].update(key_states[:, :, seg.start:seg.end],
+                                               value_states[:, :, seg.start:seg.end])
+            for seg in self.segments]
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """query (1, Hq, N_total, D) -> (1, N_total, Hq, Dv): each request's rows over its keys."""
+        views = self._views.pop(module.layer_idx)
+        out = [ragged_attention(query[:, :, seg.start:seg.end], k, v, scaling)
+               for seg, (k, v) in zip(self.segments, views)]
+        return torch.cat(out, dim=2).transpose(1, 2).contiguous()
+
+    def as_mask(self) -> dict[str, "RaggedBatch"]:
+        """The `attention_mask` argument: transformers uses a dict as prepared masks, per layer type."""
+        return {"full_attention": self, "sliding_attention": self}
+
+
+def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """One request: q (1, Hq, n, D) the last n of its L keys k/v (1, Hkv, L, D), causal among
+    themselves. Query heads that share a key/value head are stacked (as grouped_sdpa does), so
+    the cache is read once per key/value head, not copied per query head. -> (1, Hq, n, Dv)."""
+    _, hq, n, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    mask = None
+    if n > 1:
+        row = torch.arange(n, device=q.device).view(n, 1)
+        col = torch.arange(length, device=q.device).view(1, length)
+        mask = (col <= row + (length - n)).repeat(groups, 1)          # (G*n, L)
+    qg = q.reshape(1, hkv, groups * n, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)   # (1, Hkv, G*n, Dv)
+    return out.reshape(1, hq, n, v.shape[-1])

@@ -1,0 +1,442 @@
+"""The scheduler: one per engine, owning every running request (continuous batching).
+
+    submit -> prepare (a worker thread: video decode, prompt, prefix-cache lookup)
+           -> waiting (admission: a KV-arena slot of prompt + max new + k + 1 tokens)
+           -> prefilling (a chunk per loop turn, between decode steps)
+           -> running (one batched step per loop turn) -> done
+
+A decode step for the running batch reads as its phases:
+
+    k       how many draft tokens each request gets this step (DraftPolicy; 0: plain decoding)
+    propose one batched draft pass for the requests that draft
+    verify  one ragged target forward over every request's last token + its drafts
+    accept  per request, through accept.py, with the request's own generator
+    advance roll each target cache back to what was accepted; commit to the draft
+    emit    OutputProcessor: stop tokens, stop strings, length, incremental text
+
+A request's tokens depend only on its own inputs and seed: its generator is its own and is
+drawn from in a fixed order (its drafts, then its acceptance); a seeded sampled request keeps
+its k for its whole life, so its draws are those of its solo run (greedy output does not
+depend on k at all). Requests join and leave between steps; one request's error, abort or
+stop ends that request only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .config import SamplingParams
+from .errors import InvalidRequest, ResourceExhausted
+from .metrics import SpecMetrics
+from .models.kv_cache import KVArena, KVSlot
+from .models.target import FeatureNeeds, PrefillJob, TargetState
+from .output import OutputProcessor
+from .prefix_cache import PrefixEntry
+from .spec.accept import AcceptResult, accept_greedy, accept_speculative
+from .spec.proposer import BeginInput, DraftRequest, Proposal, StepResult
+from .spec.sampling import draw_token, logits_to_probs, new_generator
+
+log = logging.getLogger(__name__)
+
+MAX_DRAFT_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine internals (how requests share the machine), apart from the speculation policy
+    (SpecConfig) and each request's sampling (SamplingParams).
+
+    kv_cache_bytes       the target KV arena: admission is by these bytes, not a request count
+    max_running          requests prefilling or decoding at once
+    max_waiting          requests waiting for KV memory; past it, new ones are refused
+    queue_timeout_s      how long a request may wait for KV memory before it is refused
+    prefill_chunk_tokens prompt positions per prefill slice; running streams wait at most one
+                         slice between their steps while a long video is prefilled
+    prepare_threads      videos decoded at once (off the scheduler thread)
+    """
+
+    kv_cache_bytes: int = 2 << 30
+    max_running: int = 64
+    max_waiting: int = 256
+    queue_timeout_s: float = 30.0
+    prefill_chunk_tokens: int = 2048
+    prepare_threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_bytes", "max_running", "prefill_chunk_tokens", "prepare_threads"):
+            if getattr(self, name) < 1:
+                raise InvalidRequest(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0 or not self.queue_timeout_s >= 0:
+            raise InvalidRequest("max_waiting and queue_timeout_s must be >= 0")
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's life in the scheduler. Only the scheduler thread touches the fields
+    below `sink` once the request is queued; `abort()` is safe from any thread."""
+
+    id: int
+    video: Any
+    prompt: str
+    sampling: SamplingParams
+    options: Any
+    video_key: str | None
+    requested_k: int | None
+    sink: Callable[[Any], None]             # receives TokenDelta, then GenerationOutput or an exception
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    submitted: float = field(default_factory=time.monotonic)
+    aborted: threading.Event = field(default_factory=threading.Event)
+    k: int = 0                              # most draft tokens a step may give it
+    pinned_k: bool = False                  # seeded sampling (or an explicit k): k never adapts
+    needs: FeatureNeeds = FeatureNeeds()
+    inputs: dict | None = None
+    processed: Any = None
+    entry: PrefixEntry | None = None
+    capacity: int = 0
+    slot: KVSlot | None = None
+    job: PrefillJob | None = None
+    state: TargetState | None = None
+    draft_state: Any = None
+    generator: torch.Generator | None = None
+    output: OutputProcessor | None = None
+    acceptance: float = 0.7                 # running estimate of its per-token acceptance
+    decode_start: float = 0.0
+    done: bool = False
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+class DraftPolicy:
+    """k per request per step, from measured costs: the step's verify time is fitted as
+    a + b * tokens_verified over recent steps, the draft's as c per draft position; each
+    request's acceptance rate alpha is tracked. With n requests, a common k for the adaptive
+    ones is the one that maximises expected tokens per second,
+
+        sum_r (1 - alpha_r^(k+1)) / (1 - alpha_r)  /  (a + b * n * (k + 1) + c * k)
+
+    so k shrinks (down to plain decoding) as the batch grows or acceptance falls. Until the
+    fit has seen enough distinct step sizes it explores k = 0 .. k_max in turn; it keeps
+    exploring now and then, so a change of load is noticed. Requests whose k is pinned
+    (seeded sampling, an explicit k) always get their own k.
+    """
+
+    def __init__(self, k_max: int, adaptive: bool, window: int = 64):
+        self.k_max, self.adaptive = k_max, adaptive
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)   # (tokens verified, seconds)
+        self.draft_per_position = 0.0
+        self._steps = itertools.count()
+
+    def choose(self, batch: list[Request]) -> list[int]:
+        caps = [min(r.k, max(0, r.output.remaining - 1)) if r.draft_state is not None else 0 for r in batch]
+        free = [i for i, r in enumerate(batch) if not r.pinned_k and caps[i] > 0]
+        if not self.adaptive or not free:
+            return caps
+        step = next(self._steps)
+        k = self._explore(step) if step < 3 * (self.k_max + 1) or step % 50 == 0 else self._best(batch, caps, free)
+        for i in free:
+            caps[i] = min(caps[i], k)
+        return caps
+
+    def _explore(self, step: int) -> int:
+        return step % (self.k_max + 1)
+
+    def _best(self, batch: list[Request], caps: list[int], free: list[int]) -> int:
+        fit = self._fit()
+        if fit is None:
+            return self.k_max
+        a, b = fit
+        fixed_tokens = sum(caps[i] + 1 for i in range(len(batch)) if i not in free)
+        best, best_rate = 0, -1.0
+        for k in range(self.k_max + 1):
+            emitted = sum(_expected_tokens(batch[i].acceptance, min(k, caps[i])) for i in free)
+            cost = a + b * (fixed_tokens + len(free) * (k + 1)) + self.draft_per_position * k
+            rate = emitted / max(cost, 1e-9)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def _fit(self) -> tuple[float, float] | None:
+        xs = [x for x, _ in self.samples]
+        if len(set(xs)) < 2:
+            return None
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(y for _, y in self.samples) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        b = max(0.0, sum((x - mx) * (y - my) for x, y in self.samples) / var)
+        return max(0.0, my - b * mx), b
+
+    def record(self, tokens_verified: int, verify_s: float, draft_positions: int, draft_s: float) -> None:
+        self.samples.append((float(tokens_verified), verify_s))
+        if draft_positions > 0:
+            per = draft_s / draft_positions
+            self.draft_per_position = per if self.draft_per_position == 0 else 0.9 * self.draft_per_position + 0.1 * per
+
+
+def _expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verify step emits with k drafts at per-token acceptance alpha (incl. the bonus)."""
+    if k <= 0:
+        return 1.0
+    alpha = min(alpha, 0.999)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class Scheduler:
+    def __init__(self, engine, config: EngineConfig):
+        self.engine, self.config = engine, config
+        spec = engine.spec
+        self.policy = DraftPolicy(spec.num_draft_tokens if engine.proposer is not None else 0, spec.adaptive_k)
+        self.arena: KVArena | None = None
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
+        self._ready: deque[Request] = deque()        # prepared, handed over by worker threads
+        self._waiting: deque[Request] = deque()      # waiting for KV memory (scheduler thread only)
+        self._prefilling: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._preparing = threading.BoundedSemaphore(config.prepare_threads)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ----- submission (any thread) ---------------------------------------------------------------
+    def submit(self, video, prompt: str, sampling: SamplingParams, options, video_key: str | None,
+               num_draft_tokens: int | None, sink: Callable[[Any], None]) -> Request:
+        request = Request(next(self._ids), video, prompt, sampling, options, video_key, num_draft_tokens, sink)
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        with self._cv:
+            if len(self._waiting) + len(self._ready) >= self.config.max_waiting + self.config.max_running:
+                raise ResourceExhausted(f"{len(self._waiting)} requests are already waiting for KV memory; "
+                                        "try again later")
+        threading.Thread(target=self._prepare, args=(request,), name=f"sparrow-prepare-{request.id}",
+                         daemon=True).start()
+        return request
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running) + len(self._prefilling)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    # ----- preparation (a worker thread per request, bounded) ----------------------------------
+    def _prepare(self, request: Request) -> None:
+        with self._preparing:
+            try:
+                self.engine._prepare_request(request)
+            except BaseException as exc:  # noqa: BLE001 - handed to the request's reader
+                request.sink(exc)
+                return
+        with self._cv:
+            self._ready.append(request)
+            self._ensure_thread()
+            self._cv.notify_all()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="sparrow-scheduler", daemon=True)
+            self._thread.start()
+
+    # ----- the loop (the scheduler thread) -----------------------------------------------------
+    def _loop(self) -> None:
+        idle_since = None
+        while True:
+            with self._cv:
+                self._waiting.extend(self._ready)
+                self._ready.clear()
+                busy = bool(self._waiting or self._prefilling or self._running)
+                if not busy:
+                    # An idle scheduler lets its thread go (a later submit starts another).
+                    idle_since = idle_since or time.monotonic()
+                    if self._closed or time.monotonic() - idle_since > 2.0:
+                        self._thread = None
+                        return
+                    self._cv.wait(timeout=0.5)
+                    continue
+            idle_since = None
+            try:
+                self._admit()
+                self._prefill_slice()
+                self._decode_step()
+            except Exception as exc:  # noqa: BLE001 - a failed batched forward fails the requests in it
+                log.exception("scheduler step failed")
+                for request in list(self._running) + list(self._prefilling):
+                    self._finish(request, error=exc)
+
+    def _admit(self) -> None:
+        """Waiting requests get a KV slot in arrival order, while memory and max_running allow."""
+        cfg = self.config
+        while self._waiting:
+            request = self._waiting[0]
+            if request.aborted.is_set():
+                self._waiting.popleft()
+                self._finish(request, "abort")
+                continue
+            if self.num_running >= cfg.max_running:
+                return
+            slot = self._arena().allocate(request.capacity)
+            if slot is None:
+                waited = time.monotonic() - request.submitted
+                if waited > cfg.queue_timeout_s:
+                    self._waiting.popleft()
+                    self._finish(request, error=ResourceExhausted(
+                        f"waited {waited:.1f} s for {request.capacity} tokens of KV memory "
+                        f"({self._arena().free_tokens} of {self._arena().tokens} free); try again later"))
+                    continue
+                return
+            self._waiting.popleft()
+            request.slot = slot
+            try:
+                request.job = self.engine._prefill_job(request)
+            except Exception as exc:  # noqa: BLE001 - this request's inputs, not the engine's
+                self._finish(request, error=exc)
+                continue
+            self._prefilling.append(request)
+
+    def _prefill_slice(self) -> None:
+        """One chunk of the oldest prefill: a long prompt is spread over several loop turns."""
+        if not self._prefilling:
+            return
+        request = self._prefilling[0]
+        if request.aborted.is_set():
+            self._prefilling.popleft()
+            self._finish(request, "abort")
+            return
+        t0 = time.perf_counter()
+        try:
+            done = request.job.step()
+        except Exception as exc:  # noqa: BLE001 - e.g. a vision tower that rejects this video
+            self._prefilling.popleft()
+            self._finish(request, error=exc)
+            return
+        request.metrics.prefill_seconds += time.perf_counter() - t0
+        if done:
+            self._prefilling.popleft()
+            try:
+                first = self.engine._start_decoding(request)
+            except Exception as exc:  # noqa: BLE001
+                self._finish(request, error=exc)
+                return
+            self._running.append(request)
+            self._emit(request, [first])
+
+    def _decode_step(self) -> None:
+        for request in [r for r in self._running if r.aborted.is_set()]:
+            self._finish(request, "abort")
+        batch = list(self._running)
+        if not batch:
+            return
+        ks = self.policy.choose(batch)
+        t0 = time.perf_counter()
+        proposals = self._propose(batch, ks)
+        t1 = time.perf_counter()
+        results = self._verify_and_accept(batch, proposals)
+        t2 = time.perf_counter()
+        self._commit(batch, results)
+        t3 = time.perf_counter()
+        self.policy.record(sum(k + 1 for k in ks), t2 - t1, max(ks), (t1 - t0) + (t3 - t2))
+        for request, k, result in zip(batch, ks, results):
+            m = request.metrics
+            m.draft_seconds += (t1 - t0) + (t3 - t2)
+            m.verify_seconds += t2 - t1
+            m.record_step(k, result.accept.num_accepted)
+            if k > 0:
+                seen = result.accept.num_accepted / k
+                request.acceptance = 0.8 * request.acceptance + 0.2 * seen
+            self._emit(request, result.tokens)
+
+    # ----- the phases ----------------------------------------------------------------------------
+    def _propose(self, batch: list[Request], ks: list[int]) -> list[Proposal | None]:
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        proposals: list[Proposal | None] = [None] * len(batch)
+        if drafting:
+            calls = [DraftRequest(batch[i].draft_state, ks[i], batch[i].sampling, batch[i].generator) for i in drafting]
+            for i, proposal in zip(drafting, self.engine.proposer.propose(calls)):
+                proposals[i] = proposal
+        return proposals
+
+    def _verify_and_accept(self, batch: list[Request], proposals: list[Proposal | None]) -> list[StepResult]:
+        engine = self.engine
+        device = engine.target.device
+        tokens = []
+        for request, proposal in zip(batch, proposals):
+            last = torch.tensor([request.output.token_ids[-1]], dtype=torch.long)
+            tokens.append(torch.cat([last, proposal.tokens]) if proposal is not None else last)
+        drafts = any(r.draft_state is not None for r in batch)
+        layers = engine.proposer.needs.feature_layers if drafts else ()
+        logits, feats = engine.target.verify([r.state for r in batch], [t.to(device) for t in tokens], layers)
+        results = []
+        for request, proposal, lg, ft in zip(batch, proposals, logits, feats):
+            accept = _accept(proposal, lg, request.sampling, request.generator)
+            k = proposal.tokens.shape[0] if proposal is not None else 0
+            engine.target.rollback(request.state, k - accept.num_accepted)
+            emitted = accept.tokens(proposal.tokens if proposal is not None else _NO_DRAFT)
+            results.append(StepResult(accept, emitted, ft[: len(emitted)] if ft is not None else None))
+        return results
+
+    def _commit(self, batch: list[Request], results: list[StepResult]) -> None:
+        pairs = [(r.draft_state, res) for r, res in zip(batch, results) if r.draft_state is not None]
+        if pairs:
+            self.engine.proposer.commit([s for s, _ in pairs], [res for _, res in pairs])
+
+    def _emit(self, request: Request, tokens: list[int]) -> None:
+        delta = request.output.push(tokens)
+        if delta.token_ids or delta.text:
+            request.sink(self.engine._delta(delta))
+        if delta.finish is not None:
+            self._finish(request, delta.finish)
+        elif request.aborted.is_set():
+            self._finish(request, "abort")
+
+    def _finish(self, request: Request, finish: str | None = None, error: BaseException | None = None) -> None:
+        """The request leaves: its KV slot and draft state are freed before its reader hears."""
+        if request.done:
+            return
+        request.done = True
+        final = self.engine._final(request, finish) if error is None else error
+        for queue in (self._running, self._prefilling, self._waiting):
+            if request in queue:
+                queue.remove(request)
+        if request.slot is not None:
+            request.slot.release()
+        if request.draft_state is not None:
+            try:
+                self.engine.proposer.end(request.draft_state)
+            except Exception:  # noqa: BLE001 - a remote draft that is gone already
+                log.warning("draft state of request %d not released", request.id, exc_info=True)
+        request.state = request.draft_state = request.job = request.inputs = request.processed = None
+        request.slot = None
+        request.sink(final)
+
+    def _arena(self) -> KVArena:
+        if self.arena is None:
+            target = self.engine.target
+            self.arena = KVArena.for_model(target.text_config, self.config.kv_cache_bytes, target.hf.dtype,
+                                           target.device)
+        return self.arena
+
+
+_NO_DRAFT = torch.empty(0, dtype=torch.long)
+
+
+def _accept(proposal: Proposal | None, logits: torch.Tensor, sampling: SamplingParams,
+            generator: torch.Generator) -> AcceptResult:
+    """The one acceptance path; a step without drafts is acceptance of zero draft tokens."""
+    tokens = proposal.tokens if proposal is not None else _NO_DRAFT
+    if sampling.greedy:
+        return accept_greedy(tokens, logits)
+    p = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return accept_speculative(tokens, proposal.probs if proposal is not None else None, p, generator)
+
+
+def first_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+    return draw_token(logits, sampling, generator)[0]
