@@ -4,6 +4,8 @@ either."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from sparrow.errors import (ContextOverflow, InvalidRequest, ResourceExhausted, SourceNotAllowed, SourceUnavailable,
@@ -52,3 +54,51 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, NotReady):
         return grpc.StatusCode.UNAVAILABLE, message
     return grpc.StatusCode.INTERNAL, f"internal error: {message}"
+
+
+def log_failure(log: logging.Logger, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(code, details) for exc, logged: a fault of ours (INTERNAL) at ERROR with its traceback;
+    anything the caller caused at INFO, one plain line (a bad request is not an incident)."""
+    code, details = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("request failed", exc_info=exc)
+    else:
+        log.info("request refused: %s: %s", code.name, details)
+    return code, details
+
+
+class ClientErrorsAtInfo(logging.Filter):
+    """For loggers we do not own (Ray Serve's replica and proxy log every exception a method
+    raises with its traceback): a record whose exception is the caller's fault becomes one
+    INFO line without the traceback. A record of anything else passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        code = _client_code(exc)
+        if code is not None:
+            record.msg, record.args = f"{record.getMessage()} {code.name}: {exc}", ()
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def _client_code(exc: BaseException | None) -> grpc.StatusCode | None:
+    """The status of an exception the caller caused (also when Serve wraps it with the code
+    we set), or None for anything else."""
+    if exc is None:
+        return None
+    wrapped_code = getattr(exc, "grpc_code", None)          # ray.serve.exceptions.gRPCStatusError
+    if isinstance(wrapped_code, grpc.StatusCode):
+        return wrapped_code if wrapped_code != grpc.StatusCode.INTERNAL else None
+    if isinstance(exc, SparrowError):
+        code = status_for(exc)[0]
+        return code if code != grpc.StatusCode.INTERNAL else None
+    return None
+
+
+def quiet_client_errors(*names: str) -> None:
+    """Install ClientErrorsAtInfo on the named loggers (once each)."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ClientErrorsAtInfo) for f in logger.filters):
+            logger.addFilter(ClientErrorsAtInfo())

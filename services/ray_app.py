@@ -29,23 +29,27 @@ from sparrow.spec.propose import SparrowProposer
 
 from . import prom
 from .draft import DraftSession, DraftStep, DraftWorker
-from .errors import status_for
+from .errors import log_failure, quiet_client_errors
 from .models import load_draft, load_heads
 from .servicer import SparrowService, deadline_from_metadata
 from .settings import AppSettings, build_engine
+from .wire import check_decoded, decoded_stream
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "sparrow"
 SERVICER_FUNCTIONS = [
-    "sparrow.v1.sparrow_pb2_grpc.add_SparrowServicer_to_server",
+    # sparrow.v1.Sparrow with undecodable requests answered INVALID_ARGUMENT (services.wire)
+    "sparrow.services.wire.add_sparrow_servicer_to_serve_proxy",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 
 
 def _set_status(grpc_context, exc: Exception) -> None:
-    """Serve's proxy sends the code set here when the method then raises."""
-    code, details = status_for(exc)
+    """Serve's proxy sends the code set here when the method then raises. A caller's error
+    is logged once, at INFO, without a traceback (here and, through ClientErrorsAtInfo on
+    Serve's logger, by Serve itself)."""
+    code, details = log_failure(log, exc)
     grpc_context.set_code(code)
     grpc_context.set_details(details)
 
@@ -53,6 +57,7 @@ def _set_status(grpc_context, exc: Exception) -> None:
 @serve.deployment(name="TargetDeployment")
 class TargetDeployment:
     def __init__(self, settings: AppSettings, draft=None):
+        quiet_client_errors("ray.serve")     # Serve logs what a method raises with a traceback
         client = RayDraftClient(draft, settings.draft_call_timeout_s) if draft is not None else None
         engine, cache = build_engine(settings, client)
         placement = "remote" if client is not None else settings.placement
@@ -64,6 +69,7 @@ class TargetDeployment:
             # Serve's proxy does not always pass a client's cancel or deadline on to the
             # replica (it misses those that land while it is writing a response): a deadline
             # sent as metadata is enforced here, and SparrowClient's cancel also sends Abort.
+            check_decoded(request)
             deadline = deadline_from_metadata(grpc_context.invocation_metadata())
             async with contextlib.aclosing(prom.observe_stream(self.service.generate(request, deadline), self.metrics)) as responses:
                 async for response in responses:
@@ -74,14 +80,14 @@ class TargetDeployment:
 
     async def UploadVideo(self, request_stream, grpc_context):
         try:
-            return await self.service.upload_video(request_stream)
+            return await self.service.upload_video(decoded_stream(request_stream))
         except Exception as exc:
             _set_status(grpc_context, exc)
             raise
 
     async def Abort(self, request, grpc_context):
         try:
-            return await self.service.abort(request)
+            return await self.service.abort(check_decoded(request))
         except Exception as exc:
             _set_status(grpc_context, exc)
             raise

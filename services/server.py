@@ -17,9 +17,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import prom
-from .errors import status_for
+from .errors import log_failure
 from .protos import SERVICE_NAME, pb_grpc
-from .servicer import SparrowService
+from .servicer import SparrowService, deadline_from_metadata
+from .wire import add_sparrow_servicer, check_decoded, decoded_stream
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,19 @@ def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 async def abort_with_status(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    code, details = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        log.error("request failed", exc_info=exc)
+    code, details = log_failure(log, exc)
     await context.abort(code, details)
+
+
+def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """time.monotonic() past which the client has given up: the earlier of gRPC's deadline
+    and a `sparrow-timeout-ms` metadata one (which the Ray host needs, and so honours:
+    a client gets the same outcome from either host)."""
+    remaining = context.time_remaining()
+    deadlines = [deadline_from_metadata(context.invocation_metadata())]
+    if remaining is not None:
+        deadlines.append(time.monotonic() + remaining)
+    return min((d for d in deadlines if d is not None), default=None)
 
 
 class GrpcSparrow(pb_grpc.SparrowServicer):
@@ -46,9 +56,9 @@ class GrpcSparrow(pb_grpc.SparrowServicer):
         self.service = service
 
     async def Generate(self, request, context):
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
         try:
+            check_decoded(request)
+            deadline = request_deadline(context)
             async with contextlib.aclosing(prom.observe_stream(self.service.generate(request, deadline))) as responses:
                 async for response in responses:
                     yield response
@@ -57,24 +67,28 @@ class GrpcSparrow(pb_grpc.SparrowServicer):
 
     async def UploadVideo(self, request_iterator, context):
         try:
-            return await self.service.upload_video(request_iterator)
+            return await self.service.upload_video(decoded_stream(request_iterator))
         except Exception as exc:  # noqa: BLE001
             await abort_with_status(context, exc)
 
     async def Abort(self, request, context):
         try:
-            return await self.service.abort(request)
+            return await self.service.abort(check_decoded(request))
         except Exception as exc:  # noqa: BLE001
             await abort_with_status(context, exc)
 
     async def GetModelInfo(self, request, context):
-        return self.service.model_info()
+        try:
+            check_decoded(request)
+            return self.service.model_info()
+        except Exception as exc:  # noqa: BLE001
+            await abort_with_status(context, exc)
 
 
 async def start_server(service: SparrowService, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one)."""
     server = grpc.aio.server(options=message_options(service.config.max_message_bytes))
-    pb_grpc.add_SparrowServicer_to_server(GrpcSparrow(service), server)
+    add_sparrow_servicer(GrpcSparrow(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
