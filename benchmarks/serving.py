@@ -30,14 +30,21 @@ import torch  # noqa: E402
 PROMPTS = ("What happens in the video?", "Which shape moves first, and where does it go?")
 
 
+def trace(stream) -> tuple[float, list[float], list[list[int]], float]:
+    """(start, arrival time of each chunk that carries tokens, those chunks, end) of an iterator
+    of token lists, timed with perf_counter. A lazy iterator's setup counts: it runs on the first next()."""
+    start, times, chunks = time.perf_counter(), [], []
+    for token_ids in stream:
+        if token_ids:
+            times.append(time.perf_counter())
+            chunks.append(list(token_ids))
+    return start, times, chunks, time.perf_counter()
+
+
 def timed(stream) -> tuple[float, float]:
     """(seconds to the first token, decode tokens/s after it) of an iterator of token lists."""
-    start, first, count = time.perf_counter(), None, 0
-    for token_ids in stream:
-        if token_ids and first is None:
-            first = time.perf_counter()
-        count += len(token_ids)
-    end = time.perf_counter()
+    start, times, chunks, end = trace(stream)
+    first, count = times[0], sum(map(len, chunks))
     return first - start, (count - 1) / (end - first) if end > first else 0.0
 
 

@@ -217,13 +217,17 @@ def draft_kv_bytes(engine: Engine, metrics) -> int | None:
 
 
 # ----- videos and the shared prefix -------------------------------------------------------------
-def make_video(target: TargetModel, side: int, frames: int, seed: int) -> tuple[ProcessedVideo, float]:
-    """A fresh world video as mp4 bytes, decoded and patchified as serving does; every frame kept."""
+def world_video(side: int, frames: int, seed: int):
+    """A fresh world video as mp4 bytes (a SyntheticVideo) and the options that keep every frame."""
     from sparrow.training.world import WorldVideo
 
     world = WorldVideo(num_frames=frames, size=side)
-    video = world.make(seed)
-    options = dataclasses.replace(world.options(), max_visual_tokens=10**6)   # the ladder goes past 24,576
+    return world.make(seed), dataclasses.replace(world.options(), max_visual_tokens=10**6)   # the ladder goes past 24,576
+
+
+def make_video(target: TargetModel, side: int, frames: int, seed: int) -> tuple[ProcessedVideo, float]:
+    """A fresh world video as mp4 bytes, decoded and patchified as serving does; every frame kept."""
+    video, options = world_video(side, frames, seed)
     t0 = time.perf_counter()
     processed = prepare_video(video.source, target.processor, options)
     return processed, time.perf_counter() - t0
@@ -280,7 +284,7 @@ def share_prefix(target: TargetModel, processed: ProcessedVideo, prompt: str, en
     return keys, seconds
 
 
-def _no_video():
+def no_video():
     raise RuntimeError("benchmark prefix missing from the prefix cache (evicted?): refusing to re-prefill")
 
 
@@ -291,7 +295,7 @@ def run_one(engine: Engine, prompt: str, sampling: SamplingParams, video_key: st
     video (its own prefill). (The test wraps this to corrupt an output.)"""
     if video_key is None:
         return engine.generate(video, prompt, sampling)
-    return engine.generate(_no_video, prompt, sampling, video_key=video_key)
+    return engine.generate(no_video, prompt, sampling, video_key=video_key)
 
 
 def _record(out, engine: Engine) -> dict:
@@ -387,13 +391,19 @@ def check_identity(cell: dict[str, dict]) -> list[dict]:
     ref = cell["plain"]["token_ids"]
     bad = []
     for name, r in cell.items():
-        got = r["token_ids"]
-        if got != ref:
-            first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-            bad.append({"method": name, "rep": r["rep"], "visual_tokens": r["visual_tokens"], "index": first,
-                        "expected": ref[first: first + 8], "got": got[first: first + 8],
-                        "lengths": [len(ref), len(got)]})
+        diff = first_difference(ref, r["token_ids"])
+        if diff is not None:
+            bad.append({"method": name, "rep": r["rep"], "visual_tokens": r["visual_tokens"], **diff})
     return bad
+
+
+def first_difference(ref: list[int], got: list[int]) -> dict | None:
+    """Where two token sequences first differ (None: equal), with the 8 tokens from there on."""
+    if got == ref:
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    return {"index": first, "expected": ref[first: first + 8], "got": got[first: first + 8],
+            "lengths": [len(ref), len(got)]}
 
 
 def _mismatch_lines(mismatches: list[dict]) -> list[str]:
