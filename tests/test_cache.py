@@ -162,3 +162,92 @@ def test_open_cache_specs(redis_url):
     with pytest.raises(ValueError):
         open_cache("memcached://x")
     assert tensors_nbytes(sample_tensors()) == 7 * 48 * 4 + 15 * 2 + 11 * 8 + 3
+
+
+# ----- reads trust nothing in Redis: bounded, bound to their key, damage deleted ---------------------
+def _peak_bytes(fn):
+    """(result of fn(), the most memory Python allocated meanwhile)."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        result = fn()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("lie", [
+    {"chunks": 10**6}, {"nbytes": 10**12, "chunks": 10**12 // MAX_CHUNK_BYTES + 1, "chunk_bytes": MAX_CHUNK_BYTES},
+    {"chunk_bytes": 1}, {"nonce": "x" * 10**5}, {"key": "ctx:other"},
+    {"tensors": {"x": {"dtype": "float32", "shape": [10**6, 10**6]}}},
+    {"tensors": {f"t{i}": {"dtype": "uint8", "shape": [0]} for i in range(10_000)}},
+], ids=["chunks", "nbytes", "chunk_bytes", "nonce", "other key", "shape", "tensor count"])
+def test_redis_absurd_manifest_is_a_bounded_miss_and_deleted(redis_url, redis_server, lie):
+    cache = RedisStateCache(redis_url, chunk_bytes=4096, max_entry_bytes=64 << 20)
+    assert cache.put("ctx:a", {"x": torch.randn(3000)})
+    client = redis_server.client()
+    manifest = json.loads(client.get(cache.manifest_key("ctx:a")))
+    client.set(cache.manifest_key("ctx:a"), json.dumps({**manifest, **lie}))
+    start = time.monotonic()
+    found, peak = _peak_bytes(lambda: cache.get("ctx:a"))
+    assert found is None and time.monotonic() - start < 1.0 and peak < 16 << 20   # a 1 MiB manifest at most, parsed
+    if lie.get("nbytes", 0) > cache.max_entry_bytes:        # over this reader's limit: a miss, left for others
+        assert client.exists(cache.manifest_key("ctx:a"))
+    else:
+        assert not client.exists(cache.manifest_key("ctx:a"))       # damage: deleted
+    assert cache.put("ctx:a", {"x": torch.ones(3)}) and torch.equal(cache.get("ctx:a")["x"], torch.ones(3))
+
+
+@pytest.mark.parametrize("manifest", [b"[" * 200_000, b"x" * (2 << 20), b"\xff\xfe", b"null", b'"a string"'])
+def test_redis_unreadable_manifest_is_a_bounded_miss(redis_url, redis_server, manifest):
+    cache = RedisStateCache(redis_url)
+    redis_server.client().set(cache.manifest_key("ctx:m"), manifest)
+    found, peak = _peak_bytes(lambda: cache.get("ctx:m"))
+    assert found is None and peak < 4 << 20
+    assert not redis_server.client().exists(cache.manifest_key("ctx:m"))
+
+
+def test_redis_oversized_chunk_is_read_only_up_to_its_promised_size(redis_url, redis_server):
+    cache = RedisStateCache(redis_url, chunk_bytes=4096)
+    assert cache.put("ctx:big", {"x": torch.randn(3000)})         # 12 KB -> 3 chunks
+    client = redis_server.client()
+    manifest = json.loads(client.get(cache.manifest_key("ctx:big")))
+    client.set(cache.chunk_key("ctx:big", manifest["nonce"], 1), b"\x00" * (64 << 20))   # 64 MiB where 4 KiB belong
+    found, peak = _peak_bytes(lambda: cache.get("ctx:big"))
+    assert found is None and peak < 4 << 20
+    assert not client.exists(cache.chunk_key("ctx:big", manifest["nonce"], 1))           # the entry's chunks deleted
+
+
+def test_redis_entry_copied_under_another_key_is_refused(redis_url, redis_server):
+    cache = RedisStateCache(redis_url, chunk_bytes=1024)
+    assert cache.put("ctx:src", {"x": torch.randn(600)})
+    client = redis_server.client()
+    manifest = json.loads(client.get(cache.manifest_key("ctx:src")))
+    client.set(cache.manifest_key("ctx:dst"), client.get(cache.manifest_key("ctx:src")))
+    for i in range(manifest["chunks"]):
+        client.set(cache.chunk_key("ctx:dst", manifest["nonce"], i),
+                   client.get(cache.chunk_key("ctx:src", manifest["nonce"], i)))
+    assert cache.get("ctx:dst") is None and not cache.contains("ctx:dst")
+    assert cache.get("ctx:src") is not None                          # the original is untouched
+
+
+def test_redis_damage_found_does_not_delete_a_fresher_entry(redis_url, redis_server):
+    """A reader that found damage deletes the manifest only if it is still the one it read:
+    a writer that replaced the entry meanwhile keeps its fresh one."""
+    cache = RedisStateCache(redis_url)
+    assert cache.put("ctx:r", {"x": torch.zeros(4)})
+    client = redis_server.client()
+    stale = client.get(cache.manifest_key("ctx:r"))
+    assert cache.put("ctx:r", {"x": torch.ones(4)})                 # the writer wins the race
+    cache._discard(client, "ctx:r", stale, json.loads(stale))
+    assert torch.equal(cache.get("ctx:r")["x"], torch.ones(4))
+    cache._discard(client, "ctx:r", client.get(cache.manifest_key("ctx:r")), None)
+    assert cache.get("ctx:r") is None
+
+
+def test_tiered_get_shared_skips_the_local_copy(redis_url, redis_server):
+    remote = RedisStateCache(redis_url)
+    tiered = TieredStateCache(MemoryStateCache(), remote)
+    assert tiered.put("video:v", {"x": torch.arange(3)})
+    redis_server.client().delete(remote.manifest_key("video:v"))    # evicted from Redis
+    assert tiered.get("video:v") is not None and tiered.get_shared("video:v") is None
