@@ -181,10 +181,12 @@ class RedisStateCache(StateCache):
                                            retry=Retry(NoBackoff(), 0))
         self._errors = (redis.exceptions.RedisError, OSError)
         self._down_until = 0.0
-        # Delete a manifest only if it is still the one found damaged: a writer may have
-        # replaced it meanwhile, and its fresh entry must survive.
+        # Delete a manifest only if it is still the one found damaged (compared as read: its
+        # first MAX_MANIFEST_BYTES + 1 bytes): a writer may have replaced it meanwhile, and
+        # its fresh entry must survive.
         self._delete_if_same = self.client.register_script(
-            "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
+            "if redis.call('GETRANGE', KEYS[1], 0, ARGV[2]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+            "return 0")
 
     # ----- keys ----------------------------------------------------------------------------
     def manifest_key(self, key: str) -> str:
@@ -311,7 +313,8 @@ class RedisStateCache(StateCache):
     def _discard(self, client, key: str, raw: bytes, manifest: dict | None) -> None:
         """Delete a damaged entry, unless a writer has replaced it since it was read."""
         try:
-            if self._delete_if_same(keys=[self.manifest_key(key)], args=[raw], client=client) and manifest:
+            if self._delete_if_same(keys=[self.manifest_key(key)], args=[raw, MAX_MANIFEST_BYTES], client=client) \
+                    and manifest:
                 self._delete_chunks(client, key, manifest)
         except self._errors as exc:      # still a miss; the entry expires by its TTL
             log.info("state cache: could not delete damaged %s (%s)", key, exc)
