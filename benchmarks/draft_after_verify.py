@@ -32,20 +32,20 @@ def main(models: str = "models/world", reps: int = 30) -> None:
     target = TargetModel.from_pretrained(f"{models}/target")
     proposer = SparrowProposer(SparrowDraft.from_pretrained(f"{models}/draft", target), SpecConfig(window=16, anchors=32))
     sampling, rng = SamplingParams(), new_generator(0)
-    for video, pre in ladder_ends(target, 64, proposer.feature_layers):
+    for video, pre in ladder_ends(target, 64, proposer.needs.feature_layers):
         token = int(pre.logits.argmax())
-        state = proposer.begin(build_context(pre, token, 0))
+        state = proposer.begin_context(build_context(pre, token, 0))
         alone, after = [], []
-        proposal = proposer.propose(state, 4, sampling, rng)
+        proposal = proposer.propose_one(state, 4, sampling, rng)
         for _ in range(reps):                  # back to back: the draft's own working set stays warm
             t0 = time.perf_counter()
-            proposal = proposer.propose(state, 4, sampling, rng)
+            proposal = proposer.propose_one(state, 4, sampling, rng)
             alone.append(time.perf_counter() - t0)
         for _ in range(reps):                  # as in decoding: each draft step follows a verify
-            target.step(pre.state, torch.cat([torch.tensor([token]), proposal.tokens]), proposer.feature_layers)
+            target.step(pre.state, torch.cat([torch.tensor([token]), proposal.tokens]), proposer.needs.feature_layers)
             target.rollback(pre.state, 5)
             t0 = time.perf_counter()
-            proposal = proposer.propose(state, 4, sampling, rng)
+            proposal = proposer.propose_one(state, 4, sampling, rng)
             after.append(time.perf_counter() - t0)
         print(f"{video.num_visual_tokens:>6} visual tokens: propose(k=4) alone {statistics.median(alone) * 1e3:.2f} ms, "
               f"right after a verify {statistics.median(after) * 1e3:.2f} ms ({reps} reps, medians)")

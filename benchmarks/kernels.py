@@ -183,7 +183,6 @@ def draft_step_table(args, device, dtype) -> list[str]:
     the current proposer path against the static step, eager and (CUDA only) graph-replayed."""
     from sparrow import SpecConfig
     from sparrow.kernels.draft_graph import DraftDecodeStep
-    from sparrow.models.draft import DraftKV
     from sparrow.testing import tiny_draft, tiny_target
 
     target = tiny_target("qwen2_5_vl", seed=0)
@@ -192,7 +191,7 @@ def draft_step_table(args, device, dtype) -> list[str]:
     draft = tiny_draft(target, spec)
     _, _, _, _, pos, pinned = window_inputs(1, dtype, device)
     pos, pinned = pos[:-1], pinned[:-1]                               # the context before drafting
-    kv = DraftKV(pos=pos[:0], pinned=pinned[:0])                    # empty, on the device
+    kv = draft.new_kv(pos.shape[0] + DRAFT_TOKENS)                  # empty, on the device
     with torch.inference_mode():
         z = torch.randn(pos.shape[0], draft.config.hidden_size, device=device, dtype=dtype)
         hidden = draft.forward_entries(z, pos, pinned, kv, WINDOW)[-1:]                  # (1, hidden)

@@ -168,12 +168,11 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
         return Engine(target, models.draft("bench/draft-eagle"),
                       _spec(cfg, draft_context="pruned", prune_keep=0.1), prefix_cache=cache)
     if name == "specvlm":
-        from sparrow.spec.specvlm import specvlm_engine
+        from sparrow.spec.specvlm import SpecVLMProposer
 
         # No prefix cache: its small VLM re-reads the video's pixels, which a cached prefix drops.
-        engine = specvlm_engine(target, models.small_target(), keep_ratio=0.1, mass=0.5, num_draft_tokens=cfg.k)
-        engine.proposer = EndProbe(engine.proposer)
-        return engine
+        proposer = SpecVLMProposer(target, models.small_target(), keep_ratio=0.1, mass=0.5, video_cache_entries=0)
+        return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=cfg.k), proposer=EndProbe(proposer))
     if name.startswith("ablation-"):
         kind = name.removeprefix("ablation-")
         return Engine(target, models.draft(f"bench/ablation/{kind}"), _spec(cfg, draft_context=ABLATIONS[kind]),
@@ -244,8 +243,8 @@ def _signature(engine: Engine) -> tuple[tuple[int, ...], int | None, bool]:
     p = engine.proposer
     if p is None:
         return (), None, False
-    layers = tuple(p.feature_layers or ())
-    return layers, p.bridge_layer, bool(layers) and engine.spec.draft_context != "text"
+    layers = tuple(p.needs.feature_layers or ())
+    return layers, p.needs.bridge_layer, bool(layers) and engine.spec.draft_context != "text"
 
 
 def _select_features(prefix: VideoPrefix, union: tuple[int, ...], layers: tuple[int, ...], hidden: int) -> VideoPrefix:
@@ -704,11 +703,11 @@ def step_costs(device: torch.device, dtype: torch.dtype, shape: dict, context: i
                            torch.randn(96, nf, generator=gen).to(device, dtype), 64,
                            torch.zeros(0, h, device=device, dtype=dtype))
         proposer = SparrowProposer(draft, SpecConfig(num_draft_tokens=k))
-        state = proposer.begin(ctx)
+        state = proposer.begin_context(ctx)
         sampling = SamplingParams()
-        propose_ms = timed(lambda: proposer.propose(state, k, sampling, gen))
+        propose_ms = timed(lambda: proposer.propose_one(state, k, sampling, gen))
         feats = torch.randn(2, nf, generator=gen).to(device, dtype)
-        commit_ms = timed(lambda: proposer.commit(state, [1, 2], feats))
+        commit_ms = timed(lambda: proposer.commit_one(state, [1, 2], feats))
     return {"decode_ms": decode_ms, "verify_ms": verify_ms, "draft_propose_ms": propose_ms,
             "draft_step_ms": propose_ms / k, "draft_commit_ms": commit_ms, "context": context, "k": k}
 

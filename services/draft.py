@@ -26,7 +26,8 @@ import torch
 
 from sparrow.cache import StateCache
 from sparrow.config import SamplingParams, SpecConfig
-from sparrow.spec.propose import DraftContext, Proposal, SparrowProposer
+from sparrow.spec.propose import DraftContext, SparrowProposer, build_context
+from sparrow.spec.proposer import BeginInput, DraftRequest, Proposal, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +86,16 @@ class DraftWorker:
             if tensors is None:                     # evicted, expired or the cache is down
                 return DraftReply(need_context=True)
             ctx = DraftContext.from_tensors(tensors)
-            session.state, session.length = self.proposer.begin(ctx), ctx.token_ids.shape[0]
+            session.state, session.length = self.proposer.begin_context(ctx), ctx.token_ids.shape[0]
         elif session.state is None or session.length + len(call.commit_tokens) != call.length:
             return DraftReply(need_context=True)    # never seen here, or out of step
         elif call.commit_tokens:
-            self.proposer.commit(session.state, call.commit_tokens, call.commit_features)
+            self.proposer.commit([session.state], [StepResult(None, call.commit_tokens, call.commit_features)])
             session.length += len(call.commit_tokens)
         generator = torch.Generator()
         if call.rng_state is not None:
             generator.set_state(call.rng_state)
-        proposal = self.proposer.propose(session.state, call.k, call.sampling, generator)
+        proposal = self.proposer.propose([DraftRequest(session.state, call.k, call.sampling, generator)])[0]
         return DraftReply(proposal.tokens, proposal.probs, generator.get_state() if call.rng_state is not None else None)
 
 
@@ -142,14 +143,27 @@ class RemoteDraftProposer:
     def __init__(self, client, fallback: SparrowProposer, spec: SpecConfig, cache: StateCache,
                  attempts: int = 3, context_ttl_s: float = 600.0):
         self.client, self.fallback, self.spec, self.cache = client, fallback, spec, cache
-        self.feature_layers, self.bridge_layer = fallback.feature_layers, fallback.bridge_layer
+        self.needs = fallback.needs
         self.attempts, self.context_ttl_s = attempts, context_ttl_s
         self.failovers = 0        # calls that failed and were retried (all requests; for operators)
         self.fallbacks = 0        # requests that finished with the colocated draft
         self.rebuilds = 0         # calls a replica answered with need_context (new to it, or stale)
         self.sessions: set[str] = set()   # draft sessions of running requests
 
-    def begin(self, ctx: DraftContext) -> RemoteDraftState:
+    def begin(self, start: BeginInput) -> RemoteDraftState:
+        spec = self.spec
+        return self.begin_context(build_context(start.prefill, start.first_token, spec.glimpse, spec.draft_context,
+                                                spec.prune_keep))
+
+    def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        """One call per request to its draft session (sessions may live on different replicas)."""
+        return [self.propose_one(r.state, r.k, r.sampling, r.generator) for r in batch]
+
+    def commit(self, states: list[RemoteDraftState], results: list[StepResult]) -> None:
+        for state, result in zip(states, results):
+            self.commit_one(state, result)
+
+    def begin_context(self, ctx: DraftContext) -> RemoteDraftState:
         # A full-attention context ("all"/"pruned") reads every commit: keep them all.
         keep = self.spec.window if self.spec.draft_context == "text" else None
         state = RemoteDraftState(uuid.uuid4().hex, ctx, recent=deque(maxlen=keep))
@@ -157,10 +171,10 @@ class RemoteDraftProposer:
         self._publish(state)      # the replica that takes the first call rebuilds from the state cache
         return state
 
-    def propose(self, state: RemoteDraftState, k: int, sampling: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+    def propose_one(self, state: RemoteDraftState, k: int, sampling: SamplingParams,
+                    generator: torch.Generator) -> Proposal:
         if state.local is not None:
-            return self.fallback.propose(state.local, k, sampling, generator)
+            return self.fallback.propose([DraftRequest(state.local, k, sampling, generator)])[0]
         for _ in range(self.attempts):
             try:
                 reply = self.client.step(self._call(state, k, sampling, generator))
@@ -184,13 +198,14 @@ class RemoteDraftProposer:
         log.warning("no draft replica answered %d calls; drafting in this process for the rest of the request",
                     self.attempts)
         self.fallbacks += 1
-        state.local = self.fallback.begin(self._context_now(state))
-        return self.fallback.propose(state.local, k, sampling, generator)
+        state.local = self.fallback.begin_context(self._context_now(state))
+        return self.fallback.propose([DraftRequest(state.local, k, sampling, generator)])[0]
 
-    def commit(self, state: RemoteDraftState, tokens: list[int], features: torch.Tensor) -> None:
+    def commit_one(self, state: RemoteDraftState, result: StepResult) -> None:
         if state.local is not None:
-            self.fallback.commit(state.local, tokens, features)
+            self.fallback.commit([state.local], [result])
             return
+        tokens, features = result.tokens, result.features
         state.tokens.extend(tokens)
         state.recent.extend(features)
         state.pending_tokens.extend(tokens)

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from sparrow.config import SpecConfig
+from sparrow.scheduler import EngineConfig
 
 from .servicer import ServiceConfig
 from .settings import AppSettings
 
 SETTINGS_FILE_KEY = "settings_file"
-NESTED = {"spec": SpecConfig, "service": ServiceConfig}     # AppSettings fields that are dataclasses
+NESTED = {"spec": SpecConfig, "service": ServiceConfig, "engine": EngineConfig}     # AppSettings fields that are dataclasses
 
 
 def app_builder(args: dict):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from sparrow.cache import StateCache, open_cache
 from sparrow.config import SpecConfig
+from sparrow.scheduler import EngineConfig
 from sparrow.engine import Engine
 from sparrow.models.placement import check_placement
 from sparrow.prefix_cache import PrefixCache
@@ -28,6 +29,7 @@ class AppSettings:
     draft: str | None = None
     draft_placement: str = "colocated"
     spec: SpecConfig = SpecConfig()
+    engine: EngineConfig = EngineConfig()
     cache: str = "memory"
     service: ServiceConfig = ServiceConfig()
     prefix_cache_bytes: int = 8 << 30
@@ -62,7 +64,7 @@ def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, Stat
     cache = open_cache(settings.cache)
     prefix = PrefixCache(settings.prefix_cache_bytes, settings.prefix_cache_entries)
     if settings.draft is None:
-        return Engine(target, spec=SpecConfig(method="none"), prefix_cache=prefix), cache
+        return Engine(target, spec=SpecConfig(method="none"), prefix_cache=prefix, config=settings.engine), cache
     local = SparrowProposer(load_draft(settings.draft, target, settings.spec), settings.spec)
     proposer = local if draft_client is None else RemoteDraftProposer(draft_client, local, settings.spec, cache)
-    return Engine(target, spec=settings.spec, proposer=proposer, prefix_cache=prefix), cache
+    return Engine(target, spec=settings.spec, proposer=proposer, prefix_cache=prefix, config=settings.engine), cache

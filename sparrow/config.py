@@ -53,7 +53,8 @@ class SpecConfig:
     draft_context "all" unless "pruned" is asked for), "specvlm" (a small VLM on a pruned
     video), or "none" (plain autoregressive decoding through the same prefill and KV path:
     the baseline every benchmark compares against).
-    num_draft_tokens: the most draft tokens per step (k). adaptive_k: the engine chooses each
+    num_draft_tokens: the most draft tokens per step (k). adaptive_k (off by default: see
+    BENCHMARKS.md for where it pays on which machine): the engine chooses each
     step's k in [0, num_draft_tokens] from the batch size and measured acceptance and costs
     (scheduler.DraftPolicy); seeded sampling and a request's explicit k keep k fixed.
     window/anchors/glimpse: the draft's text-anchored window attention sees at most
@@ -70,7 +71,7 @@ class SpecConfig:
 
     method: str = "sparrow"
     num_draft_tokens: int = 4
-    adaptive_k: bool = True
+    adaptive_k: bool = False
     window: int = 32
     anchors: int = 64
     glimpse: int = 0

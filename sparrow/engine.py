@@ -79,8 +79,16 @@ class Generation:
             self.request.abort()
 
     def close(self) -> None:
-        if not self._ended:
-            self.abort()
+        """Abort and wait until the engine has let the request go (its KV slot and draft
+        state are freed when this returns)."""
+        if self._ended or self.request is None:
+            return
+        self.abort()
+        while not self._ended:
+            item = self._events.get()
+            if not isinstance(item, TokenDelta):
+                self._ended = True
+                self.output = item if isinstance(item, GenerationOutput) else None
 
 
 class Engine:

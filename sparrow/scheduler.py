@@ -109,6 +109,7 @@ class Request:
     output: OutputProcessor | None = None
     acceptance: float = 0.7                 # running estimate of its per-token acceptance
     decode_start: float = 0.0
+    waited: bool = False                    # counted once in the scheduler's waited_for_memory
     done: bool = False
 
     def abort(self) -> None:
@@ -204,6 +205,9 @@ class Scheduler:
         self._preparing = threading.BoundedSemaphore(config.prepare_threads)
         self._thread: threading.Thread | None = None
         self._closed = False
+        # Counters for operators and tests: decode steps, the largest batch, requests that had
+        # to wait for KV memory, prefill slices run.
+        self.stats = {"steps": 0, "max_batch": 0, "waited_for_memory": 0, "prefill_slices": 0}
 
     # ----- submission (any thread) ---------------------------------------------------------------
     def submit(self, video, prompt: str, sampling: SamplingParams, options, video_key: str | None,
@@ -285,6 +289,9 @@ class Scheduler:
                 return
             slot = self._arena().allocate(request.capacity)
             if slot is None:
+                if not request.waited:
+                    request.waited = True
+                    self.stats["waited_for_memory"] += 1
                 waited = time.monotonic() - request.submitted
                 if waited > cfg.queue_timeout_s:
                     self._waiting.popleft()
@@ -319,6 +326,7 @@ class Scheduler:
             self._finish(request, error=exc)
             return
         request.metrics.prefill_seconds += time.perf_counter() - t0
+        self.stats["prefill_slices"] += 1
         if done:
             self._prefilling.popleft()
             try:
@@ -336,6 +344,8 @@ class Scheduler:
         if not batch:
             return
         ks = self.policy.choose(batch)
+        self.stats["steps"] += 1
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
         t0 = time.perf_counter()
         proposals = self._propose(batch, ks)
         t1 = time.perf_counter()

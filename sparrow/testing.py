@@ -165,9 +165,9 @@ def check_unroll_equals_proposer(draft: SparrowDraft, spec: SpecConfig, sig, sta
     proposer = SparrowProposer(draft, spec)
     draft_module.window_mask = recording
     try:
-        state = proposer.begin(DraftContext(sig.token_ids[: s + 1], sig.features[: s + 1], sig.num_prompt,
+        state = proposer.begin_context(DraftContext(sig.token_ids[: s + 1], sig.features[: s + 1], sig.num_prompt,
                                             sig.prefix(glimpse), sig.num_visual))
-        proposal = proposer.propose(state, k, SamplingParams(temperature=1.0), new_generator(0))
+        proposal = proposer.propose_one(state, k, SamplingParams(temperature=1.0), new_generator(0))
     finally:
         draft_module.window_mask = real
     ids = sig.token_ids.clone()

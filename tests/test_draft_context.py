@@ -120,20 +120,20 @@ def test_all_context_keeps_every_entry_and_round_trips(qwen_target, small_video)
     proposer = SparrowProposer(draft, s)
     engine = Engine(qwen_target, draft, s)
     inputs = engine.prepare(small_video, PROMPT)
-    pre = qwen_target.prefill(inputs, 512, proposer.feature_layers, proposer.bridge_layer, visual_features=True)
+    pre = qwen_target.prefill(inputs, 512, proposer.needs.feature_layers, proposer.needs.bridge_layer, visual_features=True)
     ctx = build_context(pre, 7, s.glimpse, "all")
     ids = inputs["input_ids"][0]
     assert torch.equal(ctx.token_ids, torch.cat([ids[1:], torch.tensor([7])]))       # every t >= 1, in order
     assert ctx.num_prompt == ids.shape[0] - 1 and ctx.num_visual == int((ids == qwen_target.video_token_id).sum())
     again = DraftContext.from_tensors(ctx.to_tensors())
     assert (again.num_prompt, again.num_visual) == (ctx.num_prompt, ctx.num_visual)
-    state = proposer.begin(again)
+    state = proposer.begin_context(again)
     assert len(state.kv) == s.glimpse + ctx.token_ids.shape[0]                      # nothing skipped
-    proposer.propose(state, 3, SamplingParams(), new_generator(0))
-    proposer.commit(state, [5, 6], torch.zeros(2, ctx.features.shape[1]))
+    proposer.propose_one(state, 3, SamplingParams(), new_generator(0))
+    proposer.commit_one(state, [5, 6], torch.zeros(2, ctx.features.shape[1]))
     assert len(state.kv) == s.glimpse + ctx.token_ids.shape[0] + 2                  # nothing evicted
     assert state.kv.max_visible == len(state.kv) and proposer.window == FULL_WINDOW
-    text = build_context(qwen_target.prefill(inputs, 512, proposer.feature_layers, proposer.bridge_layer),
+    text = build_context(qwen_target.prefill(inputs, 512, proposer.needs.feature_layers, proposer.needs.bridge_layer),
                          7, s.glimpse)                                             # "text" is untouched
     assert text.num_visual == 0 and text.token_ids.shape[0] == ctx.token_ids.shape[0] - ctx.num_visual
 
@@ -151,7 +151,7 @@ def test_cached_video_prefix_serves_the_pruned_context(qwen_target, small_video)
     a = Engine(qwen_target, draft, s).generate(small_video, prompt, sampling).metrics
     assert (a.accepted_tokens, a.draft_max_keys) == (out.metrics.accepted_tokens, out.metrics.draft_max_keys)
     # the split prefill hands the draft the same visual entries as the full one
-    layers, bridge = cached.proposer.feature_layers, cached.proposer.bridge_layer
+    layers, bridge = cached.proposer.needs.feature_layers, cached.proposer.needs.bridge_layer
     inputs = cached.prepare(small_video, prompt)
     full = qwen_target.prefill(inputs, 512, layers, bridge, visual_features=True)
     split = qwen_target.prefill(inputs, 512, layers, bridge, visual_features=True,

@@ -23,7 +23,6 @@ from sparrow.kernels.reference import (PAD_POS, attend, chain_tree, verify_atten
 from sparrow.kernels.split_kv import (combine_splits, split_partials, split_size,
                                       verify_attention_split)
 from sparrow.models.attention import available_backends, get_backend, window_mask
-from sparrow.models.draft import DraftKV
 from sparrow.testing import tiny_draft
 
 
@@ -267,7 +266,7 @@ def test_draft_hidden_states_match_sdpa_with_every_backend(qwen_target):
     pos, pinned = window_keys(2, 5, (20, 25))                     # 12 context entries
     outs = {}
     for name in ["sdpa"] + _backends():
-        draft.attention_backend, kv = name, DraftKV()
+        draft.attention_backend, kv = name, draft.new_kv(16)
         with torch.inference_mode():
             first = draft.forward_entries(z, pos, pinned, kv, spec.window)
             steps = [draft.forward_entries(z[i:i + 1], torch.tensor([25 + i]), torch.zeros(1, dtype=torch.bool),
@@ -306,7 +305,7 @@ def test_static_decode_step_matches_forward_entries(qwen_target, backend):
     assert step.graph is None                                     # no CUDA here: eager fallback
     pos, pinned = window_keys(2, 5, (20, 25))
     z = torch.randn(12, draft.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    kv = DraftKV()
+    kv = draft.new_kv(16)
     with torch.inference_mode():
         hidden = draft.forward_entries(z, pos, pinned, kv, spec.window)[-1:]             # (1, H)
         step.load(kv)

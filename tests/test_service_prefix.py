@@ -14,7 +14,7 @@ PROMPTS = ["What happens in the video?", "Which shape moves first, and where doe
 
 def test_split_prefill_equals_full_prefill(any_target, large_video):
     engine = Engine(any_target, tiny_draft(any_target, SPEC), SPEC)
-    layers, bridge = engine.proposer.feature_layers, engine.proposer.bridge_layer
+    layers, bridge = engine.proposer.needs.feature_layers, engine.proposer.needs.bridge_layer
     inputs = engine.prepare(large_video, PROMPTS[1])
     full = any_target.prefill(inputs, 1000, layers, bridge)
     prefix = any_target.prefill_prefix(inputs, layers, bridge)

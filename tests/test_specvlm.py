@@ -12,7 +12,7 @@ from sparrow.models import TargetModel
 from sparrow.prefix_cache import PrefixCache
 from sparrow.spec.glimpse import text_to_visual_attention
 from sparrow.spec.prune import prune_visual
-from sparrow.spec.specvlm import SpecVLMProposer, draft_memory_bytes, specvlm_engine
+from sparrow.spec.specvlm import SpecVLMProposer, draft_memory_bytes
 from sparrow.testing import tiny_target
 from sparrow.tokenizer import llava_ov_tokenizer
 from sparrow.video import processor_for
@@ -29,6 +29,15 @@ def small_vlms(tmp_path_factory):
     return [TargetModel.from_pretrained(path), tiny_target("qwen2_5_vl", seed=6, **SMALL)]
 
 
+def specvlm_engine(target, small, keep_ratio=0.1, num_draft_tokens=4, prefix_cache=None) -> Engine:
+    """An engine drafting with SpecVLM; the proposer keeps as many videos' visual tokens as
+    the prefix cache keeps prefills."""
+    proposer = SpecVLMProposer(target, small, keep_ratio=keep_ratio,
+                               video_cache_entries=prefix_cache.max_entries if prefix_cache is not None else 0)
+    return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=num_draft_tokens), proposer=proposer,
+                  prefix_cache=prefix_cache)
+
+
 class Recording(SpecVLMProposer):
     """Keeps every request's state and checks the cache invariant after each commit."""
 
@@ -43,8 +52,8 @@ class Recording(SpecVLMProposer):
         self.committed = 1                                   # the first token, from prefill
         return state
 
-    def commit(self, state, tokens, features=None):
-        super().commit(state, tokens, features)
+    def commit_one(self, state, tokens, features=None):
+        super().commit_one(state, tokens)
         self.committed += len(tokens)
         # The cache holds kept prompt + every emitted token except the pending ones: nothing
         # rejected is left behind, nothing accepted is fed twice.
@@ -76,11 +85,10 @@ def test_greedy_equals_plain_decoding(qwen_target, small_vlms, video_name, small
     assert proposer.states[-1].cache is None                 # released at the end of the request
 
 
-@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
-def test_llava_onevision_greedy_equals_plain_decoding(llava_target, large_video, kv_cache):
+def test_llava_onevision_greedy_equals_plain_decoding(llava_target, large_video):
     small = tiny_target("llava_onevision", seed=5, **SMALL)
     sampling = SamplingParams(max_new_tokens=24)
-    engine = specvlm_engine(llava_target, small, keep_ratio=0.1, kv_cache=kv_cache)
+    engine = specvlm_engine(llava_target, small, keep_ratio=0.1)
     out = engine.generate(large_video, PROMPT, sampling)
     assert out.token_ids == plain_tokens(llava_target, large_video, sampling) and out.metrics.draft_tokens > 0
 
@@ -90,7 +98,7 @@ def test_target_as_draft_accepts_every_token(any_target, large_video):
     one is accepted; any slip in the rollback/commit bookkeeping would show as a rejection."""
     k, sampling = 4, SamplingParams(max_new_tokens=31, ignore_eos=True)
     proposer = Recording(any_target, any_target, keep_ratio=1.0)
-    assert proposer.bridge_layer is None                     # no pruning: no hidden states asked for
+    assert proposer.needs.bridge_layer is None                     # no pruning: no hidden states asked for
     out = Engine(any_target, spec=SpecConfig(num_draft_tokens=k), proposer=proposer).generate(
         large_video, PROMPT, sampling)
     m = out.metrics
@@ -137,7 +145,7 @@ def test_keep_ratio_cuts_visual_tokens_by_90_percent(qwen_target, small_vlms, la
     assert state.prompt_entries == out.metrics.prompt_tokens - nv + state.num_kept
     # The kept tokens are the two-stage selection under the target's bridge-layer attention.
     inputs = engine.prepare(large_video, PROMPT)
-    pre = qwen_target.prefill(inputs, capacity=inputs["input_ids"].shape[1] + 1, bridge_layer=proposer.bridge_layer)
+    pre = qwen_target.prefill(inputs, capacity=inputs["input_ids"].shape[1] + 1, bridge_layer=proposer.needs.bridge_layer)
     attention = text_to_visual_attention(pre.bridge_text, pre.bridge_visual)
     t, h, w = inputs["video_grid_thw"][0].tolist()
     expected = prune_visual(attention, (t, h // 2, w // 2), state.num_kept, 0.5)
@@ -191,7 +199,9 @@ def test_bad_config_raises(qwen_target, llava_target, small_vlms):
         SpecVLMProposer(qwen_target, TargetModel(small.hf, small.tokenizer, processor_for(small.hf.config,
                                                                                           merge_size=1)))
     with pytest.raises(InvalidRequest):
-        specvlm_engine(qwen_target, small, num_draft_tokens=0)
+        SpecConfig(method="specvlm", num_draft_tokens=0)
+    with pytest.raises(InvalidRequest, match="needs a draft"):
+        Engine(qwen_target, spec=SpecConfig(method="specvlm"))
 
 
 def test_prefix_cache_hits_reuse_the_small_vlms_visual_tokens(qwen_target, small_vlms, small_video):

@@ -226,6 +226,14 @@ class SparrowProposer:
     def end(self, state: SparrowState) -> None:
         """Nothing to release beyond the state itself (its buffers go with it)."""
 
+    # One request at a time (benchmarks, tests, a draft replica's single session).
+    def propose_one(self, state: SparrowState, k: int, sampling: SamplingParams,
+                    generator: torch.Generator) -> Proposal:
+        return self.propose([DraftRequest(state, k, sampling, generator)])[0]
+
+    def commit_one(self, state: SparrowState, tokens: list[int], features: torch.Tensor) -> None:
+        self.commit([state], [StepResult(None, list(tokens), features)])
+
 
 def _sparrow(target, draft, spec: SpecConfig) -> SparrowProposer:
     if not isinstance(draft, SparrowDraft):

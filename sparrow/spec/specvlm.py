@@ -246,7 +246,7 @@ class SpecVLMProposer:
         return Proposal(torch.tensor(tokens, dtype=torch.long), out_probs)
 
     @torch.inference_mode()
-    def commit_one(self, state: SpecVLMState, tokens: list[int]) -> None:
+    def commit_one(self, state: SpecVLMState, tokens: list[int], features=None) -> None:
         """tokens: what the step emitted (accepted drafts + the correction/bonus token)."""
         tokens = [int(t) for t in tokens]
         accepted = 0           # fed drafts the target agreed with: they stay in the cache

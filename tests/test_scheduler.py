@@ -1,0 +1,177 @@
+"""The batched engine: many requests in one scheduler, each one's output independent of its
+neighbours; admission by KV memory; every registered method lossless through the scheduler."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.errors import InvalidRequest, ResourceExhausted, VideoError
+from sparrow.scheduler import EngineConfig
+from sparrow.spec.proposer import PROPOSERS, Proposer, build_proposer
+from sparrow.testing import synthetic_frames, tiny_draft, tiny_target
+
+SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)
+PROMPTS = ["What happens in the video?", "Which shape moves first, and where does it go?"]
+
+
+def hf_greedy(target, engine, video, prompt, n):
+    inputs = engine.prepare(video, prompt)
+    out = target.hf.generate(**inputs, do_sample=False, max_new_tokens=n)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _jobs(videos):
+    """Mixed requests: video lengths, k (pinned 0/2/4 and the engine's), greedy and seeded
+    sampling, a stop string."""
+    return [
+        dict(video=videos[0], prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=24)),
+        dict(video=videos[1], prompt=PROMPTS[1], sampling=SamplingParams(max_new_tokens=20), k=2),
+        dict(video=videos[2], prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=16), k=0),
+        dict(video=videos[1], prompt=PROMPTS[0],
+             sampling=SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=11)),
+        dict(video=videos[2], prompt=PROMPTS[1],
+             sampling=SamplingParams(max_new_tokens=20, temperature=0.7, top_k=40, seed=5), k=3),
+        dict(video=videos[0], prompt=PROMPTS[1], sampling=SamplingParams(max_new_tokens=30, stop=("e",))),
+    ]
+
+
+def _solo(engine, job):
+    return engine.generate(job["video"], job["prompt"], job["sampling"], num_draft_tokens=job.get("k"))
+
+
+def test_concurrent_mixed_requests_equal_their_solo_runs(qwen_target):
+    videos = [synthetic_frames(4, 56, 56, seed=1), synthetic_frames(8, 84, 112, seed=2),
+              synthetic_frames(16, 56, 84, seed=3)]
+    arena_bytes = 3 * 1024 * 1024        # room for a few requests at once: the aborted slot must be reused
+    engine = Engine(qwen_target, tiny_draft(qwen_target, SPEC, seed=1), SPEC,
+                    config=EngineConfig(kv_cache_bytes=arena_bytes, prefill_chunk_tokens=64))
+    jobs = _jobs(videos)
+    solo = [_solo(engine, job) for job in jobs]
+    for job, out in zip(jobs, solo):
+        if job["sampling"].greedy and not job["sampling"].stop:
+            assert out.token_ids == hf_greedy(qwen_target, engine, job["video"], job["prompt"],
+                                              job["sampling"].max_new_tokens)
+
+    results, errors = {}, {}
+
+    def run(name, job):
+        gen = engine.stream(job["video"], job["prompt"], job["sampling"], num_draft_tokens=job.get("k"))
+        try:
+            tokens = []
+            for delta in gen:
+                tokens.extend(delta.token_ids)
+                if name == "aborted" and len(tokens) >= 3:
+                    gen.abort()
+            results[name] = (tokens, gen.output)
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = exc
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    threads.append(threading.Thread(target=run, args=("aborted", dict(
+        video=videos[1], prompt=PROMPTS[0], sampling=SamplingParams(max_new_tokens=200, ignore_eos=True)))))
+    threads.append(threading.Thread(target=run, args=("bad", dict(
+        video=b"this is not a video container", prompt=PROMPTS[0], sampling=SamplingParams()))))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+
+    assert set(errors) == {"bad"} and isinstance(errors["bad"], VideoError)
+    for i, out in enumerate(solo):
+        tokens, output = results[i]
+        assert tokens == out.token_ids == output.token_ids, f"request {i} differs from its solo run"
+        assert output.text == out.text and output.finish_reason == out.finish_reason
+    assert results[5][1].finish_reason == "stop" and "e" not in results[5][1].text
+    aborted_tokens, aborted = results["aborted"]
+    assert aborted.finish_reason == "abort" and 3 <= len(aborted_tokens) < 200
+    assert engine.scheduler.stats["max_batch"] > 1                      # they really ran together
+    arena = engine.scheduler.arena
+    assert arena.free_tokens == arena.tokens                           # every slot came back
+    # The arena holds only a few requests: the ones that waited got the aborted and finished slots.
+    assert engine.scheduler.stats["waited_for_memory"] > 0
+
+
+def test_requests_wait_for_memory_and_are_refused_past_the_arena_or_the_timeout(qwen_target, small_video):
+    draft = tiny_draft(qwen_target, SPEC, seed=1)
+    per_token = 2 * 4 * 2 * 16 * 4                                     # layers x kv heads x head dim x fp32, K and V
+    tight = EngineConfig(kv_cache_bytes=1000 * per_token, queue_timeout_s=0.5)   # prompt is ~330 tokens
+    engine = Engine(qwen_target, draft, SPEC, config=tight)
+    with pytest.raises(ResourceExhausted, match="KV memory"):
+        engine.generate(small_video, PROMPTS[0], SamplingParams(max_new_tokens=2000))
+    # One request fills most of the arena; a second one waits, then is refused after the timeout.
+    long = engine.stream(small_video, PROMPTS[0], SamplingParams(max_new_tokens=300, ignore_eos=True))
+    next(long)
+    with pytest.raises(ResourceExhausted, match="waited"):
+        engine.generate(small_video, PROMPTS[1], SamplingParams(max_new_tokens=200))
+    long.close()
+    # Memory is back: the same request now runs.
+    assert len(engine.generate(small_video, PROMPTS[1], SamplingParams(max_new_tokens=8)).token_ids) >= 1
+
+
+def test_a_long_prefill_is_sliced_between_running_streams_steps(qwen_target):
+    """While a long video prefills in slices, a running stream keeps getting tokens."""
+    engine = Engine(qwen_target, spec=SpecConfig(method="none"), config=EngineConfig(prefill_chunk_tokens=32))
+    short_times = []
+    short = engine.submit(synthetic_frames(4, 56, 56, seed=1), PROMPTS[0],
+                          SamplingParams(max_new_tokens=2000, ignore_eos=True),
+                          sink=lambda item: short_times.append(time.monotonic()))
+    while len(short_times) < 3:
+        time.sleep(0.01)
+    long_video = synthetic_frames(64, 112, 112, seed=4)                 # 512 visual tokens: 17+ slices
+    submitted = time.monotonic()
+    long = engine.stream(long_video, PROMPTS[0], SamplingParams(max_new_tokens=4))
+    first = next(long)
+    first_at = time.monotonic()
+    rest = [t for d in long for t in d.token_ids]
+    short.abort()
+    assert engine.scheduler.stats["prefill_slices"] >= 17
+    during = [t for t in short_times if submitted < t < first_at]
+    assert len(during) >= 10                                            # the stream did not freeze
+    assert list(first.token_ids) + rest == hf_greedy(qwen_target, engine, long_video, PROMPTS[0], 4)
+
+
+@pytest.mark.parametrize("method", ["sparrow", "eagle-style", "specvlm", "none"])
+def test_every_registered_method_is_a_proposer_and_lossless_through_the_scheduler(qwen_target, large_video, method):
+    assert method in PROPOSERS
+    spec = SpecConfig(method=method, num_draft_tokens=3, window=8, anchors=16, prune_keep=0.5)
+    draft = (tiny_target("qwen2_5_vl", seed=6, hidden=32, layers=2, heads=2) if method == "specvlm"
+             else tiny_draft(qwen_target, spec, seed=2) if method != "none" else None)
+    proposer = build_proposer(spec, qwen_target, draft)
+    assert (proposer is None) == (method == "none")
+    if proposer is not None:
+        assert isinstance(proposer, Proposer)
+    engine = Engine(qwen_target, draft, spec)
+    expected = hf_greedy(qwen_target, engine, large_video, PROMPTS[1], 20)
+    # Two at once through the scheduler, and each as the target's own greedy output.
+    gens = [engine.stream(large_video, PROMPTS[1], SamplingParams(max_new_tokens=20)) for _ in range(2)]
+    outs = [[t for d in g for t in d.token_ids] for g in gens]
+    assert outs == [expected, expected]
+    if method != "none":
+        assert gens[0].output.metrics.draft_tokens > 0
+
+
+def test_unknown_method_and_missing_draft_are_clear_errors(qwen_target):
+    with pytest.raises(InvalidRequest, match="method"):
+        SpecConfig(method="medusa")
+    with pytest.raises(InvalidRequest, match="needs a draft"):
+        Engine(qwen_target, spec=SpecConfig(method="sparrow"))
+    with pytest.raises(InvalidRequest, match="Sparrow draft"):
+        Engine(qwen_target, tiny_target("qwen2_5_vl", seed=6, hidden=32, layers=2, heads=2), SpecConfig())
+
+
+def test_adaptive_k_stays_lossless_and_drops_to_plain_decoding_for_a_useless_draft(qwen_target, small_video):
+    """A random draft is almost never accepted: the policy learns that and stops drafting,
+    while greedy output stays the target's."""
+    spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, adaptive_k=True)
+    engine = Engine(qwen_target, tiny_draft(qwen_target, spec, seed=3), spec)
+    expected = hf_greedy(qwen_target, engine, small_video, PROMPTS[0], 60)
+    sampling = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    outs = [engine.generate(small_video, PROMPTS[0], sampling) for _ in range(3)]
+    assert all(o.token_ids[: len(expected)] == expected for o in outs)
+    late = outs[-1].metrics
+    assert late.draft_tokens < late.steps * 4 / 2       # far fewer drafts than a fixed k = 4 would make
+    assert engine.scheduler.policy.samples                # it measured the verify costs it chose from
