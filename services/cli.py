@@ -142,13 +142,14 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
     import ray
     from ray import serve
 
-    from sparrow.services import ray_app
+    from sparrow.services import ray_app, ray_bind
 
-    # Serve's gRPC proxy reads its message limit from the environment of its process.
+    # Serve's gRPC proxy reads its message limit from the environment of its process, and
+    # binds --host through the job's setup hook (services.ray_bind).
     env = {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(settings.service.max_message_bytes)}
-    ray.init(address=args.ray_address, runtime_env={"env_vars": env})
+    ray.init(address=args.ray_address, runtime_env=ray_bind.runtime_env(args.host, env))
     ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=args.http_port)
-    print(f"sparrow: serving sparrow.v1.Sparrow on port {args.port} (Ray Serve gRPC proxy, all interfaces); "
+    print(f"sparrow: serving sparrow.v1.Sparrow on {args.host}:{args.port} (Ray Serve gRPC proxy); "
           f"draft {settings.placement}; Ctrl-C stops", flush=True)
     try:
         while True:
@@ -163,7 +164,8 @@ def _add_serve(sub) -> None:
 
     p = sub.add_parser("serve", help="serve sparrow.v1 over gRPC (embedded, or --ray)")
     p.add_argument("--ray", action="store_true", help="run as a Ray Serve application")
-    p.add_argument("--host", default="127.0.0.1", help="embedded: bind address; --ray: HTTP proxy address")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (--ray: of Serve's gRPC and HTTP proxies; an existing "
+                                                              "cluster's proxies keep theirs)")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--target", default="tiny:qwen2_5_vl", help="model directory, or tiny:<arch>[:seed]")
     p.add_argument("--draft", help="Sparrow draft directory, tiny[:seed], or none (default: tiny for a tiny target)")

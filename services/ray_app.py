@@ -192,7 +192,8 @@ def build_app(settings: AppSettings):
 def start(settings: AppSettings, *, grpc_port: int, http_host: str = "127.0.0.1", http_port: int = 8000,
           name: str = APP_NAME):
     """Start Serve's proxies and deploy the app on the connected Ray cluster; returns the
-    ingress handle. (Serve's gRPC proxy listens on all interfaces; HTTP on http_host.)"""
+    ingress handle. HTTP listens on http_host; Serve's gRPC proxy on all interfaces, unless the job's
+    runtime_env is ray_bind.runtime_env(host) (as `sparrow serve --ray` makes it)."""
     serve.start(grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS),
                 http_options=HTTPOptions(host=http_host, port=http_port))
     return serve.run(build_app(settings), name=name, route_prefix=f"/{name}")
