@@ -94,10 +94,10 @@ def test_bf16_speculative_sampling_follows_the_target(qwen_target, tmp_path, sma
     first = max(set(firsts), key=firsts.count)
     inputs = engine.prepare(video, PROMPTS[0])
     ids = torch.cat([inputs["input_ids"], torch.tensor([[first]], device=target.device)], dim=1)
+    text_type = torch.zeros(1, 1, dtype=torch.int32, device=target.device)         # the appended token is text
     with torch.no_grad():
         logits = target.hf(**{**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids),
-                              "mm_token_type_ids": torch.cat([inputs["mm_token_type_ids"],
-                                                              torch.zeros(1, 1, dtype=torch.int32, device=target.device)], 1)}).logits
+                              "mm_token_type_ids": torch.cat([inputs["mm_token_type_ids"], text_type], 1)}).logits
     p = logits_to_probs(logits[0, -1], 1.0, top_k=2)
     support = set(torch.nonzero(p).view(-1).tolist())
     after = [s for f, s in zip(firsts, seconds) if f == first]

@@ -30,8 +30,10 @@ def write_eagle3(path, target, seed=0, own_embed=False, draft_vocab=None, drop=(
     t = {"fc.weight": rnd(h, 3 * h), "norm.weight": 1 + rnd(h), "lm_head.weight": rnd(vd, h),
          "midlayer.input_layernorm.weight": 1 + rnd(h), "midlayer.hidden_norm.weight": 1 + rnd(h),
          "midlayer.post_attention_layernorm.weight": 1 + rnd(h),
-         "midlayer.self_attn.q_proj.weight": rnd(heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": rnd(kv_heads * d, 2 * h),
-         "midlayer.self_attn.v_proj.weight": rnd(kv_heads * d, 2 * h), "midlayer.self_attn.o_proj.weight": rnd(h, heads * d),
+         "midlayer.self_attn.q_proj.weight": rnd(heads * d, 2 * h),
+         "midlayer.self_attn.k_proj.weight": rnd(kv_heads * d, 2 * h),
+         "midlayer.self_attn.v_proj.weight": rnd(kv_heads * d, 2 * h),
+         "midlayer.self_attn.o_proj.weight": rnd(h, heads * d),
          "midlayer.mlp.gate_proj.weight": rnd(2 * h, h), "midlayer.mlp.up_proj.weight": rnd(2 * h, h),
          "midlayer.mlp.down_proj.weight": rnd(h, 2 * h),
          "d2t": keep - torch.arange(vd), "t2d": torch.zeros(v, dtype=torch.bool).index_fill_(0, keep, True)}
@@ -95,7 +97,7 @@ def test_eagle3_is_lossless_and_drafts_from_its_vocabulary(tmp_path, any_target,
     assert out.metrics.draft_tokens > 0
     drafted = []
     real = proposer.propose
-    proposer.propose = lambda *a: drafted.append(real(*a)) or drafted[-1]
+    proposer.propose = lambda batch: drafted.extend(out := real(batch)) or out
     sampled = engine.generate(small_video, PROMPT, SamplingParams(max_new_tokens=12, temperature=1.0, seed=5))
     again = engine.generate(small_video, PROMPT, SamplingParams(max_new_tokens=12, temperature=1.0, seed=5))
     assert sampled.token_ids == again.token_ids
@@ -116,7 +118,8 @@ def test_pass_through_draft_proposes_the_last_emitted_token(tmp_path, qwen_targe
     h, v = qwen_target.hidden_size, qwen_target.vocab_size
     fc = torch.zeros(h, 3 * h)
     fc[:, 2 * h:] = torch.eye(h)                                 # the third feature layer only
-    tensors.update({k: torch.zeros_like(t) for k, t in tensors.items() if k.endswith(("o_proj.weight", "down_proj.weight"))})
+    outputs = ("o_proj.weight", "down_proj.weight")               # attention and MLP add nothing: a pass-through
+    tensors.update({k: torch.zeros_like(t) for k, t in tensors.items() if k.endswith(outputs)})
     tensors.update({"fc.weight": fc, "norm.weight": torch.ones(h),
                     "lm_head.weight": qwen_target.lm_head().weight.detach().flip(0).clone(),
                     "d2t": v - 1 - 2 * torch.arange(v)})        # draft id d is target id v - 1 - d
@@ -127,8 +130,17 @@ def test_pass_through_draft_proposes_the_last_emitted_token(tmp_path, qwen_targe
     proposer = Eagle3Proposer(Eagle3Draft.from_pretrained(tmp_path, qwen_target))
     firsts, commits = [], []
     propose, commit = proposer.propose, proposer.commit
-    proposer.propose = lambda *a: (firsts.append(int((r := propose(*a)).tokens[0])), r)[1]
-    proposer.commit = lambda state, tokens, feats: (commits.append(list(tokens)), commit(state, tokens, feats))[1]
+
+    def recording_propose(batch):
+        out = propose(batch)
+        firsts.extend(int(p.tokens[0]) for p in out)
+        return out
+
+    def recording_commit(states, results):
+        commits.extend(list(r.tokens) for r in results)
+        commit(states, results)
+
+    proposer.propose, proposer.commit = recording_propose, recording_commit
     engine = Engine(qwen_target, spec=SPEC, proposer=proposer)
     out = engine.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True))
     assert out.token_ids == hf_greedy(qwen_target, engine, small_video, 16)

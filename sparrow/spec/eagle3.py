@@ -25,9 +25,9 @@ The draft's distribution over the target vocabulary puts q = 0 on ids outside th
 vocabulary, so the one acceptance path (accept.py) stays exact. Positions are the entries'
 indices (1-D), whatever the target's rope: what the published drafts use for text.
 
-Proposer interface of sparrow.spec.propose: feature_layers, bridge_layer, begin(ctx),
-propose(state, k, sampling, generator) -> Proposal, commit(state, tokens, features). Use it
-with the "all" draft context (every prompt entry, visual ones included, as EAGLE-3 on a VLM).
+Eagle3Proposer follows the Proposer contract (sparrow.spec.proposer): needs, begin, batched
+propose / commit (here a loop over the batch's requests), end. Its draft context is "all" by
+default: every prompt entry, visual ones included, as EAGLE-3 runs on a VLM.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ from safetensors import safe_open
 
 from ..config import SamplingParams
 from ..errors import InvalidRequest
-from .propose import DraftContext, Proposal
+from ..models.target import FeatureNeeds
+from .propose import DraftContext, build_context
+from .proposer import BeginInput, DraftRequest, Proposal, StepResult
 from .sampling import logits_to_probs, sample
 
 WEIGHTS = "model.safetensors"
@@ -237,7 +239,7 @@ class Eagle3Draft(nn.Module):
     def empty_kv(self, device: torch.device) -> Eagle3KV:
         c, p = self.config, self.fc.weight
         shape = (1, c.num_kv_heads, 0, c.head_dim)
-        return Eagle3KV(torch.empty(shape, device=device, dtype=p.dtype), torch.empty(shape, device=device, dtype=p.dtype))
+        return Eagle3KV(*(torch.empty(shape, device=device, dtype=p.dtype) for _ in range(2)))
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -265,22 +267,41 @@ class Eagle3State:
 class Eagle3Proposer:
     """Chain drafting with an EAGLE-3 draft. Keeps no per-request state on itself."""
 
-    bridge_layer = None
-
-    def __init__(self, draft: Eagle3Draft):
+    def __init__(self, draft: Eagle3Draft, draft_context: str = "all"):
         self.draft = draft
-        self.feature_layers = draft.config.feature_layers
+        self.context = draft_context
+        self.needs = FeatureNeeds(tuple(draft.config.feature_layers), None, draft_context != "text")
         self.vocab_size = draft.config.vocab_size
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.needs.feature_layers
+
+    # ----- the Proposer contract ----------------------------------------------------------------------
+    def begin(self, start: BeginInput) -> Eagle3State:
+        return self.begin_context(build_context(start.prefill, start.first_token, 0, self.context))
+
+    def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
+        return [self.propose_one(r.state, r.k, r.sampling, r.generator) for r in batch]
+
+    def commit(self, states: list[Eagle3State], results: list[StepResult]) -> None:
+        for state, result in zip(states, results):
+            self.commit_one(state, result.tokens, result.features)
+
+    def end(self, state: Eagle3State) -> None:
+        """Nothing outside the state to free."""
+
+    # ----- one request --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def begin(self, ctx: DraftContext) -> Eagle3State:
+    def begin_context(self, ctx: DraftContext) -> Eagle3State:
         d = self.draft
         kv = d.empty_kv(ctx.features.device)
         out = d.forward_entries(ctx.token_ids.to(ctx.features.device), d.fc(ctx.features), kv)
         return Eagle3State(kv, len(kv), out[-1])
 
     @torch.inference_mode()
-    def propose(self, state: Eagle3State, k: int, sampling: SamplingParams, generator: torch.Generator) -> Proposal:
+    def propose_one(self, state: Eagle3State, k: int, sampling: SamplingParams,
+                    generator: torch.Generator) -> Proposal:
         d, out = self.draft, state.last_out
         tokens, probs = [], []
         for j in range(k):
@@ -305,7 +326,7 @@ class Eagle3Proposer:
         return sample(q, generator), q
 
     @torch.inference_mode()
-    def commit(self, state: Eagle3State, tokens: list[int], features: torch.Tensor) -> None:
+    def commit_one(self, state: Eagle3State, tokens: list[int], features: torch.Tensor) -> None:
         """tokens: (m,) emitted this step; features: (m, 3H) target features before each."""
         d = self.draft
         state.kv.truncate(state.committed)
