@@ -57,6 +57,7 @@ class Generation:
         self.request: Request | None = None
         self.output: GenerationOutput | None = None
         self._ended = False
+        self._aborted = False
 
     def __iter__(self) -> "Generation":
         return self
@@ -65,6 +66,8 @@ class Generation:
         if self._ended:
             raise StopIteration
         item = self._events.get()
+        while isinstance(item, TokenDelta) and self._aborted:     # the reader asked for no more
+            item = self._events.get()
         if isinstance(item, TokenDelta):
             return item
         self._ended = True
@@ -74,7 +77,9 @@ class Generation:
         raise item
 
     def abort(self) -> None:
-        """Stop at the next step boundary; the output's finish_reason is "abort"."""
+        """Stop at the next step boundary; the output's finish_reason is "abort". Deltas the
+        engine made before it stopped are not handed out any more."""
+        self._aborted = True
         if self.request is not None:
             self.request.abort()
 
