@@ -175,13 +175,28 @@ def test_cancel_abort_and_deadline_free_state_on_ray(app, client, clips):
     (dict(video_id="f" * 64), grpc.StatusCode.NOT_FOUND),
     (dict(max_new_tokens=10_000), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (dict(data=b"\x00" * (3 * MiB)), grpc.StatusCode.RESOURCE_EXHAUSTED),
-], ids=["prompt", "not a video", "path", "unknown id", "tokens", "bytes"])
+    (dict(path="no-such.mp4"), grpc.StatusCode.NOT_FOUND),
+    (dict(temperature=float("inf")), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(video_options=pb.VideoOptions(min_pixels=2**32 - 1)), grpc.StatusCode.INVALID_ARGUMENT),
+], ids=["prompt", "not a video", "path", "unknown id", "tokens", "bytes", "missing file", "temperature inf",
+        "min_pixels"])
 def test_bad_input_gets_its_code_through_ray(client, clips, reference_engine, kwargs, code):
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", PROMPTS[0])
     if not {"data", "path", "video_id"} & set(kwargs):
         kwargs["data"] = clips.data["b"]
     assert code_of(lambda: list(client.stream(prompt, **kwargs))) == code
+    good = client.generate(PROMPTS[0], data=clips.data["b"], max_new_tokens=8)
+    assert good.token_ids == reference(reference_engine, clips.data["b"], PROMPTS[0], max_new_tokens=8).token_ids
+
+
+def test_undecodable_request_is_invalid_argument_through_ray(client, clips, reference_engine):
+    """The same status as the embedded host (tests/test_faults.py): the proxy's deserializer
+    hands the replica an Undecodable, not an exception of its own."""
+    call = client.channel.unary_stream("/sparrow.v1.Sparrow/Generate", request_serializer=None)
+    bad = pb.GenerateRequest(prompt="abc", video=pb.VideoSource(data=clips.data["b"])).SerializeToString()
+    assert code_of(lambda: list(call(bad.replace(b"abc", b"\xff\xfe\xfd"), timeout=60))) == \
+        grpc.StatusCode.INVALID_ARGUMENT
     good = client.generate(PROMPTS[0], data=clips.data["b"], max_new_tokens=8)
     assert good.token_ids == reference(reference_engine, clips.data["b"], PROMPTS[0], max_new_tokens=8).token_ids
 
