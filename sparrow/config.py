@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .errors import InvalidRequest
 
-SPEC_METHODS = ("sparrow", "eagle-style", "specvlm", "none")
+SPEC_METHODS = ("sparrow", "eagle-style", "eagle3", "specvlm", "none")
 DRAFT_CONTEXTS = ("text", "all", "pruned")
 
 
@@ -50,8 +50,8 @@ class SpecConfig:
 
     method: the proposer, by its registered name (sparrow.spec.proposer): "sparrow" (the
     Sparrow draft), "eagle-style" (the same draft over a context with visual entries:
-    draft_context "all" unless "pruned" is asked for), "specvlm" (a small VLM on a pruned
-    video), or "none" (plain autoregressive decoding through the same prefill and KV path:
+    draft_context "all" unless "pruned" is asked for), "eagle3" (a published EAGLE-3 draft,
+    sparrow.spec.eagle3), "specvlm" (a small VLM on a pruned video), or "none" (plain autoregressive decoding through the same prefill and KV path:
     the baseline every benchmark compares against).
     num_draft_tokens: the most draft tokens per step (k). adaptive_k (off by default: see
     BENCHMARKS.md for where it pays on which machine): the engine chooses each

@@ -155,8 +155,12 @@ def test_every_registered_method_is_a_proposer_and_lossless_through_the_schedule
 
 
 def test_unknown_method_and_missing_draft_are_clear_errors(qwen_target):
+    build_proposer(SpecConfig(method="none"), qwen_target, None)          # loads the built-in methods
+    assert {"sparrow", "eagle-style", "eagle3", "specvlm", "none"} <= set(PROPOSERS)
     with pytest.raises(InvalidRequest, match="method"):
         SpecConfig(method="medusa")
+    with pytest.raises(InvalidRequest, match="Eagle3Draft"):
+        Engine(qwen_target, tiny_draft(qwen_target, SPEC), SpecConfig(method="eagle3"))
     with pytest.raises(InvalidRequest, match="needs a draft"):
         Engine(qwen_target, spec=SpecConfig(method="sparrow"))
     with pytest.raises(InvalidRequest, match="Sparrow draft"):

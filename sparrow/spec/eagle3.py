@@ -45,7 +45,7 @@ from ..config import SamplingParams
 from ..errors import InvalidRequest
 from ..models.target import FeatureNeeds
 from .propose import DraftContext, build_context
-from .proposer import BeginInput, DraftRequest, Proposal, StepResult
+from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
 from .sampling import logits_to_probs, sample
 
 WEIGHTS = "model.safetensors"
@@ -334,3 +334,16 @@ class Eagle3Proposer:
         out = d.forward_entries(ids, d.fc(features), state.kv)
         state.committed = len(state.kv)
         state.last_out = out[-1]
+
+
+def _eagle3(target, draft, spec) -> Eagle3Proposer:
+    """The registry's "eagle3": an Eagle3Draft (Eagle3Draft.from_pretrained(path, target)),
+    over the EAGLE context spec.draft_context names ("text" is EAGLE-3 without visual entries)."""
+    from ..errors import InvalidRequest
+
+    if not isinstance(draft, Eagle3Draft):
+        raise InvalidRequest(f"method 'eagle3' needs an Eagle3Draft, got {type(draft).__name__}")
+    return Eagle3Proposer(draft, spec.draft_context)
+
+
+register_proposer("eagle3", _eagle3)

@@ -104,4 +104,4 @@ register_proposer("none", lambda target, draft, spec: None)
 
 def _ensure_builtin() -> None:
     """The built-in methods register on first use (their modules import this one)."""
-    from . import propose, specvlm  # noqa: F401
+    from . import eagle3, propose, specvlm  # noqa: F401
