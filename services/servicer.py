@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from sparrow.cache import StateCache
 from sparrow.config import SamplingParams
 from sparrow.engine import Engine, GenerationOutput
-from sparrow.errors import InvalidRequest, ResourceExhausted, VideoTooLarge, VideoUnreadable
+from sparrow.errors import InvalidRequest, ResourceExhausted, VideoTooLarge
 from sparrow.metrics import SpecMetrics
 from sparrow.video import SourcePolicy, VideoOptions, prepare_video
 
