@@ -45,6 +45,7 @@ from ..config import SamplingParams
 from ..errors import InvalidRequest
 from ..models.target import FeatureNeeds
 from .propose import DraftContext, build_context
+from ..models.draft import RMSNorm, rope  # the same norm and rotary embedding as the Sparrow draft
 from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
 from .sampling import logits_to_probs, sample
 
@@ -91,26 +92,6 @@ class Eagle3Config:
             raise InvalidRequest(f"EAGLE-3 config.json lacks {e}") from e
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama rotary embedding (halves rotated) of x (1, h, n, d) at positions pos (n,)."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = pos.float()[:, None] * inv[None]                           # (n, d/2)
-    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
-    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
-
-
 class _Attention(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -135,9 +116,9 @@ class _MLP(nn.Module):
 class _MidLayer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
-        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hidden_norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = _Attention(c)
         self.mlp = _MLP(c)
 
@@ -165,7 +146,7 @@ class Eagle3Draft(nn.Module):
         c = self.config = config
         self.fc = nn.Linear(3 * c.hidden_size, c.hidden_size, bias=False)
         self.midlayer = _MidLayer(c)
-        self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
@@ -220,7 +201,7 @@ class Eagle3Draft(nn.Module):
         q = att.q_proj(x).view(1, m, c.num_heads, c.head_dim).transpose(1, 2)                       # (1, h, m, d)
         k = att.k_proj(x).view(1, m, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = att.v_proj(x).view(1, m, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
+        q, k = rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta)
         kv.keys, kv.values = torch.cat([kv.keys, k], 2), torch.cat([kv.values, v], 2)
         kv.max_visible = max(kv.max_visible, len(kv))
         # causal: query i (entry start + i) sees entries [0, start + i]
