@@ -305,10 +305,12 @@ class QwenVLVideoProcessor(VideoProcessor):
         budget = self._token_budget(options)
         min_px, max_px = self._pixel_bounds(num_frames, options)
         patches = -(-num_frames // tp)
-        smallest = self._tokens(*smart_resize(height, width, f, min_px, min_px))
+        size = smart_resize(height, width, f, min_px, max_px)
+        # smart_resize floors each side at one factor, so at extreme aspect ratios the size
+        # "at min_pixels" can hold more tokens than HF's own size: the smaller of the two counts.
+        smallest = min(self._tokens(*smart_resize(height, width, f, min_px, min_px)), self._tokens(*size))
         patches = min(patches, max(1, budget // smallest))
         share = budget // patches
-        size = smart_resize(height, width, f, min_px, max_px)
         if self._tokens(*size) > share:
             size = self._largest_size_within(height, width, min_px, share)
         kept = num_frames if patches * tp >= num_frames else patches * tp
