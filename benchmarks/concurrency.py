@@ -2,7 +2,7 @@
 after another. Issue 15's serving benchmark.
 
     python -m benchmarks.concurrency --out BENCHMARKS.md           # 0.5k and 8k videos, 1-16 streams, 5 reps
-    python -m benchmarks.concurrency --quick                       # 1-8 streams, 2 reps, 32 tokens
+    python -m benchmarks.concurrency --quick                       # 0.5k only, 1-8 streams, 2 reps, 32 tokens
     python -m benchmarks.concurrency --streams 1,8 --lengths 168x28 --paths in-process --no-prefill
     python -m benchmarks.concurrency --tiny                        # tiny random models: a smoke run
 
@@ -21,11 +21,11 @@ chunks of a stream that carry tokens; a speculative chunk holds several tokens),
 
 Protocol: every rep makes fresh world videos, one per stream (seeds from --seed, clear of
 training and of the other benchmarks); stream i asks caption prompt i mod 3 with --tokens new
-tokens (EOS ignored, so every stream does the same work) at T=0. Prefills are cached before
-anything is timed: in-process, each video's prefix is prefilled once and put in the engines'
-prefix cache (share_prefix); over gRPC, each video is uploaded and asked once for 1 token.
-A timed request that misses the cache fails the run. Methods are interleaved per rep, their
-order rotated. Every output must equal plain decoding's one-at-a-time in-process output,
+tokens (EOS ignored, so every stream does the same work) at T=0. Each method and path has its
+own engine and prefix cache (as separate deployments), and every engine caches every video's
+prefill before anything is timed, through the public API only: a 1-token request naming the
+video (in-process by a video key; over gRPC by its upload id). A timed request that misses the
+cache fails the run. Methods are interleaved per rep, their order rotated. Every output must equal plain decoding's one-at-a-time in-process output,
 token for token (lossless, and independent of its neighbours): a mismatch fails the run
 (exit status 1, nothing written).
 
@@ -33,6 +33,10 @@ Prefill scenario: --prefill-streams streams on the shortest videos decode (in-pr
 a request with an uncached --prefill-video (~25k visual tokens, decoded beforehand so only
 its prefill competes) arrives; their inter-token latency in the --before-s seconds before it
 arrives vs while it prefills (until its first token).
+
+Cost on the shared 2-core CPU (world pair, load average 3-5): --quick 80 s (half of it the two
+25k prefills); with 8k videos too (--lengths 168x28,168x448) 7.5 min. The full run is not
+measured yet: expect ~30 min, mostly 8k prefills (16 videos x 4 engines x 5 reps) and 25k ones.
 """
 
 from __future__ import annotations
@@ -548,7 +552,9 @@ def _names(text: str) -> tuple[str, ...]:
 def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
     quick, tiny = args.quick, args.tiny
     defaults = ConcurrencyConfig()
-    lengths = sb._videos(args.lengths) if args.lengths else TINY_LENGTHS[:1] if tiny else defaults.lengths
+    # quick: the 0.5k videos only; at 8k each video's prefill (one per engine: 4) costs seconds
+    lengths = sb._videos(args.lengths) if args.lengths else TINY_LENGTHS[:1] if tiny else \
+        defaults.lengths[:1] if quick else defaults.lengths
     prefill = None if args.no_prefill else (
         sb._videos(args.prefill_video)[0] if args.prefill_video else (112, 16) if tiny else defaults.prefill_video)
     reps = args.reps or (1 if tiny else 2 if quick else defaults.reps)
@@ -566,7 +572,7 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="models", help="DIR with world/{target,draft}")
-    ap.add_argument("--quick", action="store_true", help="1-8 streams, 2 reps, 32 tokens, 1 prefill rep")
+    ap.add_argument("--quick", action="store_true", help="0.5k videos, 1-8 streams, 2 reps, 32 tokens, 1 prefill rep")
     ap.add_argument("--tiny", action="store_true", help="tiny random models in a temp dir, tiny videos (a smoke run)")
     ap.add_argument("--streams", help="comma list of concurrent stream counts (default 1,2,4,8,16)")
     ap.add_argument("--lengths", help="comma list of SIDExFRAMES world videos (default 168x28,168x448: 0.5k, 8k)")
