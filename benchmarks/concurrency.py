@@ -118,6 +118,8 @@ class ConcurrencyConfig:
 # ----- one request, as its client sees it ------------------------------------------------------------
 @dataclass(slots=True)
 class Trace:
+    """One request as its client saw it: when it started, each chunk of tokens and when it came."""
+
     start: float
     times: list[float]               # arrival of each chunk that carries tokens (perf_counter)
     chunks: list[list[int]]
@@ -215,7 +217,8 @@ def one_at_a_time_tok_s(traces: list[Trace]) -> float:
 # ----- models, videos, prefills --------------------------------------------------------------------------
 @dataclass(slots=True)
 class Video:
-    processed: ProcessedVideo
+    processed: ProcessedVideo | None                      # dropped once every engine cached its prefill
+    visual_tokens: int
     data: bytes
     fps: float                                            # sent over gRPC: sampled as in-process
     prompt: str
@@ -227,7 +230,8 @@ def make_videos(target, side: int, frames: int, count: int, seed: int) -> list[V
     videos = []
     for i in range(count):
         video, options = sb.world_video(side, frames, seed + i)
-        videos.append(Video(prepare_video(video.source, target.processor, options), video.data, video.fps,
+        processed = prepare_video(video.source, target.processor, options)
+        videos.append(Video(processed, processed.num_visual_tokens, video.data, video.fps,
                             CAPTION_PROMPTS[i % len(CAPTION_PROMPTS)]))
     return videos
 
@@ -243,6 +247,7 @@ def cache_prefills(videos: list[Video], engines: dict[str, Engine], clients: dic
         for client in clients.values():
             v.video_id = client.upload(v.data)
             grpc_call(client, v.video_id, v.prompt, 1, v.fps)()
+        v.processed = None          # its pixels (~150 MB at 8k) are not needed again
 
 
 # ----- the benchmark ---------------------------------------------------------------------------------------
@@ -284,7 +289,7 @@ def run_length(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clien
     side, frames = cfg.lengths[li]
     videos = make_videos(target, side, frames, cfg.videos_per_rep, cfg.seed + 10_000 * rep + 1000 * li)
     cache_prefills(videos, engines if "in-process" in cfg.paths else {}, clients, f"r{rep}l{li}")
-    n_vis = videos[0].processed.num_visual_tokens
+    n_vis = videos[0].visual_tokens
     log(f"rep {rep}: {len(videos)} videos of {side}px x {frames} frames = {n_vis} visual tokens, prefills cached")
     runs, outputs = [], {}
     for method in cfg.methods[rep % len(cfg.methods):] + cfg.methods[:rep % len(cfg.methods)]:
