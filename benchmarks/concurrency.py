@@ -534,7 +534,7 @@ def save_tiny_models(root: str | Path) -> Path:
     target's processor rule (frames not upscaled: one visual token per 28x28 px), so small world
     videos stay small."""
     from sparrow.models.target import TargetModel
-    from sparrow.testing import tiny_draft, tiny_target
+    from sparrow.tiny import tiny_draft, tiny_target
     from sparrow.video import processor_for
 
     root = Path(root)

@@ -183,7 +183,7 @@ def draft_step_table(args, device, dtype) -> list[str]:
     the current proposer path against the static step, eager and (CUDA only) graph-replayed."""
     from sparrow import SpecConfig
     from sparrow.kernels.draft_graph import DraftDecodeStep
-    from sparrow.testing import tiny_draft, tiny_target
+    from sparrow.tiny import tiny_draft, tiny_target
 
     target = tiny_target("qwen2_5_vl", seed=0)
     target.hf.to(device, dtype)

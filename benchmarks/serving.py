@@ -100,7 +100,7 @@ def main() -> int:
     from sparrow.services.server import BackgroundServer
     from sparrow.services.servicer import ServiceConfig, SparrowService
     from sparrow.services.settings import AppSettings, build_engine
-    from sparrow.testing import tiny_draft, tiny_target
+    from sparrow.tiny import tiny_draft, tiny_target
     from sparrow.video import write_synthetic_video
 
     spec = SpecConfig(num_draft_tokens=args.k)

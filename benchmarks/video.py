@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.report import write_section
 from sparrow import Engine, SpecConfig
-from sparrow.testing import tiny_target
+from sparrow.tiny import tiny_target
 from sparrow.video import VideoOptions, load_frames, write_synthetic_video
 
 PROMPT = "What happens in the video?"

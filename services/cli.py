@@ -38,7 +38,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _random_demo(args: argparse.Namespace) -> int:
     from sparrow import Engine, SamplingParams, SpecConfig
     from sparrow.services.models import load_target
-    from sparrow.testing import tiny_draft
+    from sparrow.tiny import tiny_draft
     from sparrow.video import VideoOptions, write_synthetic_video
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,7 +34,7 @@ from sparrow.models.target import TargetModel
 def load_target(spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
                 device_map: str | dict | None = None) -> TargetModel:
     if spec.startswith("tiny:"):
-        from sparrow.testing import tiny_target
+        from sparrow.tiny import tiny_target
         arch, _, seed = spec.removeprefix("tiny:").partition(":")
         target = tiny_target(arch, seed=int(seed or 0))
         if device_map is not None:
@@ -49,7 +49,7 @@ def load_draft(spec: str, target, spec_config: SpecConfig) -> SparrowDraft:
     """target: a TargetModel, or SharedHeads on a draft replica. The draft takes the device
     and dtype of the target's embedding (which it shares)."""
     if spec.startswith("tiny"):
-        from sparrow.testing import tiny_draft
+        from sparrow.tiny import tiny_draft
         if not isinstance(target, TargetModel):
             raise InvalidRequest("a tiny draft is built for a tiny target; give the target spec")
         return tiny_draft(target, spec_config, seed=int(spec.partition(":")[2] or 0))

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 # processes (Ray workers, redis, gRPC servers) on a 2-core machine.
 torch.set_num_threads(1)
 
-from sparrow.testing import synthetic_frames, tiny_target  # noqa: E402
+from sparrow.tiny import synthetic_frames, tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -106,7 +106,7 @@ def own_redis(tmp_path):
 def tiny_model_dirs(tmp_path_factory):
     """A tiny Qwen2.5-VL target and a Sparrow draft for it, saved as real model directories."""
     from sparrow.config import SpecConfig
-    from sparrow.testing import tiny_draft, tiny_target
+    from sparrow.tiny import tiny_draft, tiny_target
 
     root = tmp_path_factory.mktemp("models")
     target = tiny_target("qwen2_5_vl", seed=0)

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/ is a repo folder, not installed
 from benchmarks import speculative as sb  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
-from sparrow.testing import tiny_draft, tiny_target  # noqa: E402
+from sparrow.tiny import tiny_draft, tiny_target  # noqa: E402
 from sparrow.video import processor_for  # noqa: E402
 
 # 84 px x 24 frames = 12 frame pairs x 3x3 tokens = 108 visual tokens; 112 px x 8 frames = 64.

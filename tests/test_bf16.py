@@ -9,12 +9,13 @@ import os
 
 import pytest
 import torch
+from helpers import OracleProposer
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models import TargetModel
 from sparrow.models.placement import parse_device
 from sparrow.spec.sampling import logits_to_probs
-from sparrow.testing import OracleProposer, tiny_draft
+from sparrow.tiny import tiny_draft
 
 PROMPTS = ["What happens in the video?", "Which shape moves first, and where does it go?"]
 SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)

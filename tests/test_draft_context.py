@@ -4,6 +4,7 @@ a draft span that grows with the video, and training == inference as for "text".
 
 import pytest
 import torch
+from helpers import check_unroll_equals_proposer
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest
@@ -11,7 +12,7 @@ from sparrow.prefix_cache import PrefixCache
 from sparrow.spec.propose import FULL_WINDOW, DraftContext, SparrowProposer, build_context
 from sparrow.spec.prune import prune_budget, prune_visual
 from sparrow.spec.sampling import new_generator
-from sparrow.testing import check_unroll_equals_proposer, synthetic_frames, tiny_draft
+from sparrow.tiny import synthetic_frames, tiny_draft
 from sparrow.training import TrainConfig
 from sparrow.training.signals import target_signals
 from sparrow.training.unroll import context_attention

@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from helpers import OracleProposer
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.scheduler import EngineConfig
 from sparrow.errors import ContextOverflow, InvalidRequest, VideoError
 from sparrow.models import SparrowDraft, TargetModel
-from sparrow.testing import OracleProposer, synthetic_frames, tiny_draft
+from sparrow.tiny import synthetic_frames, tiny_draft
 
 PROMPTS = ["What happens in the video?", "Which shape moves first, and where does it go?"]
 SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)

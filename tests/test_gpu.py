@@ -11,7 +11,7 @@ import torch
 from sparrow import SpecConfig
 from sparrow.kernels.reference import verify_attention_ref, window_attention_ref
 from sparrow.models.draft import DraftKV
-from sparrow.testing import tiny_draft, tiny_target
+from sparrow.tiny import tiny_draft, tiny_target
 from test_kernels import verify_case, window_case, window_keys
 
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"

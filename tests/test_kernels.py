@@ -23,7 +23,7 @@ from sparrow.kernels.reference import (PAD_POS, attend, chain_tree, verify_atten
 from sparrow.kernels.split_kv import (combine_splits, split_partials, split_size,
                                       verify_attention_split)
 from sparrow.models.attention import available_backends, get_backend, window_mask
-from sparrow.testing import tiny_draft
+from sparrow.tiny import tiny_draft
 
 
 def _triton_unusable() -> str | None:

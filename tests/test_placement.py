@@ -13,7 +13,7 @@ from sparrow.services import ray_entry
 from sparrow.services.cli import _settings, build_parser
 from sparrow.services.models import load_draft, load_heads, load_target
 from sparrow.services.settings import AppSettings, build_engine
-from sparrow.testing import tiny_draft
+from sparrow.tiny import tiny_draft
 
 
 def test_settings_file_round_trips_and_reaches_the_models(tmp_path):

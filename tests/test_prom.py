@@ -13,11 +13,12 @@ import urllib.request
 import warnings
 
 import pytest
+from helpers import OracleProposer
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.metrics import SpecMetrics
 from sparrow.services import prom
-from sparrow.testing import OracleProposer, tiny_draft
+from sparrow.tiny import tiny_draft
 
 SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)
 PROMPT = "What happens in the video?"

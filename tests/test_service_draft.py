@@ -15,7 +15,7 @@ from conftest_services import SPEC_KWARGS
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.cache import RedisStateCache
 from sparrow.spec.propose import SparrowProposer
-from sparrow.testing import synthetic_frames, tiny_draft, tiny_target
+from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 from sparrow.services.draft import DraftWorker, LocalDraftClient, RemoteDraftProposer
 
 SPEC = SpecConfig(**SPEC_KWARGS)

@@ -13,7 +13,7 @@ from sparrow.prefix_cache import PrefixCache
 from sparrow.spec.glimpse import text_to_visual_attention
 from sparrow.spec.prune import prune_visual
 from sparrow.spec.specvlm import SpecVLMProposer, draft_memory_bytes
-from sparrow.testing import tiny_target
+from sparrow.tiny import tiny_target
 from sparrow.tokenizer import llava_ov_tokenizer
 from sparrow.video import processor_for
 

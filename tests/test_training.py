@@ -5,10 +5,11 @@ import json
 
 import pytest
 import torch
+from helpers import check_unroll_equals_proposer
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.spec.propose import build_context
-from sparrow.testing import check_unroll_equals_proposer, synthetic_frames, tiny_draft
+from sparrow.tiny import synthetic_frames, tiny_draft
 from sparrow.training import DraftTrainer, Sample, TrainConfig, load_samples
 from sparrow.training.signals import target_signals
 from sparrow.training.unroll import anchor_flags

@@ -1,0 +1,93 @@
+"""Test-only helpers, kept out of the package: a stub proposer that forces "always accept" /
+"never accept", and the check that the training unroll sees what decoding sees.
+Tests import them as `from helpers import ...` (pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import sparrow.models.draft as draft_module
+from sparrow.config import SamplingParams, SpecConfig
+from sparrow.models.draft import SparrowDraft
+from sparrow.models.target import FeatureNeeds
+from sparrow.spec.propose import DraftContext, SparrowProposer
+from sparrow.spec.proposer import Proposal
+from sparrow.spec.sampling import new_generator
+from sparrow.training.unroll import unroll
+
+
+@dataclass(slots=True)
+class _OracleState:
+    pos: int
+
+
+class OracleProposer:
+    """Proposes a known continuation (e.g. the target's own greedy output): every draft token
+    is accepted while the continuation is right. `corrupt` flips every draft token to a wrong
+    one instead (nothing is accepted). A test stub, never used for serving."""
+
+    needs = FeatureNeeds()
+
+    def __init__(self, continuation: list[int], corrupt: bool = False, vocab_size: int | None = None):
+        self.continuation = list(continuation)
+        self.corrupt = corrupt
+        self.vocab_size = vocab_size
+
+    def begin(self, start) -> _OracleState:
+        return _OracleState(pos=1)          # the first token comes from prefill
+
+    def propose(self, batch) -> list[Proposal]:
+        out = []
+        for r in batch:
+            seq = self.continuation[r.state.pos: r.state.pos + r.k]
+            seq += [self.continuation[-1]] * (r.k - len(seq))
+            if self.corrupt:
+                seq = [(t + 1) % self.vocab_size for t in seq]
+            out.append(Proposal(torch.tensor(seq, dtype=torch.long), None))
+        return out
+
+    def commit(self, states, results) -> None:
+        for state, result in zip(states, results):
+            state.pos += len(result.tokens)
+
+    def end(self, state) -> None:
+        pass
+
+
+def check_unroll_equals_proposer(draft: SparrowDraft, spec: SpecConfig, sig, start: int, pinned: torch.Tensor,
+                                 window: int, glimpse: int) -> list[torch.Tensor]:
+    """Propose spec.num_draft_tokens tokens from chain start `start` over the training signals
+    `sig` (as decoding does), recording every window mask the draft builds; run the training
+    unroll over the same tokens; assert that each step's distribution and the keys it sees are
+    the same. Returns the key positions each inference step saw."""
+    s, k = start, spec.num_draft_tokens
+    recorded, real = [], draft_module.window_mask
+
+    def recording(q_pos, k_pos, k_pinned, w):
+        mask = real(q_pos, k_pos, k_pinned, w)
+        recorded.append((k_pos, mask))
+        return mask
+
+    proposer = SparrowProposer(draft, spec)
+    draft_module.window_mask = recording
+    try:
+        state = proposer.begin_context(DraftContext(sig.token_ids[: s + 1], sig.features[: s + 1], sig.num_prompt,
+                                            sig.prefix(glimpse), sig.num_visual))
+        proposal = proposer.propose_one(state, k, SamplingParams(temperature=1.0), new_generator(0))
+    finally:
+        draft_module.window_mask = real
+    ids = sig.token_ids.clone()
+    ids[s + 1: s + k] = proposal.tokens[: k - 1]        # the tokens the proposer fed forward
+    with torch.no_grad():
+        out = unroll(draft, ids, sig.features, pinned, sig.prefix(glimpse), torch.tensor([s]), k, window,
+                     keep_masks=True)
+    for j in range(k):
+        torch.testing.assert_close(torch.softmax(out.logits[j][0].float(), -1), proposal.probs[j])
+    # begin's last row (entry s), then one forward per fed-back draft token
+    inference_rows = [recorded[-k][0][recorded[-k][1][-1]]] + [kp[m[0]] for kp, m in recorded[-(k - 1):]]
+    for j, row in enumerate(inference_rows):
+        training_row = out.key_pos[j][out.masks[j][0]]
+        assert sorted(row.tolist()) == sorted(training_row.tolist()), f"step {j}"
+    return inference_rows
