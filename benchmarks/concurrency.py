@@ -67,12 +67,12 @@ from benchmarks import speculative as sb  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
 from benchmarks.serving import trace  # noqa: E402
 from sparrow import Engine, SamplingParams  # noqa: E402
-from sparrow.cache import open_cache  # noqa: E402
 from sparrow.prefix_cache import PrefixCache  # noqa: E402
 from sparrow.services.client import SparrowClient  # noqa: E402
 from sparrow.services.protos import pb  # noqa: E402
 from sparrow.services.server import BackgroundServer  # noqa: E402
 from sparrow.services.servicer import ServiceConfig, SparrowService  # noqa: E402
+from sparrow.state_cache import open_cache  # noqa: E402
 from sparrow.training.world import CAPTION_PROMPTS, LADDER  # noqa: E402
 from sparrow.video import ProcessedVideo, prepare_video  # noqa: E402
 

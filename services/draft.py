@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparrow.cache import StateCache
+from sparrow.state_cache import StateCache
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.spec.propose import DraftContext, SparrowProposer, build_context
 from sparrow.spec.proposer import BeginInput, DraftRequest, Proposal, StepResult

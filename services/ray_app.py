@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.config import gRPCOptions, HTTPOptions
 
-from sparrow.cache import open_cache
+from sparrow.state_cache import open_cache
 from sparrow.spec.propose import SparrowProposer
 
 from . import prom

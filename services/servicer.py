@@ -19,11 +19,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from sparrow.cache import StateCache
 from sparrow.config import SamplingParams
 from sparrow.engine import Engine, GenerationOutput
 from sparrow.errors import InvalidRequest, ResourceExhausted, VideoTooLarge
 from sparrow.metrics import SpecMetrics
+from sparrow.state_cache import StateCache
 from sparrow.video import SourcePolicy, VideoOptions, prepare_video
 
 from . import logs

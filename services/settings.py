@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparrow.cache import StateCache, open_cache
 from sparrow.config import SpecConfig
 from sparrow.scheduler import EngineConfig
 from sparrow.engine import Engine
 from sparrow.models.placement import check_placement
 from sparrow.prefix_cache import PrefixCache
 from sparrow.spec.propose import SparrowProposer
+from sparrow.state_cache import StateCache, open_cache
 
 from .models import load_draft, load_target
 from .servicer import ServiceConfig

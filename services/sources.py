@@ -21,8 +21,8 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from sparrow.cache import StateCache
 from sparrow.errors import InvalidRequest, SourceNotAllowed, VideoTooLarge, VideoUnreadable
+from sparrow.state_cache import StateCache
 from sparrow.video import SourcePolicy
 
 from .errors import SourceChanged, VideoNotFound

@@ -25,12 +25,12 @@ import pytest
 from conftest_services import SPEC_KWARGS, start_redis
 
 from sparrow import SamplingParams, SpecConfig
-from sparrow.cache import RedisStateCache
 from sparrow.services.client import SparrowClient
 from sparrow.services.protos import pb
 from sparrow.services.server import BackgroundServer
 from sparrow.services.servicer import ServiceConfig, SparrowService
 from sparrow.services.settings import AppSettings, build_engine
+from sparrow.state_cache import RedisStateCache
 
 MiB = 1 << 20
 PROMPT = "What happens in the video?"

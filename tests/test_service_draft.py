@@ -13,10 +13,10 @@ import pytest
 from conftest_services import SPEC_KWARGS
 
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.cache import RedisStateCache
-from sparrow.spec.propose import SparrowProposer
-from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 from sparrow.services.draft import DraftWorker, LocalDraftClient, RemoteDraftProposer
+from sparrow.spec.propose import SparrowProposer
+from sparrow.state_cache import RedisStateCache
+from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 
 SPEC = SpecConfig(**SPEC_KWARGS)
 PROMPT = "What happens in the video?"
@@ -130,7 +130,7 @@ def test_abandoned_request_frees_draft_sessions_and_cache(models, redis_url, red
 
 def test_unshared_cache_sends_the_context_inline(models):
     """A process-local cache is no use to other replicas: the context goes inline at once."""
-    from sparrow.cache import MemoryStateCache
+    from sparrow.state_cache import MemoryStateCache
 
     target, draft, video = models
     local = MemoryStateCache()
