@@ -21,6 +21,22 @@ from .protos import pb, pb_grpc
 from .server import message_options
 
 MiB = 1 << 20
+# Ray Serve routes a call carrying this metadata to a replica that has "loaded" the id (model
+# multiplexing): the target replica that already holds the video's prefill.
+VIDEO_AFFINITY_KEY = "multiplexed_model_id"
+
+
+def video_affinity(video_id: str | None = None, path: str | None = None, url: str | None = None,
+                   data: bytes | None = None) -> str:
+    """A routing key naming the video a request asks about: questions about one video go to
+    the replica that prefilled it. Uploads are named by their content hash (the video id),
+    inline bytes by theirs; a path or URL by itself (the server keys it by content anyway:
+    this only routes)."""
+    if video_id:
+        return video_id
+    if data is not None:
+        return hashlib.sha256(data).hexdigest()
+    return "path:" + path if path is not None else "url:" + (url or "")
 
 
 @dataclass
@@ -64,7 +80,8 @@ class SparrowClient:
             for i, part in enumerate(read()):
                 yield pb.VideoChunk(data=part, sha256=digest.hexdigest() if i == 0 else "")
 
-        return self.stub.UploadVideo(messages(), timeout=timeout, metadata=self.metadata).video_id
+        metadata = self.metadata + ((VIDEO_AFFINITY_KEY, digest.hexdigest()),)    # to the replica that will prefill it
+        return self.stub.UploadVideo(messages(), timeout=timeout, metadata=metadata).video_id
 
     # ----- generation --------------------------------------------------------------------------
     def stream(self, prompt: str, *, video_id: str | None = None, path: str | None = None, url: str | None = None,
@@ -81,6 +98,7 @@ class SparrowClient:
                                      sampling=pb.SamplingParams(**sampling), video_options=video_options, spec=spec)
         # The deadline again as metadata: behind Ray Serve's proxy the server may not see the gRPC one.
         metadata = self.metadata + ((("sparrow-timeout-ms", str(int(timeout * 1000))),) if timeout else ())
+        metadata += ((VIDEO_AFFINITY_KEY, video_affinity(**given)),)
         return GenerateStream(self, request_id, self.stub.Generate(request, timeout=timeout, metadata=metadata))
 
     def generate(self, prompt: str, **kwargs) -> GenerateResult:

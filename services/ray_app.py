@@ -22,7 +22,7 @@ import weakref
 import ray
 from grpc_health.v1 import health_pb2
 from ray import serve
-from ray.serve.config import gRPCOptions, HTTPOptions
+from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from sparrow.state_cache import open_cache
 from sparrow.spec.propose import SparrowProposer
@@ -38,6 +38,7 @@ from .wire import check_decoded, decoded_stream
 log = logging.getLogger(__name__)
 
 APP_NAME = "sparrow"
+VIDEO_ROUTER = "sparrow.services.routing.VideoAffinityRouter"
 SERVICER_FUNCTIONS = [
     # sparrow.v1.Sparrow with undecodable requests answered INVALID_ARGUMENT (services.wire)
     "sparrow.services.wire.add_sparrow_servicer_to_serve_proxy",
@@ -105,8 +106,10 @@ class TargetDeployment:
 
     def stats(self) -> dict:
         """This replica's requests and generation threads, and how its remote draft has fared."""
-        proposer = self.service.engine.proposer
-        return {"requests": len(self.service.live), "threads": self.service.runner.active,
+        proposer, engine = self.service.engine.proposer, self.service.engine
+        return {"replica": ray.get_runtime_context().get_actor_name() or "",
+                "videos": len(engine.prefix_cache) if engine.prefix_cache is not None else 0,
+                "requests": len(self.service.live), "threads": self.service.runner.active,
                 "last_released": self.service.last_released,        # time.monotonic(), same clock host-wide
                 "draft_failovers": getattr(proposer, "failovers", 0),
                 "draft_fallbacks": getattr(proposer, "fallbacks", 0), "draft_rebuilds": getattr(proposer, "rebuilds", 0),
@@ -185,7 +188,10 @@ def build_app(settings: AppSettings):
         draft = DraftDeployment.options(**settings.draft_deployment).bind(settings)
     # Serve queues generations past a replica's limit (rather than the service refusing
     # them), leaving headroom for Abort, uploads and health checks.
-    target = {"max_ongoing_requests": settings.service.max_concurrent + 16, **settings.target_deployment}
+    # Questions about one video go to the replica holding its prefill (routing.py).
+    target = {"max_ongoing_requests": settings.service.max_concurrent + 16,
+              "request_router_config": RequestRouterConfig(request_router_class=VIDEO_ROUTER),
+              **settings.target_deployment}
     return TargetDeployment.options(**target).bind(settings, draft)
 
 

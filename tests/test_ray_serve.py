@@ -262,3 +262,47 @@ def test_redis_stopped_mid_run_requests_still_complete_on_ray(app, client, clips
     assert app.redis.client().exists(f"sparrow:video:{fresh_id}:m")        # back to Redis
     expected = reference(reference_engine, fresh, PROMPTS[0], max_new_tokens=8).token_ids
     assert client.generate(PROMPTS[0], video_id=fresh_id, max_new_tokens=8).token_ids == expected
+
+
+# ----- prefix reuse survives scale-out ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_targets(app, tiny_model_dirs, clips):
+    """A second application with TWO target replicas (draft colocated, each with its own
+    prefix cache; uploads in the shared Redis, as a scaled-out deployment keeps them), behind
+    the same gRPC proxy."""
+    from ray import serve
+
+    from sparrow.services import ray_app
+    from sparrow.services.servicer import ServiceConfig
+    from sparrow.services.settings import AppSettings
+
+    settings = AppSettings(
+        target=str(tiny_model_dirs[0]), draft=str(tiny_model_dirs[1]), spec=SpecConfig(**SPEC_KWARGS),
+        cache=app.redis.url, service=ServiceConfig(default_max_new_tokens=16, max_new_tokens=64, max_video_bytes=2 * MiB, max_frames=64),
+        target_deployment={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}})
+    serve.run(ray_app.build_app(settings), name="affinity", route_prefix="/affinity")
+    yield (("application", "affinity"),)
+    serve.delete("affinity")
+
+
+def test_second_question_reaches_the_replica_holding_the_prefill(app, two_targets):
+    """20 fresh videos, two questions each: the second must find the first one's prefill
+    (cached_prompt_tokens > 0), so it must reach the same one of the two target replicas."""
+    from sparrow.video import write_synthetic_video
+
+    from ray import serve
+    handle = serve.get_deployment_handle("TargetDeployment", app_name="affinity")
+    reused, videos = 0, {}
+    with SparrowClient(app.address, metadata=two_targets) as client:
+        for i in range(20):
+            video = write_synthetic_video(None, num_frames=4, width=56, height=56, fps=4.0, seed=9000 + i).data
+            video_id = client.upload(video)
+            first = client.generate(PROMPTS[0], video_id=video_id, max_new_tokens=2)
+            second = client.generate(PROMPTS[1], video_id=video_id, max_new_tokens=2)
+            assert first.completion.usage.cached_prompt_tokens == 0
+            reused += second.completion.usage.cached_prompt_tokens > 0
+    for _ in range(12):       # ask both replicas (a handle call goes to either)
+        stats = handle.stats.remote().result(timeout_s=30)
+        videos[stats["replica"]] = stats["videos"]
+    assert reused >= 19, f"only {reused} of 20 second questions reused the prefill"
+    assert len(videos) == 2 and all(n > 0 for n in videos.values()), videos   # new videos spread over both
