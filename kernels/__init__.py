@@ -9,11 +9,14 @@ is tested against (tests/test_kernels.py). Contract and conventions: reference.p
                    split_kv.verify_attention_split     (flash-decoding in torch)
                    triton_attention.verify_attention_triton, flex.verify_attention_flex,
                    flash.verify_attention_flash        (chain only, CUDA)
-    draft step     draft_graph.DraftDecodeStep: static draft KV + CUDA-graph capture
 
 The draft reaches these through the backend registry (`SpecConfig.attention_backend`:
 "sdpa", "eager", "flex", "triton", "flash_attn"), which imports the optional modules only when
 selected. Importing this package imports neither triton, flex attention nor flash-attn.
+
+Kernels are leaves: they import nothing of the core but the window rule (sparrow.window), so
+the registry's import by name is the only edge between the two. The draft's CUDA-graph
+decode step uses the draft model itself, so it lives with it (sparrow.models.draft_graph).
 """
 
 from .reference import PAD_POS, chain_tree, verify_attention_ref, window_attention_ref

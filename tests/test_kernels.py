@@ -22,8 +22,9 @@ from sparrow.kernels.reference import (PAD_POS, attend, chain_tree, verify_atten
                                        verify_mask, window_attention_ref)
 from sparrow.kernels.split_kv import (combine_splits, split_partials, split_size,
                                       verify_attention_split)
-from sparrow.models.attention import available_backends, get_backend, window_mask
+from sparrow.models.attention import available_backends, get_backend
 from sparrow.tiny import tiny_draft
+from sparrow.window import window_mask
 
 
 def _triton_unusable() -> str | None:
@@ -300,7 +301,7 @@ def test_static_decode_step_matches_forward_entries(qwen_target, backend):
     """The CUDA-graph-ready step (run eagerly here) computes what the draft computes."""
     spec = SpecConfig(window=6, anchors=5, glimpse=2, attention_backend=backend)
     draft = tiny_draft(qwen_target, spec, seed=2)
-    from sparrow.kernels.draft_graph import DraftDecodeStep
+    from sparrow.models.draft_graph import DraftDecodeStep
     step = DraftDecodeStep(draft, capacity=24, window=spec.window)
     assert step.graph is None                                     # no CUDA here: eager fallback
     pos, pinned = window_keys(2, 5, (20, 25))

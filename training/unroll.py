@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparrow.models.attention import get_backend, window_mask
+from sparrow.models.attention import get_backend
 from sparrow.models.draft import SparrowDraft
 from sparrow.spec.propose import draft_attention
+from sparrow.window import window_mask
 
 
 @dataclass(slots=True)

@@ -1,13 +1,8 @@
-"""Text-anchored window attention: which keys a draft query may see, and the backends that
-compute it.
+"""The backends that compute text-anchored window attention for the draft, by name.
 
-Keys are tagged with a position (the draft's text-only index) and a `pinned` flag. A query
-at position q sees
-    pinned keys with pos <= q       (glimpse states, pos -1, and the prompt's anchor tokens)
-    unpinned keys with q - window < pos <= q   (the sliding window over recent tokens)
-so the number of keys it attends to is at most glimpse + anchors + window, however many
-visual tokens the video had. Training and inference both build their masks with
-`window_mask`, so what the draft learns is what it runs.
+Which keys a query may see is `sparrow.window.window_mask`; a backend takes that mask and
+computes the attention. The optional ones (sparrow.kernels) are imported by name on first
+use, so the kernels depend on nothing here and the core imports no kernel it is not asked for.
 """
 
 from __future__ import annotations
@@ -17,18 +12,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
-
-def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_pinned: torch.Tensor, window: int) -> torch.Tensor:
-    """Boolean mask (nq, nk): True where query i may attend to key j.
-
-    q_pos: (nq,) query positions; k_pos: (nk,) key positions; k_pinned: (nk,) bool.
-    """
-    q = q_pos.view(-1, 1)
-    k = k_pos.view(1, -1)
-    causal = k <= q
-    in_window = k > q - window
-    return causal & (in_window | k_pinned.view(1, -1))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

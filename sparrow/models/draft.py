@@ -23,7 +23,8 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from ..errors import InvalidRequest
-from .attention import get_backend, window_mask
+from ..window import window_mask
+from .attention import get_backend
 
 CONFIG_NAME = "sparrow_draft.json"
 WEIGHTS_NAME = "model.safetensors"

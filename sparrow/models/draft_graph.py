@@ -22,10 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from sparrow.models.attention import get_backend, window_mask
-from sparrow.models.draft import DraftKV, DraftLayer, SparrowDraft, rope
-
-from .reference import PAD_POS
+from ..window import PAD_POS, window_mask
+from .attention import get_backend
+from .draft import DraftKV, DraftLayer, SparrowDraft, rope
 
 
 class StaticDraftKV:
