@@ -10,6 +10,7 @@ from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest
 from sparrow.prefix_cache import PrefixCache
 from sparrow.spec.propose import FULL_WINDOW, DraftContext, SparrowProposer, build_context
+from sparrow.spec.glimpse import select_glimpse
 from sparrow.spec.prune import prune_budget, prune_visual
 from sparrow.spec.sampling import new_generator
 from sparrow.tiny import synthetic_frames, tiny_draft
@@ -68,6 +69,21 @@ def test_prune_edges_and_determinism():
     with pytest.raises(ValueError):
         prune_visual(att, (2, 4, 4), keep=3)                 # 32 != 30 tokens
     assert [prune_budget(n, 0.1) for n in (0, 1, 10, 11, 250)] == [0, 1, 1, 2, 25]
+
+
+def test_glimpse_is_the_pruning_rule_with_its_own_bounds():
+    """select_glimpse calls prune_visual; what it keeps (pinned here to the outputs of the
+    glimpse's earlier, separate implementation): stage 1 takes at most half the budget,
+    stage 2's picks include both ends of the remaining tokens."""
+    att = 0.01 + 0.001 * torch.arange(12.0)                 # distinct: no ties to break
+    att[3], att[9] = 0.5, 0.3
+    # mass 0.5: token 3 alone holds it; five uniform picks over the 11 others, both ends in
+    assert select_glimpse(att, 6).tolist() == [0, 2, 3, 6, 9, 11]
+    assert prune_visual(att, None, keep=6).tolist() == [1, 3, 4, 6, 8, 10]   # pruning: centred strides
+    # mass 1 would take every token by attention: the glimpse stops at half the budget
+    assert select_glimpse(att, 6, mass=1.0).tolist() == [0, 3, 5, 9, 10, 11]
+    assert select_glimpse(att, 1).tolist() == [3]
+    assert select_glimpse(att, 12).tolist() == list(range(12)) and select_glimpse(att, 0).shape == (0,)
     assert prune_budget(10, 0.0) == 0 and prune_budget(10, 1.0) == 10
 
 

@@ -1,15 +1,17 @@
 """Choosing the glimpse: G bridge-layer visual states the draft may attend to.
 
-Verifier-guided, two stages (SpecVLM's rule): first the visual tokens that the prompt's text
-attends to most at the bridge layer, up to half the budget or until they hold `mass` of the
-attention; then the rest spread uniformly over the remaining tokens, so every part of the
-video keeps some coverage. The attention is measured with the target's own bridge-layer
+Verifier-guided, two stages (SpecVLM's rule; prune.prune_visual is its one implementation):
+first the visual tokens that the prompt's text attends to most at the bridge layer, up to
+half the budget or until they hold `mass` of the attention; then the rest spread uniformly
+over the remaining tokens, so every part of the video keeps some coverage. The attention is measured with the target's own bridge-layer
 states (text states as queries, visual states as keys, scaled dot product).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .prune import prune_visual
 
 
 def text_to_visual_attention(text_states: torch.Tensor, visual_states: torch.Tensor) -> torch.Tensor:
@@ -18,20 +20,14 @@ def text_to_visual_attention(text_states: torch.Tensor, visual_states: torch.Ten
     return torch.softmax(scores, dim=-1).mean(0)
 
 
+def ends_included(n_remaining: int, n_pick: int, device: torch.device) -> torch.Tensor:
+    """n_pick indices evenly spaced over n_remaining tokens, the first and the last included."""
+    return torch.linspace(0, n_remaining - 1, n_pick, device=device).round().long()
+
+
 def select_glimpse(attention: torch.Tensor, budget: int, mass: float = 0.5) -> torch.Tensor:
-    """Indices (sorted, <= budget) of visual tokens to keep, from their attention (Nv,)."""
-    n = attention.shape[0]
-    if budget <= 0 or n == 0:
-        return torch.empty(0, dtype=torch.long)
-    if budget >= n:
-        return torch.arange(n)
-    order = torch.argsort(attention, descending=True)
-    cum = attention[order].cumsum(0) / attention.sum().clamp(min=1e-12)
-    n_top = min(budget // 2 if budget > 1 else 1, int((cum < mass).sum()) + 1)
-    top = order[:n_top]
-    rest = torch.ones(n, dtype=torch.bool)
-    rest[top] = False
-    remaining = torch.nonzero(rest).view(-1)
-    n_uniform = budget - n_top
-    pick = torch.linspace(0, remaining.shape[0] - 1, n_uniform).round().long() if n_uniform > 0 else remaining[:0]
-    return torch.sort(torch.cat([top, remaining[pick]])).values
+    """Indices (sorted, <= budget) of visual tokens to keep, from their attention (Nv,).
+
+    Pruning's two-stage rule with the glimpse's own bounds: stage 1 takes at most half the
+    budget (one token when the budget is 1), and stage 2's picks reach both ends of the video."""
+    return prune_visual(attention, None, budget, mass, max_top=max(1, budget // 2), spread=ends_included)
