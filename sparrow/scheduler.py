@@ -47,6 +47,7 @@ from .spec.sampling import draw_token, logits_to_probs, new_generator
 log = logging.getLogger(__name__)
 
 MAX_DRAFT_TOKENS = 32
+FIRST_SLICE = 256      # prompt positions of a prefill's first slice while streams decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +59,12 @@ class EngineConfig:
     max_running          requests prefilling or decoding at once
     max_waiting          requests waiting for KV memory; past it, new ones are refused
     queue_timeout_s      how long a request may wait for KV memory before it is refused
-    prefill_chunk_tokens prompt positions per prefill slice; running streams wait at most one
-                         slice between their steps while a long video is prefilled
+    prefill_chunk_tokens the most prompt positions per prefill slice
+    prefill_slice_s      while streams are decoding, a slice is sized to take about this long
+                         (from the measured cost of the request's previous slice: it grows with
+                         the cached length), so a running stream waits about this much at most
+    prefill_share        ... and prefill gets about this share of the time while streams decode
+                         (the rest goes to decode steps); alone, a prefill runs at full chunks
     prepare_threads      videos decoded at once (off the scheduler thread)
     """
 
@@ -68,6 +73,8 @@ class EngineConfig:
     max_waiting: int = 256
     queue_timeout_s: float = 30.0
     prefill_chunk_tokens: int = 2048
+    prefill_slice_s: float = 0.1
+    prefill_share: float = 0.5
     prepare_threads: int = 2
 
     def __post_init__(self) -> None:
@@ -76,6 +83,8 @@ class EngineConfig:
                 raise InvalidRequest(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0 or not self.queue_timeout_s >= 0:
             raise InvalidRequest("max_waiting and queue_timeout_s must be >= 0")
+        if not self.prefill_slice_s > 0 or not 0 < self.prefill_share <= 1:
+            raise InvalidRequest("need prefill_slice_s > 0 and 0 < prefill_share <= 1")
 
 
 @dataclass(eq=False)
@@ -110,6 +119,7 @@ class Request:
     acceptance: float = 0.7                 # running estimate of its per-token acceptance
     decode_start: float = 0.0
     waited: bool = False                    # counted once in the scheduler's waited_for_memory
+    prefill_s_per_token: float = 0.0        # measured on its last prefill slice
     done: bool = False
 
     def abort(self) -> None:
@@ -205,6 +215,7 @@ class Scheduler:
         self._preparing = threading.BoundedSemaphore(config.prepare_threads)
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
         # Counters for operators and tests: decode steps, the largest batch, requests that had
         # to wait for KV memory, prefill slices run.
         self.stats = {"steps": 0, "max_batch": 0, "waited_for_memory": 0, "prefill_slices": 0}
@@ -310,22 +321,36 @@ class Scheduler:
             self._prefilling.append(request)
 
     def _prefill_slice(self) -> None:
-        """One chunk of the oldest prefill: a long prompt is spread over several loop turns."""
+        """One chunk of the oldest prefill: a long prompt is spread over several loop turns.
+        While streams decode, a slice is sized to about prefill_slice_s (from the measured
+        seconds per position of the request's last slice) and slices wait their turn so that
+        prefill takes about prefill_share of the time; alone, a prefill runs full chunks."""
         if not self._prefilling:
+            return
+        cfg, now = self.config, time.perf_counter()
+        if self._running and now < self._next_slice_at:
             return
         request = self._prefilling[0]
         if request.aborted.is_set():
             self._prefilling.popleft()
             self._finish(request, "abort")
             return
+        limit = None
+        if self._running:         # unmeasured yet: a probe of FIRST_SLICE positions
+            limit = (max(16, int(cfg.prefill_slice_s / request.prefill_s_per_token))
+                     if request.prefill_s_per_token else FIRST_SLICE)
+        start = request.job.cursor
         t0 = time.perf_counter()
         try:
-            done = request.job.step()
+            done = request.job.step(limit)
         except Exception as exc:  # noqa: BLE001 - e.g. a vision tower that rejects this video
             self._prefilling.popleft()
             self._finish(request, error=exc)
             return
-        request.metrics.prefill_seconds += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        request.metrics.prefill_seconds += spent
+        request.prefill_s_per_token = spent / max(1, request.job.cursor - start)
+        self._next_slice_at = time.perf_counter() + spent * (1 - cfg.prefill_share) / cfg.prefill_share
         self.stats["prefill_slices"] += 1
         if done:
             self._prefilling.popleft()

@@ -200,14 +200,15 @@ class PrefillJob:
         return self.end - self.cursor
 
     @torch.inference_mode()
-    def step(self) -> bool:
-        """Run the next chunk; True once the whole prompt is in the cache."""
+    def step(self, max_tokens: int | None = None) -> bool:
+        """Run the next chunk (at most `max_tokens` positions, else chunk_tokens); True once the
+        whole prompt is in the cache."""
         target = self.target
         if self._embeds is None:
             self._embeds = target.family.prompt_embeds(target.hf, self.inputs, self.start, self.end,
                                                        target.video_token_id)
         a = self.cursor
-        b = min(self.end, a + self.chunk_tokens)
+        b = min(self.end, a + min(self.chunk_tokens, max_tokens or self.chunk_tokens))
         out = target.hf(inputs_embeds=self._embeds[:, a - self.start: b - self.start],
                         position_ids=self.position_ids[..., a:b].to(target.device), past_key_values=self.kv,
                         use_cache=True, output_hidden_states=self.needs.hidden, logits_to_keep=1)
