@@ -1,7 +1,7 @@
 """The Ray host (`sparrow serve --ray`): a Ray Serve application behind Serve's gRPC proxy.
 
     gRPC client -> Serve gRPC proxy -> TargetDeployment (ingress: the servicer + engine)
-                                            |  one call per verify step (handle, session affinity)
+                                            |  one call per step for all its requests (client affinity)
                                             v
                                        DraftDeployment (draft replicas, no video, no target)
 
@@ -28,7 +28,7 @@ from sparrow.state_cache import open_cache
 from sparrow.spec.propose import SparrowProposer
 
 from . import prom
-from .draft import DraftSession, DraftStep, DraftWorker
+from .draft import DraftBatch, DraftReply, DraftSessions, DraftWorker
 from .errors import log_failure, quiet_client_errors
 from .models import load_draft, load_heads
 from .servicer import SparrowService, deadline_from_metadata
@@ -118,68 +118,71 @@ class TargetDeployment:
 
 @serve.deployment(name="DraftDeployment", max_ongoing_requests=128)
 class DraftDeployment:
-    """Draft replicas: sessions are keyed by the multiplexed model id (the session id), which
-    gives requests affinity to the replica that holds their draft state; the multiplexing
-    LRU bounds the sessions a replica keeps."""
+    """Draft replicas. A call is one step of one target replica, routed by the multiplexed
+    model id set to that replica's client id: all of its requests' sessions live together on
+    the replica Serve routes the id to (affinity), and when that replica dies the id moves to
+    another, where the sessions rebuild from the state cache. The multiplexing LRU bounds
+    the target replicas a draft replica serves at once."""
 
     def __init__(self, settings: AppSettings):
         draft = load_draft(settings.draft, load_heads(settings.target, settings.dtype, settings.device),
                            settings.spec)
         self.worker = DraftWorker(SparrowProposer(draft, settings.spec), open_cache(settings.cache))
         self.replica = ray.get_runtime_context().get_actor_name() or ""
-        self.sessions: weakref.WeakValueDictionary[str, DraftSession] = weakref.WeakValueDictionary()
+        self.clients: weakref.WeakValueDictionary[str, DraftSessions] = weakref.WeakValueDictionary()
         self.idle_s, self._swept = settings.draft_session_idle_s, 0.0
 
-    @serve.multiplexed(max_num_models_per_replica=256)
-    async def session(self, session_id: str) -> DraftSession:
-        session = DraftSession(session_id)
-        self.sessions[session_id] = session
-        return session
+    @serve.multiplexed(max_num_models_per_replica=64)
+    async def sessions(self, client_id: str) -> DraftSessions:
+        sessions = DraftSessions(client_id)
+        self.clients[client_id] = sessions
+        return sessions
 
-    async def step(self, call: DraftStep):
-        session = await self.session(serve.get_multiplexed_model_id())
-        reply = await asyncio.to_thread(self.worker.step, session, call)
-        reply.replica = self.replica
+    async def step(self, batch: DraftBatch) -> list[DraftReply]:
+        sessions = await self.sessions(serve.get_multiplexed_model_id())
+        replies = await asyncio.to_thread(self.worker.step, sessions, batch)
         self._drop_idle()
-        return reply
+        return replies
 
     def _drop_idle(self) -> None:
-        """Free sessions no step has touched for a while. `end` is routed by session
-        affinity, which is best effort, and a session may have been rebuilt on several
-        replicas: this bounds the time their state outlives the request."""
+        """Free sessions no step has touched for a while. `end` is routed by affinity, which
+        is best effort, and a session may have been rebuilt on several replicas: this bounds
+        the time their state outlives the request."""
         now = time.monotonic()
         if now - self._swept < 1.0:
             return
         self._swept = now
-        for session in list(self.sessions.values()):
-            if session.state is not None and now - session.touched > self.idle_s:
-                session.clear()
+        for sessions in list(self.clients.values()):
+            sessions.drop_idle(now, self.idle_s)
 
-    async def end(self, session_id: str) -> None:
-        session = self.sessions.get(session_id)
-        if session is not None:
-            session.clear()
+    async def end(self, client_id: str, session_id: str) -> None:
+        sessions = self.clients.get(client_id)
+        if sessions is not None:
+            sessions.end(session_id)
 
     def describe(self) -> dict:
-        """This replica's actor name and the sessions it holds state for, with the seconds
-        since each was last used."""
+        """This replica's actor name and the sessions it holds state for (all target
+        replicas'), with the seconds since each was last used."""
         now = time.monotonic()
-        live = {sid: now - s.touched for sid, s in list(self.sessions.items()) if s.state is not None}
+        live = {}
+        for sessions in list(self.clients.values()):
+            live.update(sessions.live(now))
         return {"replica": self.replica, "sessions": live}
 
 
 class RayDraftClient:
-    """DraftDeployment calls from the target's request threads (blocking there is fine:
-    they are not the replica's event loop)."""
+    """DraftDeployment calls from the target's scheduler thread (blocking there is fine: it
+    is not the replica's event loop). A batch goes where its client id is routed."""
 
     def __init__(self, handle, timeout_s: float):
         self.handle, self.timeout_s = handle, timeout_s
 
-    def step(self, call: DraftStep):
-        return self.handle.options(multiplexed_model_id=call.session).step.remote(call).result(timeout_s=self.timeout_s)
+    def step(self, batch: DraftBatch) -> list[DraftReply]:
+        call = self.handle.options(multiplexed_model_id=batch.client).step.remote(batch)
+        return call.result(timeout_s=self.timeout_s)
 
-    def end(self, session: str) -> None:
-        self.handle.options(multiplexed_model_id=session).end.remote(session)      # not awaited
+    def end(self, client_id: str, session: str) -> None:
+        self.handle.options(multiplexed_model_id=client_id).end.remote(client_id, session)      # not awaited
 
 
 def build_app(settings: AppSettings):
