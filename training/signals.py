@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sparrow.models.target import TargetModel
+from sparrow.models.target import FeatureCollector, FeatureNeeds, TargetModel
 from sparrow.spec.glimpse import select_glimpse, text_to_visual_attention
-from sparrow.spec.propose import visual_entries
+from sparrow.spec.propose import in_prompt_order, visual_entries
 from sparrow.video import ProcessedVideo
 
 
@@ -69,24 +69,21 @@ def target_signals(target: TargetModel, video: ProcessedVideo, prompt: str, resp
     inputs = sequence_inputs(target, video, prompt, response)
     position_ids, _ = target.family.prefill_positions(target.hf, inputs)
     out = target.hf(**inputs, position_ids=position_ids, output_hidden_states=True, use_cache=False)
-    hs = out.hidden_states                                              # L + 1 of (1, T, H)
+    # The rows prefill gathers (FeatureCollector), here over prompt + response in one chunk.
+    # Visual rows are gathered for every context: their positions place the text entries too.
     ids = inputs["input_ids"][0]
-    is_visual = ids == target.video_token_id
-    text_pos = torch.nonzero(~is_visual).view(-1)
-    text_pos = text_pos[text_pos >= 1]                                  # t-1 must exist, as in prefill
-    num_text = int((text_pos < prompt_len).sum())
-    feats = torch.cat([hs[i][0] for i in feature_layers], dim=-1)       # (T, F*H)
-    resp_pos = text_pos[num_text:]
-    final = hs[-1][0, resp_pos]                                         # (N-P, H), already normed by HF
-    bridge = hs[bridge_layer][0]
-    bridge_text, bridge_visual = bridge[text_pos[:num_text]], bridge[is_visual]
-    visual_pos = torch.nonzero(is_visual).view(-1)
-    visual_pos = visual_pos[visual_pos >= 1]                            # as prefill's visual_positions
-    keep = visual_entries(context, prune_keep, visual_pos.shape[0], bridge_text, bridge_visual)
-    visual_pos = visual_pos[keep.to(visual_pos.device)]
-    prompt_pos = torch.sort(torch.cat([text_pos[:num_text], visual_pos])).values
-    entry_pos = torch.cat([prompt_pos, resp_pos])
+    rows = FeatureCollector(ids, target.video_token_id, FeatureNeeds(tuple(feature_layers), bridge_layer, True))
+    rows.add(out.hidden_states, 0)
+    seq = rows.output(state=None, logits=None)     # a teacher-forced forward: no KV cache, no next token
+    num_text = int((seq.text_positions < prompt_len).sum())        # the prompt's text entries come first
+    bridge_text = seq.bridge_text[:num_text]
+    keep = visual_entries(context, prune_keep, seq.visual_positions.shape[0], bridge_text, seq.bridge_visual)
+    prompt_ids, prompt_feats = in_prompt_order(
+        seq.text_token_ids[:num_text], seq.text_features[:num_text], seq.text_positions[:num_text],
+        seq.visual_positions[keep.to(ids.device)], seq.visual_features[keep.to(ids.device)], target.video_token_id)
+    final = out.hidden_states[-1][0, seq.text_positions[num_text:]]   # (N-P, H), already normed by HF
     return TargetSignals(
-        token_ids=ids[entry_pos], features=feats[entry_pos - 1], num_prompt=prompt_pos.shape[0],
+        token_ids=torch.cat([prompt_ids, seq.text_token_ids[num_text:]]),
+        features=torch.cat([prompt_feats, seq.text_features[num_text:]]), num_prompt=prompt_ids.shape[0],
         logits=target.lm_head()(final).float(), final_hidden=final,
-        bridge_text=bridge_text, bridge_visual=bridge_visual, num_visual=visual_pos.shape[0])
+        bridge_text=bridge_text, bridge_visual=seq.bridge_visual, num_visual=keep.shape[0])

@@ -72,6 +72,19 @@ def visual_entries(context: str, prune_keep: float, num_visual: int, bridge_text
     return prune_visual(att, None, prune_budget(num_visual, prune_keep)).cpu()
 
 
+def in_prompt_order(text_ids: torch.Tensor, text_features: torch.Tensor, text_positions: torch.Tensor,
+                    visual_positions: torch.Tensor, visual_features: torch.Tensor,
+                    video_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text entries (n,) / (n, F*H) at text_positions and visual entries (m, F*H) at
+    visual_positions merged in prompt order: ids (n + m,), the visual ones the video pad id,
+    and features (n + m, F*H). Inference (build_context) and training (target_signals) both
+    merge with it, so their entries come in the same order."""
+    order = torch.argsort(torch.cat([text_positions, visual_positions]).cpu())      # positions are distinct
+    pad = torch.full((visual_positions.shape[0],), video_token_id, dtype=text_ids.dtype, device=text_ids.device)
+    ids = torch.cat([text_ids, pad])[order.to(text_ids.device)]
+    return ids, torch.cat([text_features, visual_features])[order.to(text_features.device)]
+
+
 def draft_attention(context: str, window: int, anchors: int, num_prompt: int) -> tuple[int, int]:
     """(window, anchors) the draft runs with. "text": as configured (text-anchored window
     attention). "all" / "pruned": every prompt entry is an anchor and the window never
@@ -94,11 +107,9 @@ def build_context(prefill, first_token: int, glimpse: int, context: str = "text"
             raise ValueError(f"draft context {context!r} needs prefill(..., visual_features=True)")
         vpos = prefill.visual_positions
         keep = visual_entries(context, prune_keep, vpos.shape[0], prefill.bridge_text, prefill.bridge_visual)
-        vpos, vfeats = vpos[keep.to(vpos.device)], prefill.visual_features[keep.to(feats.device)]
-        num_visual = vpos.shape[0]
-        order = torch.argsort(torch.cat([prefill.text_positions, vpos]).cpu())
-        ids = torch.cat([ids, torch.full((num_visual,), prefill.video_token_id, dtype=ids.dtype)])[order]
-        feats = torch.cat([feats, vfeats])[order.to(feats.device)]
+        num_visual = keep.shape[0]
+        ids, feats = in_prompt_order(ids, feats, prefill.text_positions, vpos[keep.to(vpos.device)],
+                                     prefill.visual_features[keep.to(feats.device)], prefill.video_token_id)
     ids = torch.cat([ids, torch.tensor([first_token])])
     feats = torch.cat([feats, prefill.last_feature[None]])
     g = prefill.bridge_visual[:0] if prefill.bridge_visual is not None else feats.new_zeros(0, 0)
