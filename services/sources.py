@@ -13,7 +13,6 @@ import hashlib
 import logging
 import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -21,9 +20,10 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from sparrow.errors import InvalidRequest, SourceNotAllowed, VideoTooLarge, VideoUnreadable
+from sparrow.errors import InvalidRequest, VideoTooLarge, VideoUnreadable
 from sparrow.state_cache import StateCache
 from sparrow.video import SourcePolicy
+from sparrow.video.sources import open_regular_file
 
 from .errors import SourceChanged, VideoNotFound
 
@@ -96,26 +96,15 @@ class HashedFile:
 
 
 def _open_regular(path: Path, policy: SourcePolicy) -> BinaryIO:
-    """Open a regular file inside the media root, as sparrow.video opens paths: no FIFO
-    blocking the open, no symlink as the last component, the file actually opened checked
-    against the root. A path that does not exist is VideoNotFound."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    """Open a regular file inside the media root, as sparrow.video opens paths (the same
+    function), errors naming the file without the server's directories. A path that does
+    not exist is VideoNotFound."""
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise VideoNotFound(f"no video file {path.name!r} in the media directory") from None
-    except OSError as exc:
-        raise VideoUnreadable(f"cannot read video file {path.name!r}: {exc.strerror}") from None
-    try:
-        opened = f"/proc/self/fd/{fd}"
-        if os.path.exists(opened) and not policy.contains(opened):
-            raise SourceNotAllowed(f"{path.name!r} is outside the allowed media directory")
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise VideoUnreadable(f"{path.name!r} is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return os.fdopen(fd, "rb")
+        return open_regular_file(path, policy, shown=path.name)
+    except VideoUnreadable as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):
+            raise VideoNotFound(f"no video file {path.name!r} in the media directory") from None
+        raise exc from None            # the OSError behind it names the full path: not for the caller
 
 
 class VideoStore:

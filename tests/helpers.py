@@ -1,5 +1,6 @@
 """Test-only helpers, kept out of the package: a stub proposer that forces "always accept" /
-"never accept", and the check that the training unroll sees what decoding sees.
+"never accept", the check that the training unroll sees what decoding sees, and the check
+that seeded sampling is reproducible.
 Tests import them as `from helpers import ...` (pytest puts tests/ on sys.path)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import sparrow.models.draft as draft_module
+from sparrow import Engine
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.models.draft import SparrowDraft
 from sparrow.models.target import FeatureNeeds
@@ -91,3 +93,16 @@ def check_unroll_equals_proposer(draft: SparrowDraft, spec: SpecConfig, sig, sta
         training_row = out.key_pos[j][out.masks[j][0]]
         assert sorted(row.tolist()) == sorted(training_row.tolist()), f"step {j}"
     return inference_rows
+
+
+def check_seeded_sampling(engine: Engine, video, prompt: str):
+    """Sampling with a seed: the same seed gives the same tokens, different seeds different
+    ones (a seed that were ignored would pass the first check alone). Returns the first output."""
+    s = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.95, top_k=50, seed=123)
+    a = engine.generate(video, prompt, s)
+    b = engine.generate(video, prompt, s)
+    assert a.token_ids == b.token_ids and len(a.token_ids) >= 1
+    others = {tuple(engine.generate(video, prompt, SamplingParams(max_new_tokens=20, temperature=1.0,
+                                                                  seed=seed)).token_ids) for seed in range(4)}
+    assert len(others) > 1, "different seeds should give different samples"
+    return a

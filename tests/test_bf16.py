@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import OracleProposer
+from helpers import OracleProposer, check_seeded_sampling
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models import TargetModel
@@ -66,15 +66,7 @@ def test_bf16_golden_oracle_all_accepted_and_corrupt_none_accepted(bf16_target, 
 
 
 def test_bf16_sampling_seeded_reproducible(bf16_target, small_video):
-    engine = Engine(bf16_target, tiny_draft(bf16_target, SPEC), SPEC)
-    s = SamplingParams(max_new_tokens=20, temperature=1.0, top_p=0.95, top_k=50, seed=123)
-    a = engine.generate(small_video, PROMPTS[0], s)
-    b = engine.generate(small_video, PROMPTS[0], s)
-    assert a.token_ids == b.token_ids and len(a.token_ids) >= 1
-    others = {tuple(engine.generate(small_video, PROMPTS[0],
-                                    SamplingParams(max_new_tokens=20, temperature=1.0, seed=s_)).token_ids)
-              for s_ in range(4)}
-    assert len(others) > 1, "different seeds should give different samples"
+    check_seeded_sampling(Engine(bf16_target, tiny_draft(bf16_target, SPEC), SPEC), small_video, PROMPTS[0])
 
 
 def test_bf16_speculative_sampling_follows_the_target(qwen_target, tmp_path, small_video):

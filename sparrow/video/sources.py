@@ -123,30 +123,33 @@ def _path_media(path: str | os.PathLike, options: VideoOptions, policy: SourcePo
 
     @contextlib.contextmanager
     def open_container() -> Iterator[av.container.InputContainer]:
-        with _open_file(name, policy) as file, _container(file, options) as container:
+        with open_regular_file(name, policy) as file, _container(file, options) as container:
             yield container
 
-    with _open_file(name, policy) as file:  # fail early, with the file's own error
+    with open_regular_file(name, policy) as file:  # fail early, with the file's own error
         _check_size(os.fstat(file.fileno()).st_size, f"video file {name!r}", options)
     return Media(f"video file {name!r}", open_container, reopenable=True, streamed=False)
 
 
-def _open_file(path: str, policy: SourcePolicy | None) -> BinaryIO:
+def open_regular_file(path: str | os.PathLike, policy: SourcePolicy | None, shown: str | None = None) -> BinaryIO:
     """Open a regular file for reading. O_NONBLOCK: a FIFO must not block the open (it is
     then refused as not a regular file). With a policy, the final component may not be a
     symlink, and the file actually opened must lie in the media root (a path component
-    swapped for a symlink after `resolve` is caught here)."""
+    swapped for a symlink after `resolve` is caught here). `shown`: how errors name the file
+    (default the path; a server names only the file, not its own directories). A failed
+    open is VideoUnreadable caused by the OSError (FileNotFoundError for a missing file)."""
+    shown = os.fspath(path) if shown is None else shown
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if policy else 0)
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        raise VideoUnreadable(f"cannot read video file {path!r}: {exc.strerror}") from exc
+        raise VideoUnreadable(f"cannot read video file {shown!r}: {exc.strerror}") from exc
     try:
         opened = f"/proc/self/fd/{fd}"
         if policy is not None and os.path.exists(opened) and not policy.contains(opened):
-            raise SourceNotAllowed(f"{path!r} is outside the allowed media directory")
+            raise SourceNotAllowed(f"{shown!r} is outside the allowed media directory")
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise VideoUnreadable(f"{path!r} is not a regular file")
+            raise VideoUnreadable(f"{shown!r} is not a regular file")
     except BaseException:
         os.close(fd)
         raise
