@@ -76,7 +76,7 @@ from sparrow.state_cache import open_cache  # noqa: E402
 from sparrow.training.world import CAPTION_PROMPTS, LADDER  # noqa: E402
 from sparrow.video import ProcessedVideo, prepare_video  # noqa: E402
 
-METHODS = {"plain": "plain", "sparrow": "Sparrow"}
+METHODS = {"plain": "plain", "sparrow": "Sparrow", "sparrow-adaptive": "Sparrow, adaptive k"}
 PATHS = {"in-process": "in-process", "grpc": "gRPC"}
 SEED = 3 * 10**9                 # world videos: training < 1e9, world eval 4e9, speculative 2e9
 TINY_LENGTHS = ((84, 8), (112, 8))    # 36 and 64 visual tokens with the world-style processor
@@ -89,7 +89,7 @@ class ConcurrencyConfig:
     streams: tuple[int, ...] = (1, 2, 4, 8, 16)
     tokens: int = 64
     reps: int = 5
-    methods: tuple[str, ...] = tuple(METHODS)
+    methods: tuple[str, ...] = ("plain", "sparrow")        # "sparrow-adaptive" on request (--methods)
     paths: tuple[str, ...] = tuple(PATHS)
     k: int = 4
     seed: int = SEED
@@ -256,7 +256,7 @@ def run_benchmark(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) ->
     measures, summaries, the prefill scenario and identity mismatches. JSON-serialisable."""
     load_before, machine = os.getloadavg(), sb.machine()
     models = sb.Models(cfg.models)
-    spec_cfg = sb.BenchConfig(models=cfg.models, k=cfg.k, methods=("plain", "sparrow"))
+    spec_cfg = sb.BenchConfig(models=cfg.models, k=cfg.k, methods=("plain", "sparrow", "sparrow-adaptive"))
     # An engine per method and path, each with its own prefix cache, as separate deployments would be.
     caches = [PrefixCache(max_bytes=64 << 30, max_entries=cfg.videos_per_rep + 8) for _ in range(2 * len(cfg.methods))]
     engines = {m: sb.build_engine(m, models, spec_cfg, caches[i]) for i, m in enumerate(cfg.methods)}
@@ -583,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", help="comma list of SIDExFRAMES world videos (default 168x28,168x448: 0.5k, 8k)")
     ap.add_argument("--tokens", type=int, help="new tokens a stream (default 64; quick 32)")
     ap.add_argument("--reps", type=int, help="fresh video sets per length (default 5; quick 2)")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default="plain,sparrow", help=f"comma list of {list(METHODS)}")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--seed", type=int, default=SEED)

@@ -79,6 +79,7 @@ METHODS = {m.name: m for m in (
     Method("specvlm-eagle", "EAGLE + SpecVLM pruning"),
     Method("sparrow", "Sparrow"),
     Method("sparrow-glimpse", "Sparrow + glimpse"),
+    Method("sparrow-adaptive", "Sparrow, adaptive k"),      # the concurrency benchmark's; opt-in here
     Method("ablation-none", "none", ablation=True),
     Method("ablation-window", "window", ablation=True),
     Method("ablation-mtp", "mtp", ablation=True),
@@ -100,7 +101,7 @@ class BenchConfig:
     glimpse: int = 16
     window: int = 16   # the world drafts are trained with window 16, anchors 32 (training/world_data.py)
     anchors: int = 32
-    methods: tuple[str, ...] = tuple(METHODS)
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m != "sparrow-adaptive")
     seed: int = BENCH_SEED
     warmup_tokens: int = 8           # one untimed request per method first (0: none)
 
@@ -160,6 +161,8 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache)
     if name == "sparrow":
         return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0), prefix_cache=cache)
+    if name == "sparrow-adaptive":       # k chosen per step from measured costs and acceptance (scheduler.DraftPolicy)
+        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0, adaptive_k=True), prefix_cache=cache)
     if name == "sparrow-glimpse":
         return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=cfg.glimpse), prefix_cache=cache)
     if name == "eagle":

@@ -36,7 +36,7 @@ def test_result_structure_and_identity(models_dir):
     assert result["identical"] and result["mismatches"] == []
     # 84 px x 8 frames: 4 frame pairs of 3x3 visual tokens
     cells = {(r["path"], r["method"], r["streams"]): r for r in result["summary"]}
-    assert set(cells) == {(p, m, n) for p in cb.PATHS for m in cb.METHODS for n in (1, 2)}
+    assert set(cells) == {(p, m, n) for p in cb.PATHS for m in ("plain", "sparrow") for n in (1, 2)}
     assert len(result["runs"]) == len(cells)
     for r in result["runs"]:
         assert r["visual_tokens"] == 36 and r["rep"] == 0
