@@ -12,6 +12,8 @@ bit for bit, as sparse rows when the request's sampling truncates them.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest_services import SPEC_KWARGS
@@ -139,7 +141,9 @@ def test_one_draft_call_per_step_for_concurrent_requests(models, colocated, redi
     step is one call carrying all of them, and each answer is its solo colocated run."""
     target, draft, video = models
     other = synthetic_frames(6, 56, 56, seed=7)
-    jobs = [(video, GREEDY), (other, SAMPLED), (video, TOP_K), (other, GREEDY)]
+    # Long enough that all four run together for many steps, however their starts spread.
+    jobs = [(v, replace(s, max_new_tokens=160)) for v, s in [(video, GREEDY), (other, SAMPLED), (video, TOP_K),
+                                                             (other, GREEDY)]]
     expected = [colocated.generate(v, PROMPT, s).token_ids for v, s in jobs]
     cache = RedisStateCache(redis_url)
     replicas = Replicas(2, draft, cache)
@@ -158,7 +162,7 @@ def test_only_requests_that_lost_their_context_are_sent_again(models, colocated,
     """A replica that lost one session of a batch answers it need_context and drafts the
     others; the same step's next call carries that request alone, with its context."""
     target, draft, video = models
-    jobs = [(video, SAMPLED), (synthetic_frames(6, 56, 56, seed=7), GREEDY)]
+    jobs = [(video, replace(SAMPLED, max_new_tokens=120)), (synthetic_frames(6, 56, 56, seed=7), GREEDY)]
     expected = [colocated.generate(v, PROMPT, s).token_ids for v, s in jobs]
     evicted = []
 
@@ -239,3 +243,13 @@ def test_draft_probs_travel_bit_for_bit(top_k, top_p, sparse):
     assert wire.nbytes == dense if not sparse else wire.nbytes == int((q > 0).sum()) * 8 < dense / 4
     if top_k:
         assert wire.nbytes <= 4 * top_k * 8
+
+
+def test_wire_benchmark_measures_what_travels():
+    """benchmarks.draft_wire (the BENCHMARKS.md figures): a truncated round is a fraction of
+    the dense one, and greedy sends no rows at all."""
+    from benchmarks.draft_wire import measure
+
+    dense, top_k, greedy = (measure(4096, 4, *case) for case in [(1.0, 0, 1.0), (1.0, 20, 1.0), (0.0, 0, 1.0)])
+    assert dense["before"] == dense["after"] == top_k["before"] > 4 * 4096 * 4
+    assert top_k["after"] < dense["after"] / 5 and greedy["after"] < 1000
