@@ -116,7 +116,9 @@ class Request:
     draft_state: Any = None
     generator: torch.Generator | None = None
     output: OutputProcessor | None = None
-    acceptance: float = 0.7                 # running estimate of its per-token acceptance
+    accepted: int = 0                       # its draft tokens accepted so far ...
+    rejected: int = 0                       # ... and verify steps that rejected one
+    pending_commits: list = field(default_factory=list)   # StepResults not yet given to the draft
     decode_start: float = 0.0
     waited: bool = False                    # counted once in the scheduler's waited_for_memory
     prefill_s_per_token: float = 0.0        # measured on its last prefill slice
@@ -125,57 +127,25 @@ class Request:
     def abort(self) -> None:
         self.aborted.set()
 
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance: accepted / (accepted + rejections), with a weak prior of 2/3."""
+        return (self.accepted + 2) / (self.accepted + self.rejected + 3)
 
-class DraftPolicy:
-    """k per request per step, from measured costs: the step's verify time is fitted as
-    a + b * tokens_verified over recent steps, the draft's as c per draft position; each
-    request's acceptance rate alpha is tracked. With n requests, a common k for the adaptive
-    ones is the one that maximises expected tokens per second,
 
-        sum_r (1 - alpha_r^(k+1)) / (1 - alpha_r)  /  (a + b * n * (k + 1) + c * k)
+class _LinearFit:
+    """y = a + b * x over the last `window` samples (least squares; a, b >= 0)."""
 
-    so k shrinks (down to plain decoding) as the batch grows or acceptance falls. Until the
-    fit has seen enough distinct step sizes it explores k = 0 .. k_max in turn; it keeps
-    exploring now and then, so a change of load is noticed. Requests whose k is pinned
-    (seeded sampling, an explicit k) always get their own k.
-    """
+    def __init__(self, window: int = 64):
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)
 
-    def __init__(self, k_max: int, adaptive: bool, window: int = 64):
-        self.k_max, self.adaptive = k_max, adaptive
-        self.samples: deque[tuple[float, float]] = deque(maxlen=window)   # (tokens verified, seconds)
-        self.draft_per_position = 0.0
-        self._steps = itertools.count()
+    def add(self, x: float, y: float) -> None:
+        self.samples.append((float(x), float(y)))
 
-    def choose(self, batch: list[Request]) -> list[int]:
-        caps = [min(r.k, max(0, r.output.remaining - 1)) if r.draft_state is not None else 0 for r in batch]
-        free = [i for i, r in enumerate(batch) if not r.pinned_k and caps[i] > 0]
-        if not self.adaptive or not free:
-            return caps
-        step = next(self._steps)
-        k = self._explore(step) if step < 3 * (self.k_max + 1) or step % 50 == 0 else self._best(batch, caps, free)
-        for i in free:
-            caps[i] = min(caps[i], k)
-        return caps
+    def __bool__(self) -> bool:
+        return bool(self.samples)
 
-    def _explore(self, step: int) -> int:
-        return step % (self.k_max + 1)
-
-    def _best(self, batch: list[Request], caps: list[int], free: list[int]) -> int:
-        fit = self._fit()
-        if fit is None:
-            return self.k_max
-        a, b = fit
-        fixed_tokens = sum(caps[i] + 1 for i in range(len(batch)) if i not in free)
-        best, best_rate = 0, -1.0
-        for k in range(self.k_max + 1):
-            emitted = sum(_expected_tokens(batch[i].acceptance, min(k, caps[i])) for i in free)
-            cost = a + b * (fixed_tokens + len(free) * (k + 1)) + self.draft_per_position * k
-            rate = emitted / max(cost, 1e-9)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
-
-    def _fit(self) -> tuple[float, float] | None:
+    def fit(self) -> tuple[float, float] | None:
         xs = [x for x, _ in self.samples]
         if len(set(xs)) < 2:
             return None
@@ -185,11 +155,66 @@ class DraftPolicy:
         b = max(0.0, sum((x - mx) * (y - my) for x, y in self.samples) / var)
         return max(0.0, my - b * mx), b
 
+
+class DraftPolicy:
+    """k per request per step, from measured costs. A step's verify time is fitted as
+    a + b * (tokens verified), its draft time as d0 + d1 * k (k > 0: proposing k tokens and
+    committing to the draft what earlier steps emitted; a step without drafts defers its
+    commit, so k = 0 costs the draft nothing); each request's per-token acceptance alpha is
+    estimated from its accepted and rejected draft tokens. A common k for the adaptive
+    requests of a batch of n is the one that maximises the expected tokens per second,
+
+        sum_r (1 - alpha_r^(k+1)) / (1 - alpha_r)  /  (a + b * (n (k + 1) + pinned) + [k > 0] (d0 + d1 k))
+
+    so k shrinks, down to plain decoding, as the batch grows or acceptance falls. Until both
+    fits have seen distinct step sizes it explores k = 0 .. k_max in turn, and again now and
+    then, so a change of load is noticed. Requests whose k is pinned (seeded sampling, an
+    explicit k) always get their own k.
+    """
+
+    EXPLORE_EVERY = 50
+
+    def __init__(self, k_max: int, adaptive: bool):
+        self.k_max, self.adaptive = k_max, adaptive
+        self.verify = _LinearFit()
+        self.draft = _LinearFit()
+        self._steps = itertools.count()
+
+    @property
+    def samples(self):
+        return self.verify.samples
+
+    def choose(self, batch: list[Request]) -> list[int]:
+        caps = [min(r.k, max(0, r.output.remaining - 1)) if r.draft_state is not None else 0 for r in batch]
+        free = [i for i, r in enumerate(batch) if not r.pinned_k and caps[i] > 0]
+        if not self.adaptive or not free:
+            return caps
+        step = next(self._steps)
+        exploring = step < 3 * (self.k_max + 1) or step % self.EXPLORE_EVERY == 0
+        k = step % (self.k_max + 1) if exploring else self._best(batch, caps, free)
+        for i in free:
+            caps[i] = min(caps[i], k)
+        return caps
+
+    def _best(self, batch: list[Request], caps: list[int], free: list[int]) -> int:
+        verify, draft = self.verify.fit(), self.draft.fit()
+        if verify is None or draft is None:
+            return self.k_max
+        (a, b), (d0, d1) = verify, draft
+        pinned_tokens = sum(caps[i] + 1 for i in range(len(batch)) if i not in free)
+        best, best_rate = 0, -1.0
+        for k in range(self.k_max + 1):
+            emitted = sum(_expected_tokens(batch[i].alpha, min(k, caps[i])) for i in free)
+            cost = a + b * (pinned_tokens + len(free) * (k + 1)) + ((d0 + d1 * k) if k > 0 else 0.0)
+            rate = emitted / max(cost, 1e-9)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
     def record(self, tokens_verified: int, verify_s: float, draft_positions: int, draft_s: float) -> None:
-        self.samples.append((float(tokens_verified), verify_s))
+        self.verify.add(tokens_verified, verify_s)
         if draft_positions > 0:
-            per = draft_s / draft_positions
-            self.draft_per_position = per if self.draft_per_position == 0 else 0.9 * self.draft_per_position + 0.1 * per
+            self.draft.add(draft_positions, draft_s)
 
 
 def _expected_tokens(alpha: float, k: int) -> float:
@@ -372,11 +397,12 @@ class Scheduler:
         self.stats["steps"] += 1
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
         t0 = time.perf_counter()
+        self._catch_up([r for r, k in zip(batch, ks) if k > 0])
         proposals = self._propose(batch, ks)
         t1 = time.perf_counter()
         results = self._verify_and_accept(batch, proposals)
         t2 = time.perf_counter()
-        self._commit(batch, results)
+        self._commit(batch, ks, results)
         t3 = time.perf_counter()
         self.policy.record(sum(k + 1 for k in ks), t2 - t1, max(ks), (t1 - t0) + (t3 - t2))
         for request, k, result in zip(batch, ks, results):
@@ -385,8 +411,8 @@ class Scheduler:
             m.verify_seconds += t2 - t1
             m.record_step(k, result.accept.num_accepted)
             if k > 0:
-                seen = result.accept.num_accepted / k
-                request.acceptance = 0.8 * request.acceptance + 0.2 * seen
+                request.accepted += result.accept.num_accepted
+                request.rejected += result.accept.num_accepted < k
             self._emit(request, result.tokens)
 
     # ----- the phases ----------------------------------------------------------------------------
@@ -418,10 +444,30 @@ class Scheduler:
             results.append(StepResult(accept, emitted, ft[: len(emitted)] if ft is not None else None))
         return results
 
-    def _commit(self, batch: list[Request], results: list[StepResult]) -> None:
-        pairs = [(r.draft_state, res) for r, res in zip(batch, results) if r.draft_state is not None]
+    def _commit(self, batch: list[Request], ks: list[int], results: list[StepResult]) -> None:
+        """The draft learns what each step emitted. A request that did not draft this step
+        keeps its results for later (`_catch_up`): plain steps cost the draft nothing."""
+        pairs = []
+        for request, k, result in zip(batch, ks, results):
+            if request.draft_state is None:
+                continue
+            if k > 0:
+                pairs.append((request.draft_state, result))
+            else:
+                request.pending_commits.append(result)
         if pairs:
             self.engine.proposer.commit([s for s, _ in pairs], [res for _, res in pairs])
+
+    def _catch_up(self, drafting: list[Request]) -> None:
+        """Before a request drafts again: the steps it decoded without drafting, in one commit."""
+        late = [r for r in drafting if r.pending_commits]
+        if not late:
+            return
+        merged = [StepResult(None, [t for res in r.pending_commits for t in res.tokens],
+                             torch.cat([res.features for res in r.pending_commits])) for r in late]
+        self.engine.proposer.commit([r.draft_state for r in late], merged)
+        for r in late:
+            r.pending_commits.clear()
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         delta = request.output.push(tokens)
