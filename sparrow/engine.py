@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from .chat import Prompt, as_messages
 from .config import SamplingParams, SpecConfig
 from .errors import InvalidRequest, ResourceExhausted
 from .metrics import SpecMetrics
@@ -119,23 +120,28 @@ class Engine:
             return video
         return prepare_video(video, self.target.processor, options or VideoOptions())
 
-    def prepare(self, video, prompt: str, options: VideoOptions | None = None) -> dict[str, torch.Tensor]:
+    def prepare(self, video, prompt: Prompt, options: VideoOptions | None = None) -> dict[str, torch.Tensor]:
         """The exact kwargs handed to target.hf: `target.hf.generate(**engine.prepare(...))` works."""
         return self.target.build_inputs(self.process_video(video, options), prompt)
 
     # ----- public entry points -------------------------------------------------------------------
-    def submit(self, video, prompt: str, sampling: SamplingParams | None = None,
+    def submit(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                options: VideoOptions | None = None, *, video_key: str | None = None,
                num_draft_tokens: int | None = None, sink: Callable[[Any], None]) -> Request:
         """Start a request; its events go to `sink` from the engine's threads: TokenDelta
         items, then a GenerationOutput or an exception. `request.abort()` stops it."""
+        if isinstance(prompt, list):
+            prompt = tuple(prompt)         # the request keeps its own copy of the turns
         return self.scheduler.submit(video, prompt, sampling or SamplingParams(), options, video_key,
                                      num_draft_tokens, sink)
 
-    def stream(self, video, prompt: str, sampling: SamplingParams | None = None,
+    def stream(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                options: VideoOptions | None = None, *, video_key: str | None = None,
                num_draft_tokens: int | None = None) -> Generation:
         """Start a request and iterate its deltas.
+
+        prompt: a question, or a conversation about the video (sparrow.chat.Message turns,
+        oldest first, ending with the user's question); the video sits in the first user turn.
 
         video_key: names the video's content (and how it is sampled) so the prefix cache can
         reuse its prefill; `video` may then be a zero-argument callable, called on a miss only.
@@ -150,7 +156,7 @@ class Engine:
             gen._events.put(exc)
         return gen
 
-    def generate(self, video, prompt: str, sampling: SamplingParams | None = None,
+    def generate(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                  options: VideoOptions | None = None, *, video_key: str | None = None,
                  num_draft_tokens: int | None = None) -> GenerationOutput:
         gen = self.stream(video, prompt, sampling, options, video_key=video_key, num_draft_tokens=num_draft_tokens)
@@ -166,8 +172,9 @@ class Engine:
         """On a worker thread: validate, decode the video (unless the prefix cache has its
         prefill), build the prompt, size the request's KV slot."""
         m = request.metrics
-        if not isinstance(request.prompt, str) or not request.prompt.strip():
+        if isinstance(request.prompt, str) and not request.prompt.strip():
             raise InvalidRequest("prompt must be a non-empty string")
+        as_messages(request.prompt)        # a conversation's turns are checked here, before any decoding
         k = self._draft_tokens(request.requested_k)
         request.k = k
         request.pinned_k = request.requested_k is not None or (not request.sampling.greedy

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
+from ..chat import Prompt, chat_template_messages
 from ..errors import ContextOverflow, InvalidRequest
 from ..video import ProcessedVideo, VideoProcessor, processor_for, processor_from_hf
 from . import gqa
@@ -421,11 +422,12 @@ class TargetModel:
         return self.hf.get_output_embeddings()
 
     # ----- inputs ------------------------------------------------------------------------
-    def prompt_ids(self, prompt: str, num_visual_tokens: int) -> list[int]:
-        """Token ids of the chat-formatted prompt with the video placeholder expanded."""
-        if not isinstance(prompt, str) or not prompt.strip():
+    def prompt_ids(self, prompt: Prompt, num_visual_tokens: int) -> list[int]:
+        """Token ids of the chat-formatted prompt with the video placeholder expanded. `prompt`:
+        a question, or a conversation (sparrow.chat) whose first user turn holds the video."""
+        if isinstance(prompt, str) and not prompt.strip():
             raise InvalidRequest("prompt must be a non-empty string")
-        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}]
+        messages = chat_template_messages(prompt)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if ids.count(self.video_token_id) != 1:
@@ -433,7 +435,7 @@ class TargetModel:
         i = ids.index(self.video_token_id)
         return ids[:i] + [self.video_token_id] * num_visual_tokens + ids[i + 1:]
 
-    def build_inputs(self, video: ProcessedVideo, prompt: str) -> dict[str, torch.Tensor]:
+    def build_inputs(self, video: ProcessedVideo, prompt: Prompt) -> dict[str, torch.Tensor]:
         input_ids = torch.tensor([self.prompt_ids(prompt, video.num_visual_tokens)], device=self.device)
         inputs = {
             "input_ids": input_ids,
