@@ -34,7 +34,8 @@ ATTENTION_BACKENDS: dict[str, AttentionFn] = {"sdpa": _sdpa, "eager": _eager}
 
 
 def register_backend(name: str, fn: AttentionFn) -> None:
-    """Kernels (sparrow.kernels) register themselves here; the draft looks them up by name."""
+    """Add a backend by name (the optional kernels are added here when first asked for); the draft
+    looks them up by name."""
     ATTENTION_BACKENDS[name] = fn
 
 

@@ -3,8 +3,9 @@
 Verifier-guided, two stages (SpecVLM's rule; prune.prune_visual is its one implementation):
 first the visual tokens that the prompt's text attends to most at the bridge layer, up to
 half the budget or until they hold `mass` of the attention; then the rest spread uniformly
-over the remaining tokens, so every part of the video keeps some coverage. The attention is measured with the target's own bridge-layer
-states (text states as queries, visual states as keys, scaled dot product).
+over the remaining tokens, so every part of the video keeps some coverage. The attention is
+measured with the target's own bridge-layer states (text states as queries, visual states as
+keys, scaled dot product).
 """
 
 from __future__ import annotations
