@@ -40,8 +40,9 @@ from .models.kv_cache import KVArena, KVSlot
 from .models.target import FeatureNeeds, PrefillJob, TargetState
 from .output import OutputProcessor
 from .prefix_cache import PrefixEntry
-from .spec.accept import AcceptResult, accept_greedy, accept_speculative
+from .spec.accept import AcceptResult, accept_tree_greedy, accept_tree_speculative
 from .spec.proposer import BeginInput, DraftRequest, Proposal, StepResult
+from .spec.tree import DraftTree
 from .spec.sampling import draw_token, logits_to_probs, new_generator
 
 log = logging.getLogger(__name__)
@@ -434,14 +435,16 @@ class Scheduler:
             tokens.append(torch.cat([last, proposal.tokens]) if proposal is not None else last)
         drafts = any(r.draft_state is not None for r in batch)
         layers = engine.proposer.needs.feature_layers if drafts else ()
-        logits, feats = engine.target.verify([r.state for r in batch], [t.to(device) for t in tokens], layers)
+        logits, feats = engine.target.verify([r.state for r in batch], [t.to(device) for t in tokens], layers,
+                                             trees=proposals)
         results = []
         for request, proposal, lg, ft in zip(batch, proposals, logits, feats):
             accept = _accept(proposal, lg, request.sampling, request.generator)
-            k = proposal.tokens.shape[0] if proposal is not None else 0
-            engine.target.rollback(request.state, k - accept.num_accepted)
+            engine.target.keep_path(request.state, lg.shape[0], list(accept.path))
             emitted = accept.tokens(proposal.tokens if proposal is not None else _NO_DRAFT)
-            results.append(StepResult(accept, emitted, ft[: len(emitted)] if ft is not None else None))
+            # The target's features before each emitted token: at the root, then at each accepted node.
+            rows = [0] + [i + 1 for i in accept.path]
+            results.append(StepResult(accept, emitted, ft[rows] if ft is not None else None))
         return results
 
     def _commit(self, batch: list[Request], ks: list[int], results: list[StepResult]) -> None:
@@ -511,12 +514,13 @@ _NO_DRAFT = torch.empty(0, dtype=torch.long)
 
 def _accept(proposal: Proposal | None, logits: torch.Tensor, sampling: SamplingParams,
             generator: torch.Generator) -> AcceptResult:
-    """The one acceptance path; a step without drafts is acceptance of zero draft tokens."""
-    tokens = proposal.tokens if proposal is not None else _NO_DRAFT
+    """The one acceptance path (trees, chains included); a step without drafts is acceptance
+    of an empty tree."""
+    tree = proposal if proposal is not None else DraftTree.chain(_NO_DRAFT)
     if sampling.greedy:
-        return accept_greedy(tokens, logits)
+        return accept_tree_greedy(tree, logits)
     p = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    return accept_speculative(tokens, proposal.probs if proposal is not None else None, p, generator)
+    return accept_tree_speculative(tree, p, generator)
 
 
 def first_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:

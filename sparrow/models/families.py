@@ -29,7 +29,11 @@ class Family:
         return torch.arange(n).view(1, n), 0
 
     def step_positions(self, start: int, n: int, delta: int) -> torch.Tensor:
-        return torch.arange(start + delta, start + delta + n).view(1, n)
+        return self.text_positions(torch.arange(start, start + n), delta)
+
+    def text_positions(self, index: torch.Tensor, delta: int) -> torch.Tensor:
+        """Positions of text tokens at sequence indices `index` (n,) after the prompt: (1, n)."""
+        return (index + delta).view(1, -1)
 
     def video_embeds(self, hf, inputs: dict) -> torch.Tensor:
         """(Nv, H) the visual tokens' embeddings in prompt order, from the model's public
@@ -77,9 +81,10 @@ class QwenVLFamily(Family):
         out = hf.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
         return torch.cat(out.pooler_output, dim=0)
 
-    def step_positions(self, start: int, n: int, delta: int) -> torch.Tensor:
-        # After the prompt every token is text: the three axes share one position.
-        return super().step_positions(start, n, delta).view(1, 1, n).expand(3, 1, n)
+    def text_positions(self, index: torch.Tensor, delta: int) -> torch.Tensor:
+        # After the prompt every token is text: the three axes share one position (3, 1, n).
+        n = index.shape[0]
+        return (index + delta).view(1, 1, n).expand(3, 1, n)
 
 
 class LlavaOnevisionFamily(Family):

@@ -31,6 +31,7 @@ class RaggedSegment:
     cache: Cache          # the request's own cache (PreallocatedLayers over its arena slot)
     start: int            # rows of the packed batch
     end: int
+    tree_mask: torch.Tensor | None = None   # (n, n) which new tokens each new token sees; None: causal
 
 
 class RaggedBatch(Cache):
@@ -53,7 +54,7 @@ class RaggedBatch(Cache):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """query (1, Hq, N_total, D) -> (1, N_total, Hq, Dv): each request's rows over its keys."""
         views = self._views.pop(module.layer_idx)
-        out = [ragged_attention(query[:, :, seg.start:seg.end], k, v, scaling)
+        out = [ragged_attention(query[:, :, seg.start:seg.end], k, v, scaling, seg.tree_mask)
                for seg, (k, v) in zip(self.segments, views)]
         return torch.cat(out, dim=2).transpose(1, 2).contiguous()
 
@@ -62,15 +63,21 @@ class RaggedBatch(Cache):
         return {"full_attention": self, "sliding_attention": self}
 
 
-def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """One request: q (1, Hq, n, D) the last n of its L keys k/v (1, Hkv, L, D), causal among
-    themselves. Query heads that share a key/value head are stacked (as grouped_sdpa does), so
-    the cache is read once per key/value head, not copied per query head. -> (1, Hq, n, Dv)."""
+def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None,
+                     tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One request: q (1, Hq, n, D) the last n of its L keys k/v (1, Hkv, L, D). They see every
+    earlier key, and among themselves what tree_mask (n, n) allows (a draft tree's ancestors),
+    or causal order. Query heads that share a key/value head are stacked (as grouped_sdpa
+    does), so the cache is read once per key/value head, not copied per query head.
+    -> (1, Hq, n, Dv)."""
     _, hq, n, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     groups = hq // hkv
     mask = None
-    if n > 1:
+    if tree_mask is not None:
+        past = torch.ones(n, length - n, dtype=torch.bool, device=q.device)
+        mask = torch.cat([past, tree_mask.to(q.device)], dim=1).repeat(groups, 1)     # (G*n, L)
+    elif n > 1:
         row = torch.arange(n, device=q.device).view(n, 1)
         col = torch.arange(length, device=q.device).view(1, length)
         mask = (col <= row + (length - n)).repeat(groups, 1)          # (G*n, L)

@@ -481,17 +481,25 @@ class TargetModel:
         return job.collector.prefix(job.kv, end)
 
     @torch.inference_mode()
-    def verify(self, states: list[TargetState], tokens: list[torch.Tensor],
-               feature_layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def verify(self, states: list[TargetState], tokens: list[torch.Tensor], feature_layers: tuple[int, ...] = (),
+               trees: list | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Score every request's new tokens in ONE forward: request i's tokens (n_i,) on top of
         its own cache (n_i = 1: a decode step; k_i + 1: a verify step). The tokens are packed
         along the sequence and each request attends only to its own keys (ragged.py).
+        trees[i] (a DraftTree, or None for a chain): tokens[i] is [root] + the tree's nodes;
+        node j sits at position root + depth_j and sees the root and its own ancestors.
         Returns per request logits (n_i, V) and, if asked, features (n_i, F*H)."""
         segments, positions, row = [], [], 0
-        for state, t in zip(states, tokens):
+        for i, (state, t) in enumerate(zip(states, tokens)):
             n = t.shape[-1]
-            segments.append(RaggedSegment(state.kv, row, row + n))
-            positions.append(self.family.step_positions(state.length, n, state.rope_delta))
+            tree = trees[i] if trees is not None else None
+            if tree is None or tree.is_chain:
+                segments.append(RaggedSegment(state.kv, row, row + n))
+                positions.append(self.family.step_positions(state.length, n, state.rope_delta))
+            else:
+                depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
+                segments.append(RaggedSegment(state.kv, row, row + n, tree.attention_mask()))
+                positions.append(self.family.text_positions(state.length + depth, state.rope_delta))
             row += n
         batch = RaggedBatch(segments)
         ids = torch.cat([t.view(-1) for t in tokens]).view(1, row).to(self.device)
@@ -513,6 +521,19 @@ class TargetModel:
         """One request's n tokens on top of its cache: `verify` with a batch of one."""
         logits, feats = self.verify([state], [token_ids], feature_layers)
         return logits[0], feats[0]
+
+    @torch.inference_mode()
+    def keep_path(self, state: TargetState, verified: int, path: list[int]) -> None:
+        """After verifying a tree of `verified` tokens (root + nodes): keep the root and the
+        accepted nodes `path` (node indices, root to leaf), moved in place to follow the root;
+        everything else the tree wrote is dropped (a length move)."""
+        root = state.length - verified
+        if path != list(range(len(path))):           # a chain's accepted prefix is in place already
+            src = torch.tensor(path, device=self.device) + root + 1
+            for layer in state.kv.layers:
+                for buf in (layer.k_buf, layer.v_buf):
+                    buf[:, :, root + 1: root + 1 + len(path)] = buf[:, :, src]    # gathers first: no overlap hazard
+        self.rollback(state, verified - 1 - len(path))
 
     def rollback(self, state: TargetState, n_remove: int) -> None:
         """Drop the last n_remove tokens (rejected drafts) from the KV cache."""

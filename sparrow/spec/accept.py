@@ -1,5 +1,6 @@
 """Acceptance: the one place where draft tokens become output tokens. Pure functions,
-tensors in, a small result out; no model, cache or I/O.
+tensors in, a small result out; no model, cache or I/O. A draft is a tree (tree.py); a
+chain is the tree with one child per node, and goes through the same functions.
 
 Words (per verify step):
   draft tokens   the k tokens the draft proposed
@@ -21,46 +22,89 @@ from dataclasses import dataclass
 
 import torch
 
+from .tree import DraftTree
+
 
 @dataclass(frozen=True, slots=True)
 class AcceptResult:
-    num_accepted: int      # accepted draft tokens, 0..k
-    next_token: int        # recovered token (num_accepted < k) or bonus token (== k)
+    num_accepted: int      # accepted draft tokens, 0..depth
+    next_token: int        # recovered token (a rejection) or bonus token (a leaf was reached)
+    path: tuple[int, ...] = ()   # the accepted nodes, root to leaf (a chain: 0 .. num_accepted-1)
 
     def tokens(self, draft_tokens: torch.Tensor) -> list[int]:
-        """The tokens this step emits: accepted prefix + recovered/bonus."""
-        return draft_tokens[: self.num_accepted].tolist() + [self.next_token]
+        """The tokens this step emits: the accepted path + recovered/bonus."""
+        path = self.path or tuple(range(self.num_accepted))
+        return [int(draft_tokens[i]) for i in path] + [self.next_token]
+
+
+def accept_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> AcceptResult:
+    """target_logits: (N+1, V); row 0 scores the token after the root, row i+1 the token after
+    node i. From the root, follow the child whose token is the target's argmax; the first node
+    without such a child ends the path and the argmax there is the next token. The emitted
+    tokens are exactly the target's greedy continuation, whatever the tree."""
+    best = target_logits.argmax(dim=-1).tolist()                       # (N+1,) one host read
+    tokens, children = tree.tokens.tolist(), tree.children()
+    node, path = -1, []
+    while True:
+        want = best[node + 1]
+        match = next((c for c in children[node + 1] if tokens[c] == want), None)
+        if match is None:
+            return AcceptResult(len(path), want, tuple(path))
+        path.append(match)
+        node = match
+
+
+def accept_tree_speculative(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> AcceptResult:
+    """target_probs: (N+1, V) after the request's temperature/top-k/top-p, rows as above.
+
+    Recursive rejection sampling over siblings: at a node, its children x_1, x_2, ... (drawn
+    i.i.d. from the draft's q there, or a deterministic draft's distinct tokens, q_j =
+    one-hot(x_j)) are tried in order; x_j is accepted with probability min(1, p(x_j) / q(x_j)),
+    and on its rejection p becomes norm(max(0, p - q)) for the next sibling. An accepted child
+    continues from its own row; when every child is rejected (or a leaf is reached) the next
+    token is drawn from p as it stands. Each try is a Leviathan/Chen step against the residual
+    of the last, so the emitted tokens have exactly the target's distribution; a chain is the
+    case of one child per node."""
+    tokens, children = tree.tokens.tolist(), tree.children()
+    node, path = -1, []
+    while True:
+        p = target_probs[node + 1]
+        kids = children[node + 1]
+        accepted = None
+        for c in kids:
+            x = tokens[c]
+            q = tree.probs[tree.draw_row(c)].to(p.device) if tree.probs is not None else None
+            qx = float(q[x]) if q is not None else 1.0
+            u = float(torch.rand(1, generator=generator, device=p.device))
+            if u * qx <= float(p[x]):                   # u < p/q  <=>  accept
+                accepted = c
+                break
+            p = _residual(p, q, x)
+        if accepted is None:
+            return AcceptResult(len(path), int(torch.multinomial(p, 1, generator=generator)), tuple(path))
+        path.append(accepted)
+        node = accepted
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
+    """norm(max(0, p - q)); q None is one-hot(x). If p == q up to rounding leaves no mass, p
+    itself is the right distribution (then x is accepted almost surely anyway)."""
+    if q is not None:
+        residual = (p - q).clamp(min=0)
+    else:
+        residual = p.clone()
+        residual[x] = 0.0
+    total = residual.sum()
+    return residual / total if total > 1e-12 else p
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> AcceptResult:
-    """draft_tokens: (k,) long; target_logits: (k+1, V), row i scores the token after input i."""
-    k = draft_tokens.shape[0]
-    target_tokens = target_logits.argmax(dim=-1).to(draft_tokens.device)   # (k+1,)
-    mismatch = (draft_tokens != target_tokens[:k]).nonzero()
-    n = int(mismatch[0]) if mismatch.numel() else k
-    return AcceptResult(n, int(target_tokens[n]))
+    """A chain: draft_tokens (k,); target_logits (k+1, V), row i scores the token after input i."""
+    return accept_tree_greedy(DraftTree.chain(draft_tokens), target_logits)
 
 
 def accept_speculative(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                        target_probs: torch.Tensor, generator: torch.Generator) -> AcceptResult:
-    """draft_tokens: (k,); draft_probs: (k, V) or None (deterministic draft);
-    target_probs: (k+1, V) after the request's temperature/top-k/top-p."""
-    k = draft_tokens.shape[0]
-    draft_tokens = draft_tokens.to(target_probs.device)
-    idx = torch.arange(k, device=target_probs.device)
-    p = target_probs[idx, draft_tokens]                                 # (k,) p_i(x_i)
-    q = draft_probs[idx, draft_tokens] if draft_probs is not None else torch.ones_like(p)
-    u = torch.rand(k, generator=generator, device=p.device)
-    rejected = (u * q > p).nonzero()                                    # u < p/q  <=>  accept
-    n = int(rejected[0]) if rejected.numel() else k
-    if n == k:
-        return AcceptResult(k, int(torch.multinomial(target_probs[k], 1, generator=generator)))
-    if draft_probs is not None:
-        residual = (target_probs[n] - draft_probs[n]).clamp(min=0)
-    else:
-        residual = target_probs[n].clone()
-        residual[draft_tokens[n]] = 0.0
-    total = residual.sum()
-    # p == q up to rounding leaves no residual mass; then p itself is the right distribution.
-    residual = residual / total if total > 1e-12 else target_probs[n]
-    return AcceptResult(n, int(torch.multinomial(residual, 1, generator=generator)))
+    """A chain: draft_tokens (k,); draft_probs (k, V) or None (deterministic draft);
+    target_probs (k+1, V) after the request's temperature/top-k/top-p."""
+    return accept_tree_speculative(DraftTree.chain(draft_tokens, draft_probs), target_probs, generator)

@@ -27,12 +27,11 @@ from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.target import FeatureNeeds, PrefillOutput
 from .accept import AcceptResult
+from .tree import DraftTree
 
 
-@dataclass(slots=True)
-class Proposal:
-    tokens: torch.Tensor                # (k,) long
-    probs: torch.Tensor | None          # (k, V) draft distributions, None for a deterministic draft
+# A proposal is a draft tree (tree.py): Proposal(tokens, probs) is a chain.
+Proposal = DraftTree
 
 
 @dataclass(slots=True)

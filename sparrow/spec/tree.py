@@ -1,0 +1,83 @@
+"""Draft trees: what a proposer proposes for one request in one step.
+
+    root      the request's last emitted token (its KV is written by the verify step)
+    node i    tokens[i], child of parents[i] (-1: the root), at depth[i] >= 1; nodes are in
+              breadth-first order, so a parent always comes before its children
+
+A chain of k draft tokens is the tree whose node i is the child of node i-1: every proposer
+proposes trees, chains included, and the scheduler, the target's verify and acceptance have
+one code path for both.
+
+For sampling, the children of a node must have been drawn i.i.d. from one draft distribution
+q (or be a deterministic draft's distinct tokens): `probs` holds those distributions, one row
+per node that has children, and `draw[i]` is the row node i was drawn from. Acceptance
+(accept.py) reads q there; nothing else about how the tree was grown matters to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class DraftTree:
+    tokens: torch.Tensor                    # (N,) long
+    probs: torch.Tensor | None = None       # (M, V) draft distributions, None for a deterministic draft
+    parents: torch.Tensor | None = None     # (N,) long, -1 = the root; None: a chain
+    draw: torch.Tensor | None = None        # (N,) long rows of probs; None: row i for node i (a chain)
+    _children: list[list[int]] | None = field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
+
+    def parent_list(self) -> list[int]:
+        if self.parents is None:
+            return list(range(-1, self.size - 1))
+        return self.parents.tolist()
+
+    def children(self) -> list[list[int]]:
+        """children()[u + 1]: the nodes whose parent is u (u = -1: the root), in order."""
+        if self._children is None:
+            kids: list[list[int]] = [[] for _ in range(self.size + 1)]
+            for i, p in enumerate(self.parent_list()):
+                kids[p + 1].append(i)
+            self._children = kids
+        return self._children
+
+    def depths(self) -> torch.Tensor:
+        """(N,) depth of every node (the root's children: 1)."""
+        if self.parents is None:
+            return torch.arange(1, self.size + 1)
+        depth = [0] * self.size
+        for i, p in enumerate(self.parent_list()):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return torch.tensor(depth, dtype=torch.long)
+
+    def draw_row(self, node: int) -> int:
+        return node if self.draw is None else int(self.draw[node])
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """(N+1, N+1) bool over [root, nodes]: row i sees column j iff j is i's ancestor or i
+        itself (the root is everyone's ancestor). None for a chain: plain causal order."""
+        if self.parents is None:
+            return None
+        n = self.size
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, p in enumerate(self.parent_list()):
+            row = i + 1
+            if p >= 0:
+                mask[row] = mask[p + 1]
+            mask[row, row] = True
+        return mask
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, probs: torch.Tensor | None = None) -> "DraftTree":
+        return cls(tokens, probs)
