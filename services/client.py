@@ -5,12 +5,15 @@
     for response in client.stream("What happens?", video_id=video_id, max_new_tokens=64):
         ...                                               # chunks, then one completion
     result = client.generate("What happens?", video_id=video_id)   # all at once
+    client.generate("Which way?", video_id=video_id,                # a follow-up: the video's prefill is reused
+                    history=[("user", "What happens?"), ("assistant", result.text)])
 """
 
 from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,15 +90,17 @@ class SparrowClient:
     def stream(self, prompt: str, *, video_id: str | None = None, path: str | None = None, url: str | None = None,
                data: bytes | None = None, request_id: str = "", timeout: float | None = None,
                video_options: pb.VideoOptions | None = None, spec: pb.SpecOptions | None = None,
-               **sampling) -> "GenerateStream":
+               history: Sequence[tuple[str, str]] = (), **sampling) -> "GenerateStream":
         """The response stream; sampling: the fields of pb.SamplingParams (max_new_tokens,
-        temperature, top_p, top_k, seed, stop, ...)."""
+        temperature, top_p, top_k, seed, stop, ...). history: earlier turns about the same
+        video as (role, text) pairs, oldest first: ("user", q1), ("assistant", a1), ..."""
         given = {k: v for k, v in dict(video_id=video_id, path=path, url=url, data=data).items() if v is not None}
         if len(given) != 1:
             raise ValueError("name the video exactly one way: video_id, path, url or data")
         request_id = request_id or uuid.uuid4().hex          # known here, so cancel() can Abort it
         request = pb.GenerateRequest(request_id=request_id, prompt=prompt, video=pb.VideoSource(**given),
-                                     sampling=pb.SamplingParams(**sampling), video_options=video_options, spec=spec)
+                                     sampling=pb.SamplingParams(**sampling), video_options=video_options, spec=spec,
+                                     history=[pb.Message(role=role, text=text) for role, text in history])
         # The deadline again as metadata: behind Ray Serve's proxy the server may not see the gRPC one.
         metadata = self.metadata + ((("sparrow-timeout-ms", str(int(timeout * 1000))),) if timeout else ())
         metadata += ((VIDEO_AFFINITY_KEY, video_affinity(**given)),)

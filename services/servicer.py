@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from sparrow.chat import Message, Prompt, with_history
 from sparrow.config import SamplingParams
 from sparrow.engine import Engine, GenerationOutput
 from sparrow.errors import InvalidRequest, ResourceExhausted, VideoTooLarge
@@ -49,7 +50,8 @@ class ServiceConfig:
     max_video_bytes: int = 2 << 30
     max_duration_s: float = 4 * 3600.0
     max_message_bytes: int = 64 * MiB      # gRPC messages, both directions (uploads go in chunks)
-    max_prompt_chars: int = 16384
+    max_prompt_chars: int = 16384          # the question and its earlier turns together
+    max_history_turns: int = 64            # earlier turns of a conversation
     max_stop_strings: int = 16
     max_concurrent: int = 16               # running requests per replica; above: RESOURCE_EXHAUSTED
     # Per-frame pixel options a request may ask for (min_pixels, max_pixels). Qwen2.5-VL's
@@ -69,13 +71,15 @@ class ServiceConfig:
         if min(self.max_visual_tokens, self.max_frames, self.max_video_bytes, self.max_message_bytes,
                self.max_prompt_chars, self.max_concurrent, self.max_frame_pixels) < 1:
             raise ValueError("limits must be >= 1")
+        if self.max_history_turns < 0:
+            raise ValueError("max_history_turns must be >= 0 (0: no conversations)")
 
 
 @dataclass(frozen=True, slots=True)
 class _Job:
     """A validated request, ready for the engine."""
 
-    prompt: str
+    prompt: Prompt
     sampling: SamplingParams
     options: VideoOptions
     num_draft_tokens: int | None
@@ -174,11 +178,7 @@ class SparrowService:
 
     # ----- request -> job -----------------------------------------------------------------------
     async def _job(self, request: pb.GenerateRequest) -> _Job:
-        cfg = self.config
-        if not request.prompt.strip():
-            raise InvalidRequest("prompt must be a non-empty string")
-        if len(request.prompt) > cfg.max_prompt_chars:
-            raise ResourceExhausted(f"prompt is {len(request.prompt)} characters, over the limit of {cfg.max_prompt_chars}")
+        prompt = self._prompt(request)
         sampling = self._sampling(request.sampling)
         options = self._video_options(request.video_options)
         draft_tokens = self._draft_tokens(request.spec)
@@ -193,7 +193,22 @@ class SparrowService:
 
         # The prefix cache key: the video's content and everything that shapes its tokens.
         key = None if content is None else hashlib.sha256(f"{content}|{options!r}".encode()).hexdigest()
-        return _Job(request.prompt, sampling, options, draft_tokens, decode, key, close)
+        return _Job(prompt, sampling, options, draft_tokens, decode, key, close)
+
+    def _prompt(self, request: pb.GenerateRequest) -> Prompt:
+        """The question, or with earlier turns the whole conversation; its characters (all
+        turns together) within max_prompt_chars."""
+        cfg = self.config
+        if not request.prompt.strip():
+            raise InvalidRequest("prompt must be a non-empty string")
+        if len(request.history) > cfg.max_history_turns:
+            raise ResourceExhausted(f"{len(request.history)} earlier turns, over the limit of {cfg.max_history_turns}")
+        chars = len(request.prompt) + sum(len(m.text) for m in request.history)
+        if chars > cfg.max_prompt_chars:
+            raise ResourceExhausted(f"prompt is {chars} characters, over the limit of {cfg.max_prompt_chars}")
+        if not request.history:
+            return request.prompt
+        return with_history([Message(m.role, m.text) for m in request.history], request.prompt)
 
     def _sampling(self, s: pb.SamplingParams) -> SamplingParams:
         cfg = self.config

@@ -29,9 +29,10 @@ def _parse_type(annotation: str):
     return {"int": int, "float": float, "str": str, "bool": lambda s: s.lower() in ("1", "true", "yes")}[base]
 
 
-def _add_config_options(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
+def _add_config_options(parser: argparse.ArgumentParser, cls, helps: dict[str, str], skip: tuple[str, ...] = (),
                         preset: dict | None = None) -> None:
-    """One option per field; `preset`: the command's own defaults over the dataclass's."""
+    """One option per field, its help from `helps` (every field must have one); `preset`: the
+    command's own defaults over the dataclass's."""
     preset = preset or {}
     where = "the command's preset, else the dataclass" if preset else "the dataclass"
     group = parser.add_argument_group(f"{cls.__name__} (defaults as in {where})")
@@ -40,7 +41,7 @@ def _add_config_options(parser: argparse.ArgumentParser, cls, skip: tuple[str, .
             continue
         default = preset.get(f.name, f.default if f.default is not MISSING else None)
         group.add_argument("--" + f.name.replace("_", "-"), dest=f"cfg_{f.name}", type=_parse_type(str(f.type)),
-                           default=None, metavar=f.name.upper(), help=f"default {default}")
+                           default=None, metavar=f.name.upper(), help=f"{helps[f.name]} (default {default})")
 
 
 def _config(cls, args: argparse.Namespace, **overrides):
@@ -130,7 +131,7 @@ def _cmd_world_train_baselines(args: argparse.Namespace) -> int:
         data = make_world_data(out / "data" / "train", args.videos, (8,), args.seed, args.questions_per_video)
         held = make_world_data(out / "data" / "heldout", cfg.eval_samples, (8,), args.seed + 10**6, 0)
         summary = train_draft(args.target, data, out, cfg, held, dtype=args.dtype, device=args.device)
-        print(f"{name}: held-out tau {summary.get('heldout', {}).get('tau')}", flush=True)
+        print(f"{name}: {heldout_text(summary.get('heldout'))}", flush=True)
     return 0
 
 
@@ -139,7 +140,7 @@ def _cmd_world_eval(args: argparse.Namespace) -> int:
 
     report = evaluate_world(args.target, args.draft, args.videos_at, args.videos, args.seed,
                             log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype,
-                            device=args.device)
+                            device=args.device, progress=sys.stderr)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -153,82 +154,96 @@ def _cmd_world_demo(args: argparse.Namespace) -> int:
     return 0 if all(r["lossless"] for r in report["results"]) else 1
 
 
+def heldout_text(heldout: dict | None) -> str:
+    """The held-out tau as measured, or that none was (no held-out data, or no verify step)."""
+    if not heldout or heldout.get("tau") is None:
+        return "held-out tau not measured" + (f" ({heldout['samples']} samples, {heldout['skipped']} skipped)"
+                                              if heldout else "")
+    return f"held-out tau {heldout['tau']:.3f} ({heldout['samples']} samples)"
+
+
 def _sizes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(int(x) for x in part.split("x")) for part in text.split(","))
 
 
-def add_commands(sub) -> None:
-    """Register `train-draft` and the `world` group on the `sparrow` subparsers."""
+def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
+    """Register `train-draft` and the `world` group on the `sparrow` subparsers; `common`: a
+    parent parser of options every command takes (--verbose)."""
     from sparrow.models.placement import add_placement_arguments
+    from sparrow.progress import verbose_option
 
-    from .config import TrainConfig
-    from .world_target import TUNE, WorldTargetConfig
+    from .config import TRAIN_HELP, TrainConfig
+    from .world_target import TUNE, WORLD_TARGET_HELP, WorldTargetConfig
 
-    p = sub.add_parser("train-draft", help="train a Sparrow draft for a target (online distillation)")
+    parents = [common if common is not None else verbose_option()]
+    p = sub.add_parser("train-draft", parents=parents, help="train a Sparrow draft for a target (online distillation)")
     p.add_argument("--target", required=True, help="target model directory (save_pretrained form)")
-    p.add_argument("--data", required=True, help="JSONL manifest or folder of videos")
+    p.add_argument("--data", required=True, help="JSONL manifest (one sample a line: video, prompt or messages, "
+                                                 "optional answer) or a folder of videos")
     p.add_argument("--heldout", help="JSONL manifest or folder for the periodic held-out tau")
     p.add_argument("--out", required=True, help="where the draft, checkpoint and log go")
     p.add_argument("--resume", help="checkpoint directory to continue from (OUT/checkpoint)")
-    _add_config_options(p, TrainConfig)
+    _add_config_options(p, TrainConfig, TRAIN_HELP)
     add_placement_arguments(p)
     p.set_defaults(func=_cmd_train_draft)
 
     world = sub.add_parser("world", help="the synthetic video world: data, a trained target and draft")
     wsub = world.add_subparsers(dest="world_command", required=True)
-    p = wsub.add_parser("make-data", help="synthetic videos + a JSONL manifest of questions and answers")
-    p.add_argument("--out", required=True)
-    p.add_argument("--videos", type=int, default=64)
-    p.add_argument("--frames", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8,))
-    p.add_argument("--seed", type=int, default=0)
+    p = wsub.add_parser("make-data", parents=parents, help="synthetic videos + a JSONL manifest of questions and answers")
+    p.add_argument("--out", required=True, help="folder for the videos and manifest.jsonl")
+    p.add_argument("--videos", type=int, default=64, help="videos to render (default 64)")
+    p.add_argument("--frames", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8,),
+                   help="video lengths in frames, comma-separated, drawn per video (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first video (the others follow)")
     p.add_argument("--questions-per-video", type=int, default=1, help="QA samples per video besides its caption")
     p.set_defaults(func=_cmd_world_make_data)
 
-    p = wsub.add_parser("train-target", help="train a tiny Qwen2.5-VL target on the world from scratch")
-    p.add_argument("--out", required=True)
+    p = wsub.add_parser("train-target", parents=parents, help="train a tiny Qwen2.5-VL target on the world from scratch")
+    p.add_argument("--out", required=True, help="where the target goes (save_pretrained form)")
     p.add_argument("--final-eval-videos", type=int, default=40, help="fresh short videos for the final accuracy")
-    _add_config_options(p, WorldTargetConfig)
+    _add_config_options(p, WorldTargetConfig, WORLD_TARGET_HELP)
     p.set_defaults(func=_cmd_world_train_target)
 
-    p = wsub.add_parser("tune-target", help="the later training stages on top of a trained world target")
+    p = wsub.add_parser("tune-target", parents=parents, help="the later training stages on top of a trained world target")
     p.add_argument("--target", required=True, help="a world target (train-target's output)")
     p.add_argument("--out", required=True, help="where the tuned target goes (may be --target itself)")
     p.add_argument("--final-eval-videos", type=int, default=40, help="fresh short videos for the final accuracy")
-    _add_config_options(p, WorldTargetConfig, preset=TUNE)
+    _add_config_options(p, WorldTargetConfig, WORLD_TARGET_HELP, preset=TUNE)
     p.set_defaults(func=_cmd_world_train_target)
 
-    p = wsub.add_parser("train-draft", help="train the world draft through the train-draft path")
-    p.add_argument("--target", required=True)
-    p.add_argument("--out", required=True)
+    p = wsub.add_parser("train-draft", parents=parents, help="train the world draft through the train-draft path")
+    p.add_argument("--target", required=True, help="the world target the draft is for")
+    p.add_argument("--out", required=True, help="where the draft, its data, checkpoint and log go")
     p.add_argument("--videos", type=int, default=192, help="training videos (each with a caption and questions)")
     p.add_argument("--questions-per-video", type=int, default=1, help="QA samples per video besides its caption")
-    p.add_argument("--resume")
-    p.add_argument("--seed", type=int, default=0, dest="seed")
-    _add_config_options(p, TrainConfig, skip=("seed",))
+    p.add_argument("--resume", help="checkpoint directory to continue from (OUT/checkpoint)")
+    p.add_argument("--seed", type=int, default=0, dest="seed", help="seed of the data and the draft's initialisation")
+    _add_config_options(p, TrainConfig, TRAIN_HELP, skip=("seed",))
     add_placement_arguments(p)
     p.set_defaults(func=_cmd_world_train_draft)
 
-    p = wsub.add_parser("train-baselines", help="the benchmark's EAGLE-style and ablation drafts and the small VLM")
-    p.add_argument("--target", required=True)
+    p = wsub.add_parser("train-baselines", parents=parents,
+                        help="the benchmark's EAGLE-style and ablation drafts and the small VLM")
+    p.add_argument("--target", required=True, help="the world target the drafts are for")
     p.add_argument("--out", required=True, help="e.g. models/bench")
-    p.add_argument("--only", nargs="*", help="names among eagle none window mtp bridge small-target")
-    p.add_argument("--videos", type=int, default=192)
-    p.add_argument("--questions-per-video", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", nargs="*", help="names among eagle none window mtp bridge small-target (default: all)")
+    p.add_argument("--videos", type=int, default=192, help="training videos per draft")
+    p.add_argument("--questions-per-video", type=int, default=1, help="QA samples per video besides its caption")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and the drafts' initialisation")
     add_placement_arguments(p)
     p.set_defaults(func=_cmd_world_train_baselines)
 
-    p = wsub.add_parser("eval", help="world accuracy by video length and held-out tau")
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft")
+    p = wsub.add_parser("eval", parents=parents, help="world accuracy by video length and held-out tau")
+    p.add_argument("--target", required=True, help="the world target")
+    p.add_argument("--draft", help="a draft for it: also its tau against an untrained one of the same shape")
     p.add_argument("--videos-at", type=_sizes, default=((84, 8),),
                    help="SIDExFRAMES list, e.g. 84x8,168x28,168x1392 (the benchmark ladder: 168x28 ... 168x1392)")
-    p.add_argument("--videos", type=int, default=20)
-    p.add_argument("--seed", type=int, default=10**6)
+    p.add_argument("--videos", type=int, default=20, help="fresh videos per size")
+    p.add_argument("--seed", type=int, default=10**6, help="seed of the first video (held out from training's)")
     add_placement_arguments(p)
     p.set_defaults(func=_cmd_world_eval)
 
-    p = wsub.add_parser("demo", help="stream answers about a fresh world video with the committed pair")
+    p = wsub.add_parser("demo", parents=parents, help="stream answers about a fresh world video with the committed pair")
     p.add_argument("--seed", type=int, help="video seed (default: a fresh random one)")
     p.add_argument("--models", help="folder with target/ and draft/ (default: models/world)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
@@ -242,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    from sparrow.progress import quiet_third_party
+
+    quiet_third_party(args.verbose)
     return args.func(args)
 
 

@@ -90,3 +90,40 @@ class TrainConfig:
                           window=self.window, anchors=self.anchors, glimpse=self.glimpse,
                           draft_context=self.context, prune_keep=self.prune_keep,
                           draft_layers=self.draft_layers, feature_layers=self.feature_layers)
+
+
+# What each TrainConfig field does, for `sparrow train-draft --help` (one option per field).
+TRAIN_HELP = {
+    "steps": "optimizer steps",
+    "grad_accum": "samples per optimizer step (gradient accumulation)",
+    "lr": "peak learning rate (AdamW)",
+    "warmup": "linear warmup steps before the cosine decay",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "gradient norm clip (0: none)",
+    "unroll": "draft steps per chain in the training-time test (1: next-token only; >1: multi-token prediction "
+              "on the draft's own outputs)",
+    "step_decay": "loss weight of unroll step j is step_decay ** j",
+    "ce_weight": "weight of the cross-entropy to the target's distribution",
+    "hidden_weight": "weight of the SmoothL1 to the target's final hidden state",
+    "bridge_tokens": "bridge-layer (L/2) visual states the draft sees as a prefix while training (0: no bridging)",
+    "bridge_dropout": "share of samples trained without the bridging prefix",
+    "window": "the draft's attention window: the last W tokens",
+    "anchors": "prompt text tokens the draft always attends to (at most A)",
+    "glimpse": "bridge-layer visual states the draft attends to at inference (0: pure Sparrow)",
+    "context": "draft context: text (Sparrow), all or pruned (the EAGLE-style baselines)",
+    "prune_keep": "context pruned: share of the visual tokens kept",
+    "draft_layers": "decoder layers of a fresh draft",
+    "feature_layers": "target hidden-state indices the draft reads, comma-separated (default: low, mid, high)",
+    "draft_intermediate": "MLP width of a fresh draft (default: the target's)",
+    "responses": "what the draft learns to continue: target (the target's own greedy answers) or answer "
+                 "(the manifest's)",
+    "max_new_tokens": "length cap of the target's responses",
+    "fps": "video frames sampled per second",
+    "num_frames": "frames sampled per video (overrides fps)",
+    "seed": "seed of the draft's initialisation and the sample order",
+    "log_every": "log the loss every N steps",
+    "eval_every": "measure the held-out tau every N steps (0: never; needs --heldout)",
+    "eval_samples": "held-out samples per tau measurement",
+    "eval_draft_tokens": "draft tokens per step (k) when measuring the held-out tau",
+    "save_every": "checkpoint every N steps (0: only at the end)",
+}

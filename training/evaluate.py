@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -18,8 +19,10 @@ from .data import Sample
 
 @dataclass(slots=True)
 class TauReport:
-    mean_acceptance_length: float = 0.0     # tau = 1 + accepted / steps, over all samples
-    accepted_per_step: float = 0.0
+    """None where nothing was measured (no sample ran a verify step): never a made-up 0."""
+
+    mean_acceptance_length: float | None = None     # tau = 1 + accepted / steps, over all samples
+    accepted_per_step: float | None = None
     acceptance_rate_per_position: list[float] = field(default_factory=list)
     steps: int = 0
     samples: int = 0
@@ -33,8 +36,10 @@ class TauReport:
 
 @torch.no_grad()
 def held_out_tau(target: TargetModel, draft: SparrowDraft, samples: list[Sample], spec: SpecConfig,
-                 max_new_tokens: int, options: VideoOptions | None = None) -> TauReport:
-    """Greedy speculative generation over `samples`; tau pooled over every verify step."""
+                 max_new_tokens: int, options: VideoOptions | None = None,
+                 on_sample: Callable[[], None] | None = None) -> TauReport:
+    """Greedy speculative generation over `samples`; tau pooled over every verify step.
+    on_sample: called after each sample (for progress)."""
     was_training = draft.training
     engine = Engine(target, draft.eval(), spec)
     sampling = SamplingParams(max_new_tokens=max_new_tokens)
@@ -47,12 +52,16 @@ def held_out_tau(target: TargetModel, draft: SparrowDraft, samples: list[Sample]
             except (SparrowError, OSError):
                 skipped += 1
                 continue
+            finally:
+                if on_sample:
+                    on_sample()
             steps, accepted, done = steps + m.steps, accepted + m.accepted_tokens, done + 1
             per_pos += [0] * (len(m.accepted_per_position) - len(per_pos))
             for j, count in enumerate(m.accepted_per_position):
                 per_pos[j] += count
     finally:
         draft.train(was_training)
-    aps = accepted / steps if steps else 0.0
-    return TauReport(1.0 + aps if steps else 0.0, aps, [c / steps for c in per_pos] if steps else [],
-                     steps, done, skipped)
+    if not steps:
+        return TauReport(None, None, [], 0, done, skipped)
+    aps = accepted / steps
+    return TauReport(1.0 + aps, aps, [c / steps for c in per_pos], steps, done, skipped)

@@ -224,10 +224,13 @@ class DraftTrainer:
             if last.step % cfg.log_every == 0 or last.step == cfg.steps:
                 self._log_progress(last)
             if self.heldout and cfg.eval_every and (last.step % cfg.eval_every == 0 or last.step == cfg.steps):
-                record["heldout"] = self.evaluate()
-                self.log(f"  held-out tau {record['heldout']['tau']:.3f} "
-                         f"(accepted/step {record['heldout']['accepted_per_step']:.3f}, "
-                         f"{record['heldout']['samples']} samples, k={cfg.eval_draft_tokens})")
+                record["heldout"] = held = self.evaluate()
+                if held["tau"] is None:
+                    self.log(f"  held-out tau not measured: no verify step ({held['samples']} samples ran, "
+                             f"{held['skipped']} skipped)")
+                else:
+                    self.log(f"  held-out tau {held['tau']:.3f} (accepted/step {held['accepted_per_step']:.3f}, "
+                             f"{held['samples']} samples, k={cfg.eval_draft_tokens})")
             self._record(record)
             if self.out_dir is not None and cfg.save_every and last.step % cfg.save_every == 0:
                 self.save(self.out_dir / "checkpoint")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from typing import Callable, TextIO
 
 import torch
 
@@ -13,6 +14,7 @@ from sparrow.config import SamplingParams, SpecConfig
 from sparrow.engine import Engine
 from sparrow.models.draft import SparrowDraft
 from sparrow.models.target import TargetModel
+from sparrow.progress import ProgressLine
 
 from .config import TrainConfig
 from .data import Sample, write_manifest
@@ -61,9 +63,10 @@ def caption_samples(world: WorldVideo, seeds: list[int]) -> list[Sample]:
 
 def evaluate_world(target_dir: str | Path, draft_dir: str | Path | None, videos_at: tuple[tuple[int, int], ...],
                    videos: int, seed: int, draft_tokens: int = 4, log=None, dtype: str = "float32",
-                   device: str = "cpu") -> dict:
+                   device: str = "cpu", progress: TextIO | None = None) -> dict:
     """Per video (side px, frames): visual tokens, QA accuracy, caption exact match, and (with
-    a draft) held-out tau of the draft and of an untrained draft of the same shape."""
+    a draft) held-out tau of the draft and of an untrained draft of the same shape.
+    progress: a stream for a progress line per size (videos done, time left)."""
     target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
     draft = SparrowDraft.from_pretrained(draft_dir, target) if draft_dir else None
     report = {}
@@ -71,25 +74,37 @@ def evaluate_world(target_dir: str | Path, draft_dir: str | Path | None, videos_
         world = WorldVideo(num_frames=n, size=size, fps=WORLD_FPS)
         seeds = list(range(seed, seed + videos))
         t0 = time.perf_counter()
-        row = {"size": size, "frames": n, **world_accuracy(target, world, seeds), **caption_match(target, world, seeds)}
+        # Each video is asked its questions, then its caption (and with a draft twice more, for tau).
+        passes = 4 if draft is not None else 2
+        line = ProgressLine(f"{size}x{n}", passes * len(seeds), " video passes", progress) if progress else None
+        done = iter(range(1, passes * len(seeds) + 1))
+        step = (lambda: line.update(next(done))) if line else None
+        row = {"size": size, "frames": n, **world_accuracy(target, world, seeds, on_video=step),
+               **caption_match(target, world, seeds, on_video=step)}
         if draft is not None:
-            row.update(tau_rows(target, draft, world, seeds, draft_tokens))
+            row.update(tau_rows(target, draft, world, seeds, draft_tokens, on_video=step))
         row["seconds"] = time.perf_counter() - t0
         report[f"{size}x{n}"] = row
+        if line:
+            line.finish(f"done in {row['seconds']:.1f} s")
         if log:
+            tau = "" if row.get("tau") is None else f", tau {row['tau']:.2f}"
             log(f"{size}x{n}: {row['visual_tokens']} visual tokens, accuracy {row['accuracy']:.3f}, "
-                f"caption exact {row['caption_exact']:.3f}" + (f", tau {row['tau']:.2f}" if "tau" in row else ""))
+                f"caption exact {row['caption_exact']:.3f}" + tau)
     return report
 
 
 @torch.no_grad()
-def caption_match(target: TargetModel, world: WorldVideo, seeds: list[int]) -> dict:
+def caption_match(target: TargetModel, world: WorldVideo, seeds: list[int],
+                  on_video: Callable[[], None] | None = None) -> dict:
     engine = Engine(target, spec=SpecConfig(method="none"))
     right = tokens = 0
     for s in caption_samples(world, seeds):
         out = engine.generate(s.video, s.prompt, SamplingParams(max_new_tokens=96), world.options())
         right += out.text.strip() == s.answer
         tokens = out.metrics.visual_tokens
+        if on_video:
+            on_video()
     return {"caption_exact": right / max(1, len(seeds)), "visual_tokens": tokens}
 
 
@@ -102,12 +117,12 @@ def untrained_like(draft: SparrowDraft, target: TargetModel, seed: int = 12345) 
 
 
 def tau_rows(target: TargetModel, draft: SparrowDraft, world: WorldVideo, seeds: list[int], k: int,
-             window: int = 16, anchors: int = 32) -> dict:
+             window: int = 16, anchors: int = 32, on_video: Callable[[], None] | None = None) -> dict:
     spec = SpecConfig(num_draft_tokens=k, window=window, anchors=anchors)
     samples = caption_samples(world, seeds)
     untrained = untrained_like(draft, target)
-    trained = held_out_tau(target, draft, samples, spec, 96, world.options())
-    baseline = held_out_tau(target, untrained, samples, spec, 96, world.options())
+    trained = held_out_tau(target, draft, samples, spec, 96, world.options(), on_sample=on_video)
+    baseline = held_out_tau(target, untrained, samples, spec, 96, world.options(), on_sample=on_video)
     return {"tau": trained.mean_acceptance_length, "accepted_per_step": trained.accepted_per_step,
             "per_position": trained.acceptance_rate_per_position, "tau_untrained": baseline.mean_acceptance_length}
 

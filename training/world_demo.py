@@ -1,6 +1,7 @@
 """The demo with the committed world pair: a fresh synthetic video, a streamed answer that is
 right for that video, then tau, accepted per step and the decode speedup over plain decoding
-measured in the same run.   sparrow world demo [--seed N] [--models DIR]"""
+measured in the same run.   sparrow world demo [--seed N] [--models DIR]
+(`sparrow demo --long` is the same story on a ~25k-visual-token video: world_long_demo.py)"""
 
 from __future__ import annotations
 
@@ -13,16 +14,34 @@ import torch
 
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.engine import Engine
+from sparrow.errors import InvalidRequest
 from sparrow.models.draft import SparrowDraft
 from sparrow.models.target import TargetModel
 
-from .world import CAPTION_PROMPTS, WorldVideo, caption, questions
+from .world import CAPTION_PROMPTS, LONGEST_VIDEO_TOKENS, WorldVideo, caption, questions
 
 DEFAULT_MODELS = Path(__file__).resolve().parents[1] / "models" / "world"
 
 
+def check_world_video(frames: int, size: int, max_visual_tokens: int) -> int:
+    """The visual tokens of a world video of `frames` frames of `size` px, or InvalidRequest
+    when the world's processor could not give it at that size: a visual token covers 28 px
+    of a frame pair, and a video over the token budget would be shrunk."""
+    if frames < 2 or frames % 2:
+        raise InvalidRequest(f"--frames must be an even number >= 2 (frames go in pairs), got {frames}")
+    if size < 28 or size % 28:
+        raise InvalidRequest(f"--size must be a multiple of 28 px (one visual token per 28 px), got {size}")
+    tokens = (frames // 2) * (size // 28) ** 2
+    if tokens > max_visual_tokens:
+        raise InvalidRequest(f"{frames} frames at {size} px are {tokens:,} visual tokens, over the world videos' "
+                             f"budget of {max_visual_tokens:,} (the processor would shrink them)")
+    return tokens
+
+
 def run_world_demo(seed: int | None = None, models: str | Path = DEFAULT_MODELS, k: int = 4,
-                   num_frames: int = 8, print_fn=print, dtype: str = "float32", device: str = "cpu") -> dict:
+                   num_frames: int = 8, print_fn=print, dtype: str = "float32", device: str = "cpu",
+                   size: int = 84, max_new_tokens: int = 96) -> dict:
+    check_world_video(num_frames, size, LONGEST_VIDEO_TOKENS)
     models = Path(models)
     torch.set_num_threads(1)      # a tiny model: a second thread costs more in sync than it gives
     seed = random.SystemRandom().randrange(10**6, 10**9) if seed is None else seed
@@ -30,7 +49,7 @@ def run_world_demo(seed: int | None = None, models: str | Path = DEFAULT_MODELS,
     draft = SparrowDraft.from_pretrained(models / "draft", target)        # on the target's device, in its dtype
     spec = SpecConfig(num_draft_tokens=k, window=16, anchors=32)
     fast, plain = Engine(target, draft, spec), Engine(target, spec=SpecConfig(method="none"))
-    world = WorldVideo(num_frames=num_frames)
+    world = WorldVideo(num_frames=num_frames, size=size)
     with tempfile.TemporaryDirectory() as tmp:
         video = world.make(seed, Path(tmp) / "world.mp4")
         rng = random.Random(seed)
@@ -40,13 +59,13 @@ def run_world_demo(seed: int | None = None, models: str | Path = DEFAULT_MODELS,
                  f"{len(video.events)} events; models: {models} (trained world pair)")
         for engine in (fast, plain):     # untimed: first calls pay one-off costs (allocations, caches)
             engine.generate(video.path, asks[0][0], SamplingParams(max_new_tokens=8), world.options())
-        results = [_ask(fast, plain, video.path, q, a, world, print_fn) for q, a in asks]
+        results = [_ask(fast, plain, video.path, q, a, world, print_fn, max_new_tokens) for q, a in asks]
     return {"seed": seed, "results": results}
 
 
 def _ask(fast: Engine, plain: Engine, path: Path, question: str, truth: str, world: WorldVideo, print_fn,
-         timing_reps: int = 3) -> dict:
-    sampling = SamplingParams(max_new_tokens=96)
+         max_new_tokens: int, timing_reps: int = 3) -> dict:
+    sampling = SamplingParams(max_new_tokens=max_new_tokens)
     print_fn(f"\nQ: {question}\nA: ", end="")
     gen = fast.stream(path, question, sampling, world.options())
     for delta in gen:

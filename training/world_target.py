@@ -122,6 +122,52 @@ class WorldTargetConfig:
     length_batches: bool = True
 
 
+# What each WorldTargetConfig field does, for `sparrow world train-target --help` (one option per field).
+WORLD_TARGET_HELP = {
+    "hidden": "language model hidden size",
+    "layers": "language model layers",
+    "heads": "attention heads (half as many KV heads)",
+    "intermediate": "language model MLP width",
+    "vision_hidden": "vision tower width",
+    "vision_depth": "vision tower blocks",
+    "patch_size": "vision patch side in px",
+    "merge_size": "patches merged per visual token along each side",
+    "min_pixels": "smallest frame area in px (frames are not upscaled past it)",
+    "rope_theta": "M-RoPE base",
+    "mrope_section": "M-RoPE sections t,h,w (sum: head_dim/2)",
+    "temporal_positions": "temporal rope positions every video spans (time as a fraction of the video)",
+    "loss_weighting": "token (every answer token weighs the same) or chat (every chat does)",
+    "steps": "first-stage optimizer steps",
+    "batch": "conversations per step",
+    "lr": "first-stage peak learning rate",
+    "vision_lr_scale": "vision tower learning rate as a share of lr (0: frozen)",
+    "vision_init": "readable (hand-set codes of colour and change) or random",
+    "warmup": "first-stage warmup steps",
+    "frames": "training video lengths in frames, comma-separated",
+    "sizes": "training frame sides in px, comma-separated",
+    "long_frames": "lengths of the longer training videos (84 px), comma-separated",
+    "long_prob": "share of training videos that are long",
+    "max_turns": "chat turns per training conversation",
+    "caption_prob": "share of conversations that ask for the caption",
+    "kinds": "question kinds trained on, comma-separated",
+    "warm_steps": "first steps that ask only warm_kinds",
+    "warm_kinds": "question kinds of the warm steps, comma-separated",
+    "stages": "later stages, comma-separated KINDS@SHARE:STEPS[:short] or mix:STEPS items",
+    "stage_lr": "later stages' peak learning rate",
+    "stage_warmup": "later stages' warmup steps",
+    "short_tokens": "most visual tokens of a :short stage's focus videos",
+    "short_only_kinds": "question kinds asked about short videos only, comma-separated",
+    "stage_caption_prob": "caption share of the later stages' mixed steps (default: caption_prob)",
+    "seed": "seed of the initialisation, the video pool and the questions",
+    "log_every": "log the loss every N steps",
+    "eval_every": "per-kind accuracy on held-out videos every N steps (0: never)",
+    "eval_videos": "held-out videos per accuracy check",
+    "save_every": "checkpoint every N steps when training into --out",
+    "pool": "videos rendered once and reused with fresh questions (0: a fresh video per sample)",
+    "length_batches": "a batch is videos of one length (true/false)",
+}
+
+
 # `sparrow world tune-target`: the later stages on top of a trained target (`train-target`'s
 # first stage), over a pool drawn like the first stage's. Presence and direction are asked
 # alone about 84 px 8-frame videos (36 tokens); then 40% of the steps ask them about those and
@@ -528,9 +574,11 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
 # ----- evaluation -----------------------------------------------------------------------------------
 @torch.no_grad()
 def world_accuracy(target: TargetModel, world: WorldVideo, seeds: list[int],
-                   kinds: tuple[str, ...] = QUESTION_KINDS, engine: Engine | None = None) -> dict:
+                   kinds: tuple[str, ...] = QUESTION_KINDS, engine: Engine | None = None,
+                   on_video: Callable[[], None] | None = None) -> dict:
     """Exact match of single-turn answers at temperature 0, per question kind and overall.
-    A video's questions share its prefill (the prefix cache), which long videos need."""
+    A video's questions share its prefill (the prefix cache), which long videos need.
+    on_video: called after each video's questions (for progress)."""
     engine = engine or Engine(target, spec=SpecConfig(method="none"), prefix_cache=PrefixCache(max_entries=1))
     right: dict[str, int] = {k: 0 for k in kinds}
     total: dict[str, int] = {k: 0 for k in kinds}
@@ -543,6 +591,8 @@ def world_accuracy(target: TargetModel, world: WorldVideo, seeds: list[int],
             got = engine.generate(video, q, SamplingParams(max_new_tokens=4), video_key=key).text.strip()
             right[kind] += got == a
             total[kind] += 1
+        if on_video:
+            on_video()
     per_kind = {k: right[k] / total[k] for k in kinds if total[k]}
     return {"accuracy": sum(right.values()) / max(1, sum(total.values())), "per_kind": per_kind,
             "questions": sum(total.values()), "videos": len(seeds), "visual_tokens": tokens}
