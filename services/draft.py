@@ -8,8 +8,8 @@
 One call per verify step for all of a target replica's drafting requests: the tokens each
 request's previous step emitted (with the target's features) ride along with its part of the
 batch. The batch is routed by the target replica's client id, so all of its sessions live on
-one draft replica (Ray Serve multiplexing, services.ray_app): a dead replica means those
-sessions rebuild on another one, which the next call reaches.
+one draft replica (rendezvous hashing of the id over the live replicas, services.ray_app): a
+dead replica means those sessions rebuild on the next one, which the retried call reaches.
 
 A replica that has not seen a request, or whose copy is stale or was evicted, answers that
 request's part with `need_context`; the proposer then sends just those requests again, with
@@ -212,8 +212,13 @@ class DraftWorker:
             tensors = call.context if call.context is not None else self.cache.get(call.context_key)
             if tensors is None:                     # evicted, expired or the cache is down
                 return False
-            ctx = DraftContext.from_tensors(tensors)
-            session.state, session.length = self.proposer.begin_context(ctx), ctx.token_ids.shape[0]
+            try:
+                ctx = DraftContext.from_tensors(tensors)
+                session.state, session.length = self.proposer.begin_context(ctx), ctx.token_ids.shape[0]
+            except Exception:  # noqa: BLE001 - one request's bad context must not fail its neighbours' call
+                log.warning("draft session %s: context not usable", call.session, exc_info=True)
+                session.clear()
+                return False
             return True
         # never seen here, or out of step (a call this replica never got, or a retried one)
         return session.state is not None and session.length + len(call.commit_tokens) == call.length

@@ -116,13 +116,18 @@ class TargetDeployment:
                 "draft_sessions": sorted(getattr(proposer, "sessions", ()))}
 
 
-@serve.deployment(name="DraftDeployment", max_ongoing_requests=128)
+# A target replica's draft calls go to one draft replica, chosen by rendezvous hashing of its
+# client id (routing.py; the same rule as videos to targets). Serve's own multiplex routing
+# learns where an id was "loaded" only eventually: measured, a 20-token request's calls
+# bounced between two replicas 1-7 times, each bounce a rebuild of every session.
+@serve.deployment(name="DraftDeployment", max_ongoing_requests=128,
+                  request_router_config=RequestRouterConfig(request_router_class=VIDEO_ROUTER))
 class DraftDeployment:
-    """Draft replicas. A call is one step of one target replica, routed by the multiplexed
-    model id set to that replica's client id: all of its requests' sessions live together on
-    the replica Serve routes the id to (affinity), and when that replica dies the id moves to
-    another, where the sessions rebuild from the state cache. The multiplexing LRU bounds
-    the target replicas a draft replica serves at once."""
+    """Draft replicas. A call is one step of one target replica, carrying its client id as
+    the multiplexed model id: all of its requests' sessions live together on the replica the
+    id ranks first, and when that replica dies the id moves to the next, where the sessions
+    rebuild from the state cache. The multiplexing LRU bounds the target replicas a draft
+    replica serves at once."""
 
     def __init__(self, settings: AppSettings):
         draft = load_draft(settings.draft, load_heads(settings.target, settings.dtype, settings.device),

@@ -201,6 +201,19 @@ def test_undecodable_request_is_invalid_argument_through_ray(client, clips, refe
     assert good.token_ids == reference(reference_engine, clips.data["b"], PROMPTS[0], max_new_tokens=8).token_ids
 
 
+def test_draft_calls_stay_on_one_draft_replica(app, client, clips, reference_engine):
+    """A target replica's draft calls all reach the draft replica that holds its sessions
+    (rendezvous routing of its client id): with two draft replicas and nothing failing, no
+    session is ever answered need_context and rebuilt elsewhere."""
+    before = app.stats()
+    for seed, name in enumerate("abcd"):
+        sampling = dict(max_new_tokens=16, temperature=1.0, seed=seed) if seed % 2 else dict(max_new_tokens=16)
+        expected = reference(reference_engine, clips.data[name], PROMPTS[0], **sampling)
+        assert client.generate(PROMPTS[0], data=clips.data[name], **sampling).token_ids == expected.token_ids
+    after = app.stats()
+    assert (after["draft_rebuilds"], after["draft_failovers"]) == (before["draft_rebuilds"], before["draft_failovers"])
+
+
 # ----- 3. a draft replica dies mid-stream --------------------------------------------------------------------
 def serving_replica(app, within: float = 10.0) -> str:
     """The draft replica serving the one running stream: the one where its draft session

@@ -183,6 +183,31 @@ def test_only_requests_that_lost_their_context_are_sent_again(models, colocated,
     assert replicas.calls == engine.proposer.proposes + 1 and replicas.rebuilds == [len(jobs) + 1]
 
 
+def test_a_bad_context_fails_only_its_own_request(models, colocated):
+    """A context the replica cannot use (here: damaged in flight) is answered need_context
+    for that request alone; its neighbours in the call get their drafts."""
+    from sparrow.state_cache import MemoryStateCache
+
+    target, draft, video = models
+    jobs = [(video, replace(GREEDY, max_new_tokens=120)), (synthetic_frames(6, 56, 56, seed=7), SAMPLED)]
+    expected = [colocated.generate(v, PROMPT, s).token_ids for v, s in jobs]
+    damaged = []
+
+    def damage_once(replicas, batch):
+        inline = [i for i, s in enumerate(batch.steps) if s.context is not None]
+        if not damaged and len(batch.steps) == 2 and inline:
+            damaged.append((replicas.calls, inline[0]))
+            batch.steps[inline[0]].context = {"token_ids": batch.steps[inline[0]].context["token_ids"]}
+
+    replicas = Replicas(1, draft, MemoryStateCache(), before=damage_once)     # unshared: contexts go inline
+    engine = remote_engine(models, replicas, MemoryStateCache())
+    streams = [engine.stream(v, PROMPT, s) for v, s in jobs]
+    assert [[t for delta in gen for t in delta.token_ids] for gen in streams] == expected
+    (call, index), = damaged
+    assert [r.need_context for r in replicas.replies[call - 1]] == [i == index for i in range(2)]
+    assert engine.proposer.fallbacks == 0
+
+
 def test_dead_state_cache_sends_the_context_inline(models, colocated):
     target, draft, video = models
     expected = colocated.generate(video, PROMPT, SAMPLED)
