@@ -72,7 +72,8 @@ class DraftBatch:
 
 @dataclass(slots=True)
 class DraftProbs:
-    """A proposal's (k, V) float32 draft distributions on the wire, bit for bit.
+    """A proposal's (k, V) float32 draft distributions on the wire, bit for bit (a tree's
+    (M, V) rows the same way).
 
     Acceptance (accept_speculative) reads q_i(x_i) at every drafted position and the whole
     row q_n of the first rejected one, to draw from max(0, p_n - q_n); n is known only after
@@ -124,10 +125,12 @@ class DraftProbs:
 class DraftReply:
     """One request's part of the answer to a DraftBatch."""
 
-    tokens: torch.Tensor | None = None    # (k,) long
-    probs: DraftProbs | None = None       # when sampling
+    tokens: torch.Tensor | None = None    # (N,) long: the proposal's nodes (a chain: N = k)
+    probs: DraftProbs | None = None       # (M, V) when sampling
     rng_state: torch.Tensor | None = None
     need_context: bool = False
+    parents: torch.Tensor | None = None   # a draft tree's shape (sparrow.spec.tree.DraftTree); None: a chain
+    draw: torch.Tensor | None = None
 
 
 @dataclass(slots=True, weakref_slot=True)
@@ -201,7 +204,8 @@ class DraftWorker:
             replies = [DraftReply(need_context=True) for _ in batch.steps]
             for i, g, proposal in zip(ready, generators, proposals):
                 probs = DraftProbs.encode(proposal.probs) if proposal.probs is not None else None
-                replies[i] = DraftReply(proposal.tokens, probs, g.get_state() if batch.steps[i].rng_state is not None else None)
+                rng = g.get_state() if batch.steps[i].rng_state is not None else None
+                replies[i] = DraftReply(proposal.tokens, probs, rng, parents=proposal.parents, draw=proposal.draw)
             return replies
 
     def _in_step(self, session: DraftSession, call: DraftStep) -> bool:
@@ -379,7 +383,8 @@ class RemoteDraftProposer:
             state.pending_tokens, state.pending_features, state.rebuild = [], [], False
             if reply.rng_state is not None:
                 batch[i].generator.set_state(reply.rng_state)
-            proposals[i] = Proposal(reply.tokens, reply.probs.decode(self.device) if reply.probs is not None else None)
+            probs = reply.probs.decode(self.device) if reply.probs is not None else None
+            proposals[i] = Proposal(reply.tokens, probs, reply.parents, reply.draw)
         return retry
 
     def _publish(self, state: RemoteDraftState) -> None:
