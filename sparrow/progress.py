@@ -57,17 +57,26 @@ class ProgressLine:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.min_interval_s = 0.0 if self.tty else min_interval_s
-        self.start = time.perf_counter()
         self._last = -1e9
+        self._shown: tuple[float, str] | None = None
+        # The rate is measured from the first update that reports work done, so a slow first
+        # phase with nothing to count (a vision tower before the first prefill chunk) does not
+        # skew the time left.
+        self._first: tuple[float, float] | None = None      # (time, done)
 
     def update(self, done: float, note: str = "") -> None:
         now = time.perf_counter()
-        if now - self._last < self.min_interval_s:
+        if self._first is None and done > 0:
+            self._first = (now, done)
+        if now - self._last < self.min_interval_s or (not self.tty and (done, note) == self._shown):
             return
-        self._last = now
+        self._last, self._shown = now, (done, note)
         pct = 100.0 * done / self.total if self.total else 100.0
-        parts = [f"{self.label}: {done:,.0f}/{self.total:,.0f}{self.unit} ({pct:.0f}%)",
-                 note, eta_text(done, self.total, now - self.start)]
+        eta = ""
+        if self._first is not None and done > self._first[1]:
+            t0, d0 = self._first
+            eta = eta_text(done - d0, self.total - d0, now - t0)
+        parts = [f"{self.label}: {done:,.0f}/{self.total:,.0f}{self.unit} ({pct:.0f}%)", note, eta]
         self._write(", ".join(p for p in parts if p))
 
     def finish(self, text: str) -> None:
@@ -97,6 +106,8 @@ def watch_prefill(generation, line: ProgressLine, poll_s: float = 0.25) -> Calla
             line.total = job.end - job.start
             if job.cursor == job.start:
                 line.update(0, "vision tower over the whole video")
+            elif job.cursor >= job.end:     # prefilled; the draft builds its context before the first token
+                line.update(line.total, "starting the draft")
             else:
                 line.update(job.cursor - job.start)
 

@@ -180,3 +180,19 @@ def test_heldout_text_never_prints_an_unmeasured_tau():
 def test_readme_says_which_deployments_ray_starts():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "DraftDeployment only with `--draft-placement remote`" in readme
+
+
+def test_progress_line_reports_time_left_from_the_work_done(monkeypatch):
+    import io
+
+    from sparrow import progress
+
+    clock = iter([0.0, 10.0, 11.0, 12.0])           # 10 s with nothing countable, then 100 positions in 2 s
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()                                     # not a terminal: one line per change
+    line = progress.ProgressLine("prefill", 400, " positions", out, min_interval_s=0.0)
+    for done in (0, 100, 100, 200):
+        line.update(done)
+    lines = out.getvalue().splitlines()
+    assert lines == ["prefill: 0/400 positions (0%)", "prefill: 100/400 positions (25%)",
+                     "prefill: 200/400 positions (50%), 4.0 s left"]

@@ -1,7 +1,12 @@
 """Training data: (video, prompt, optional answer) samples from a JSONL manifest or a folder.
 
     manifest.jsonl   one object per line: {"video": "clips/a.mp4", "prompt": "...", "answer": "..."}
-                     (relative video paths are relative to the manifest; "answer" is optional)
+                     (relative video paths are relative to the manifest; "answer" is optional),
+                     or a conversation about the video instead of "prompt": {"video": ...,
+                     "messages": [{"role": "user", "text": ...}, {"role": "assistant", "text": ...},
+                     ..., {"role": "user", "text": ...}]} ("content" may stand for "text"). When
+                     the messages end with the assistant's turn, that turn is the answer and the
+                     turns before it the prompt. The video belongs to the first user turn.
     folder/          every video file; prompts from a sidecar `<name>.txt` (one per line, each
                      a sample) or, without one, the default prompts
 
@@ -15,6 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparrow.chat import Message, Prompt, as_messages
 from sparrow.errors import InvalidRequest
 
 VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".mov", ".avi", ".m4v", ".gif", ".ts", ".flv")
@@ -24,7 +30,7 @@ DEFAULT_PROMPTS = ("Describe the video in detail.",)
 @dataclass(frozen=True, slots=True)
 class Sample:
     video: object                 # anything Engine.process_video takes: a path, bytes, frames
-    prompt: str
+    prompt: Prompt                # a question, or a conversation ending with the user's question
     answer: str | None = None
 
 
@@ -47,11 +53,26 @@ def _from_manifest(path: Path) -> list[Sample]:
             row = json.loads(line)
             video = Path(row["video"])
             # A malformed prompt is kept as it is: the trainer counts it as a bad sample.
-            samples.append(Sample(video if video.is_absolute() else path.parent / video,
-                                  row.get("prompt", ""), row.get("answer")))
+            prompt, answer = _conversation(row) if "messages" in row else (row.get("prompt", ""), row.get("answer"))
+            samples.append(Sample(video if video.is_absolute() else path.parent / video, prompt, answer))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise InvalidRequest(f"{path}:{line_no}: not a manifest row ({exc})") from exc
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{path}:{line_no}: {exc}") from exc
     return samples
+
+
+def _conversation(row: dict) -> tuple[tuple[Message, ...], str | None]:
+    """(prompt, answer) of a manifest row with "messages": a closing assistant turn is the answer."""
+    if not isinstance(row["messages"], list):
+        raise InvalidRequest('"messages" must be a list of {"role", "text"} objects')
+    messages = [Message.from_dict(m) for m in row["messages"]]
+    answer = row.get("answer")
+    if messages and messages[-1].role == "assistant":
+        if answer is not None:
+            raise InvalidRequest('the messages end with the answer: give no "answer" besides')
+        messages, answer = messages[:-1], messages[-1].text
+    return as_messages(messages), answer
 
 
 def _from_folder(folder: Path, prompts: tuple[str, ...]) -> list[Sample]:
@@ -65,6 +86,11 @@ def _from_folder(folder: Path, prompts: tuple[str, ...]) -> list[Sample]:
 
 def write_manifest(path: str | Path, samples: list[Sample]) -> None:
     """A JSONL manifest of samples whose videos are paths."""
-    rows = [{"video": str(s.video), "prompt": s.prompt, **({"answer": s.answer} if s.answer is not None else {})}
+    def question(s: Sample) -> dict:
+        if isinstance(s.prompt, str):
+            return {"prompt": s.prompt}
+        return {"messages": [{"role": m.role, "text": m.text} for m in s.prompt]}
+
+    rows = [{"video": str(s.video), **question(s), **({"answer": s.answer} if s.answer is not None else {})}
             for s in samples]
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
