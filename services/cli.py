@@ -46,7 +46,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     report = run_world_demo(args.seed, models, k=args.k or 4, print_fn=lambda *a, **kw: print(*a, **kw, flush=True),
                             dtype=args.dtype, device=args.device, num_frames=args.frames or 8, size=args.size or 84,
-                            max_new_tokens=args.max_new_tokens or 96)
+                            max_new_tokens=args.max_new_tokens or 96, threads=args.threads or 1)
     return 0 if all(r["lossless"] for r in report["results"]) else 1
 
 
@@ -69,6 +69,8 @@ def _check_demo_options(args: argparse.Namespace) -> None:
             raise InvalidRequest(f"{', '.join(given)} belong to the long demo: add --long")
     if args.k is not None and not 1 <= args.k <= 32:
         raise InvalidRequest(f"--k must be in [1, 32], got {args.k}")
+    if args.threads is not None and args.threads < 1:
+        raise InvalidRequest(f"--threads must be >= 1, got {args.threads}")
     if args.max_new_tokens is not None and args.max_new_tokens < 2:
         raise InvalidRequest(f"--max-new-tokens must be >= 2, got {args.max_new_tokens}")
 
@@ -79,7 +81,7 @@ def _long_demo(args: argparse.Namespace, models: Path) -> int:
     cfg = config_from(frames=args.frames, size=args.size, k=args.k, max_new_tokens=args.max_new_tokens,
                       seed=args.seed, reps=args.reps, plot=args.plot,
                       models=models, eagle=Path(args.eagle_draft) if args.eagle_draft else None,
-                      dtype=args.dtype, device=args.device)
+                      dtype=args.dtype, device=args.device, threads=args.threads)
     print(describe(cfg), flush=True)
     report = run_long_demo(cfg, print_fn=lambda *a, **kw: print(*a, **kw, flush=True))
     return 0 if report["lossless"] else 1
@@ -91,6 +93,9 @@ def _random_demo(args: argparse.Namespace) -> int:
     from sparrow.tiny import tiny_draft
     from sparrow.video import VideoOptions, write_synthetic_video
 
+    import torch
+
+    torch.set_num_threads(args.threads or 1)
     seed = args.seed or 0
     with tempfile.TemporaryDirectory() as tmp:
         video_path = Path(tmp) / "shapes.mp4"
@@ -364,6 +369,7 @@ def _add_demo(sub, common) -> None:
     demo.add_argument("--k", type=int, help="draft tokens per step (default 4)")
     demo.add_argument("--max-new-tokens", type=int, help="longest answer in tokens (default 96; --random 48)")
     demo.add_argument("--seed", type=int, help="video seed (default: a fresh one, 0 with --random)")
+    demo.add_argument("--threads", type=int, help="torch intra-op threads (default 1: steady timings on a shared CPU)")
     demo.add_argument("--reps", type=int, help="--long: timed answers per method, median reported (default 3)")
     demo.add_argument("--plot", help="--long: where the plot goes (default sparrow-demo-long.png; '' for none)")
     demo.add_argument("--eagle-draft", help="--long: the EAGLE-style draft (default models/bench/draft-eagle)")

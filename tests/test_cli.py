@@ -53,6 +53,7 @@ def test_every_option_of_every_subcommand_says_what_it_does():
     (["--frames", "9"], "even number"),
     (["--long", "--frames", "1500", "--size", "168"], "over the world videos' budget"),
     (["--k", "0"], "--k must be"),
+    (["--threads", "0"], "--threads must be"),
     (["--long", "--max-new-tokens", "1"], "--max-new-tokens must be"),
     (["--models", "/nonexistent/models"], "no trained world pair"),
     (["--long", "--eagle-draft", "/nonexistent/eagle"], "no EAGLE-style draft"),
@@ -177,22 +178,9 @@ def test_heldout_text_never_prints_an_unmeasured_tau():
     assert heldout_text({"tau": 3.25, "samples": 4, "skipped": 0}) == "held-out tau 3.250 (4 samples)"
 
 
-def test_readme_says_which_deployments_ray_starts():
+def test_readme_first_screen_shows_the_long_demo_and_the_ray_deployments():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "DraftDeployment only with `--draft-placement remote`" in readme
-
-
-def test_progress_line_reports_time_left_from_the_work_done(monkeypatch):
-    import io
-
-    from sparrow import progress
-
-    clock = iter([0.0, 10.0, 11.0, 12.0])           # 10 s with nothing countable, then 100 positions in 2 s
-    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
-    out = io.StringIO()                                     # not a terminal: one line per change
-    line = progress.ProgressLine("prefill", 400, " positions", out, min_interval_s=0.0)
-    for done in (0, 100, 100, 200):
-        line.update(done)
-    lines = out.getvalue().splitlines()
-    assert lines == ["prefill: 0/400 positions (0%)", "prefill: 100/400 positions (25%)",
-                     "prefill: 200/400 positions (50%), 4.0 s left"]
+    first = readme[:readme.index("## Using the library")]
+    assert "make demo" in first and "make test" in first and "sparrow demo --long" in first
+    assert "identical answers from all three (lossless): True" in first     # a pasted run, not a promise
+    assert "a DraftDeployment only with `--draft-placement remote`" in readme

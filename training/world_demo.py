@@ -40,10 +40,10 @@ def check_world_video(frames: int, size: int, max_visual_tokens: int) -> int:
 
 def run_world_demo(seed: int | None = None, models: str | Path = DEFAULT_MODELS, k: int = 4,
                    num_frames: int = 8, print_fn=print, dtype: str = "float32", device: str = "cpu",
-                   size: int = 84, max_new_tokens: int = 96) -> dict:
+                   size: int = 84, max_new_tokens: int = 96, threads: int = 1) -> dict:
     check_world_video(num_frames, size, LONGEST_VIDEO_TOKENS)
     models = Path(models)
-    torch.set_num_threads(1)      # a tiny model: a second thread costs more in sync than it gives
+    torch.set_num_threads(threads)      # a tiny model: a second thread costs more in sync than it gives
     seed = random.SystemRandom().randrange(10**6, 10**9) if seed is None else seed
     target = TargetModel.from_pretrained(models / "target", dtype=dtype, device=device)
     draft = SparrowDraft.from_pretrained(models / "draft", target)        # on the target's device, in its dtype
