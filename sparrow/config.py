@@ -57,6 +57,7 @@ class SpecConfig:
     BENCHMARKS.md for where it pays on which machine): the engine chooses each
     step's k in [0, num_draft_tokens] from the batch size and measured acceptance and costs
     (scheduler.DraftPolicy); seeded sampling and a request's explicit k keep k fixed.
+    tree_width/tree_branch/tree_budget: the shape of the draft tree (see the fields).
     window/anchors/glimpse: the draft's text-anchored window attention sees at most
     `anchors` prompt text tokens + the last `window` tokens + `glimpse` bridge-layer visual
     states, whatever the length of the video.
@@ -72,6 +73,12 @@ class SpecConfig:
     method: str = "sparrow"
     num_draft_tokens: int = 4
     adaptive_k: bool = False
+    # Draft trees (EAGLE-2 style, dynamic): num_draft_tokens is the depth; each level expands
+    # the tree_width most probable nodes (by cumulative draft probability) with tree_branch
+    # children each, up to tree_budget nodes (0: no cap). width = branch = 1 is a chain.
+    tree_width: int = 1
+    tree_branch: int = 1
+    tree_budget: int = 0
     window: int = 32
     anchors: int = 64
     glimpse: int = 0
@@ -93,11 +100,18 @@ class SpecConfig:
         _check(isinstance(self.prune_keep, (int, float)) and 0.0 <= self.prune_keep <= 1.0,
                f"prune_keep must be in [0, 1], got {self.prune_keep!r}")
         _check(self.draft_layers >= 1, f"draft_layers must be >= 1, got {self.draft_layers}")
+        _check(self.tree_width >= 1 and self.tree_branch >= 1, "tree_width and tree_branch must be >= 1")
+        _check(0 <= self.tree_budget <= 256, f"tree_budget must be in [0, 256], got {self.tree_budget}")
         if self.method == "eagle-style" and self.draft_context == "text":
             object.__setattr__(self, "draft_context", "all")
         if self.feature_layers is not None:
             _check(len(self.feature_layers) >= 1 and all(i >= 0 for i in self.feature_layers),
                    "feature_layers must be a non-empty tuple of hidden-state indices")
+
+    def max_tree_nodes(self, depth: int) -> int:
+        """The most draft nodes a tree of this depth may have (a chain: depth)."""
+        nodes = depth * self.tree_width * self.tree_branch
+        return min(nodes, self.tree_budget) if self.tree_budget else nodes
 
     @property
     def speculative(self) -> bool:

@@ -196,7 +196,8 @@ class Engine:
         m.prompt_tokens, m.visual_tokens = inputs["input_ids"].shape[1], processed.num_visual_tokens
         m.cached_prompt_tokens = entry.prefix.length if entry is not None else 0
         target.check_fits(m.prompt_tokens, request.sampling.max_new_tokens)
-        request.capacity = m.prompt_tokens + request.sampling.max_new_tokens + k + 1
+        # KV room: the answer, plus one verify step's root and draft tree (a chain: k tokens).
+        request.capacity = m.prompt_tokens + request.sampling.max_new_tokens + self.spec.max_tree_nodes(k) + 1
         arena_tokens = self.scheduler._arena().tokens
         if request.capacity > arena_tokens:
             raise ResourceExhausted(

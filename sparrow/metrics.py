@@ -28,9 +28,11 @@ class SpecMetrics:
     verify_seconds: float = 0.0
     draft_max_keys: int = 0               # most keys one draft query attended to
 
-    def record_step(self, proposed: int, accepted: int) -> None:
+    def record_step(self, proposed: int, accepted: int, nodes: int | None = None) -> None:
+        """proposed: the draft's depth (a chain's k); nodes: its draft tokens when a tree has
+        more than one per depth."""
         self.steps += 1
-        self.draft_tokens += proposed
+        self.draft_tokens += proposed if nodes is None else nodes
         self.accepted_tokens += accepted
         if len(self.accepted_per_position) < proposed:
             self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))

@@ -238,7 +238,8 @@ class Scheduler:
         self._waiting: deque[Request] = deque()      # waiting for KV memory (scheduler thread only)
         self._prefilling: deque[Request] = deque()
         self._running: list[Request] = []
-        self._preparing = threading.BoundedSemaphore(config.prepare_threads)
+        self._to_prepare: deque[Request] = deque()   # submitted, not yet prepared
+        self._preparers = 0                          # worker threads preparing them
         self._thread: threading.Thread | None = None
         self._closed = False
         self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
@@ -253,11 +254,13 @@ class Scheduler:
         if self._closed:
             raise RuntimeError("the engine is closed")
         with self._cv:
-            if len(self._waiting) + len(self._ready) >= self.config.max_waiting + self.config.max_running:
-                raise ResourceExhausted(f"{len(self._waiting)} requests are already waiting for KV memory; "
-                                        "try again later")
-        threading.Thread(target=self._prepare, args=(request,), name=f"sparrow-prepare-{request.id}",
-                         daemon=True).start()
+            queued = len(self._to_prepare) + len(self._waiting) + len(self._ready)
+            if queued >= self.config.max_waiting + self.config.max_running:
+                raise ResourceExhausted(f"{queued} requests are already waiting; try again later")
+            self._to_prepare.append(request)
+            if self._preparers < self.config.prepare_threads:
+                self._preparers += 1
+                threading.Thread(target=self._prepare_loop, name="sparrow-prepare", daemon=True).start()
         return request
 
     @property
@@ -269,18 +272,23 @@ class Scheduler:
             self._closed = True
             self._cv.notify_all()
 
-    # ----- preparation (a worker thread per request, bounded) ----------------------------------
-    def _prepare(self, request: Request) -> None:
-        with self._preparing:
+    # ----- preparation (at most prepare_threads worker threads, gone when idle) ---------------
+    def _prepare_loop(self) -> None:
+        while True:
+            with self._cv:
+                if not self._to_prepare:
+                    self._preparers -= 1
+                    return
+                request = self._to_prepare.popleft()
             try:
                 self.engine._prepare_request(request)
             except BaseException as exc:  # noqa: BLE001 - handed to the request's reader
                 request.sink(exc)
-                return
-        with self._cv:
-            self._ready.append(request)
-            self._ensure_thread()
-            self._cv.notify_all()
+                continue
+            with self._cv:
+                self._ready.append(request)
+                self._ensure_thread()
+                self._cv.notify_all()
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -406,11 +414,11 @@ class Scheduler:
         self._commit(batch, ks, results)
         t3 = time.perf_counter()
         self.policy.record(sum(k + 1 for k in ks), t2 - t1, max(ks), (t1 - t0) + (t3 - t2))
-        for request, k, result in zip(batch, ks, results):
+        for request, k, proposal, result in zip(batch, ks, proposals, results):
             m = request.metrics
             m.draft_seconds += (t1 - t0) + (t3 - t2)
             m.verify_seconds += t2 - t1
-            m.record_step(k, result.accept.num_accepted)
+            m.record_step(k, result.accept.num_accepted, proposal.size if proposal is not None else 0)
             if k > 0:
                 request.accepted += result.accept.num_accepted
                 request.rejected += result.accept.num_accepted < k

@@ -58,6 +58,35 @@ class OracleProposer:
         pass
 
 
+class OracleTreeProposer(OracleProposer):
+    """Deterministic draft trees around a known greedy continuation: every node has `width`
+    children, wrong tokens first; the right token (where `mode` puts it) is the LAST sibling,
+    so acceptance must search the siblings. mode: "always" (the right token at every level),
+    "never" (no right token anywhere), "sometimes" (right at the first level only, wrong below).
+    Only the right token's subtree is expanded further; wrong siblings are leaves."""
+
+    def __init__(self, continuation: list[int], vocab_size: int, width: int, mode: str):
+        super().__init__(continuation, vocab_size=vocab_size)
+        self.width, self.mode = width, mode
+
+    def propose(self, batch) -> list[Proposal]:
+        out = []
+        for r in batch:
+            tokens, parents, parent = [], [], -1
+            for depth in range(r.k):
+                pos = r.state.pos + depth
+                right = self.continuation[min(pos, len(self.continuation) - 1)]
+                right_here = self.mode == "always" or (self.mode == "sometimes" and depth == 0)
+                wrong = [(right + 1 + j) % self.vocab_size for j in range(self.width)]
+                kids = wrong[: self.width - 1] + [right if right_here else wrong[-1]]
+                first = len(tokens)
+                tokens += kids
+                parents += [parent] * len(kids)
+                parent = first + len(kids) - 1          # grow below the last sibling
+            out.append(Proposal(torch.tensor(tokens, dtype=torch.long), None, torch.tensor(parents, dtype=torch.long)))
+        return out
+
+
 def check_unroll_equals_proposer(draft: SparrowDraft, spec: SpecConfig, sig, start: int, pinned: torch.Tensor,
                                  window: int, glimpse: int) -> list[torch.Tensor]:
     """Propose spec.num_draft_tokens tokens from chain start `start` over the training signals

@@ -276,5 +276,7 @@ def test_wire_benchmark_measures_what_travels():
     from benchmarks.draft_wire import measure
 
     dense, top_k, greedy = (measure(4096, 4, *case) for case in [(1.0, 0, 1.0), (1.0, 20, 1.0), (0.0, 0, 1.0)])
-    assert dense["before"] == dense["after"] == top_k["before"] > 4 * 4096 * 4
+    # Pickled sizes may differ by a few bytes with what the process pickled before (memo, names).
+    assert abs(dense["before"] - dense["after"]) < 64 and abs(dense["before"] - top_k["before"]) < 64
+    assert dense["after"] > 4 * 4096 * 4
     assert top_k["after"] < dense["after"] / 5 and greedy["after"] < 1000

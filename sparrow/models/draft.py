@@ -206,6 +206,10 @@ class DraftSegment:
     start: int
     end: int
     window: int
+    # Draft trees: the cache's entries from `committed` on are speculative tree nodes; new row
+    # i sees those where spec_mask[i] is True (its ancestors and itself), not by position.
+    committed: int = 0
+    spec_mask: torch.Tensor | None = None     # (n, entries after committed, the new ones included)
 
 
 class DraftLayer(nn.Module):
@@ -363,6 +367,8 @@ class SparrowDraft(nn.Module):
             kv.append_meta(pos[seg.start:seg.end], pinned[seg.start:seg.end])
             end = kv.length + n
             mask = window_mask(pos[seg.start:seg.end], kv._pos[:end], kv._pinned[:end], seg.window)
+            if seg.spec_mask is not None:
+                mask[:, seg.committed:end] &= seg.spec_mask.to(mask.device)
             kv.max_visible = max(kv.max_visible, int(mask.sum(-1).max()))
             masks.append(mask)
         x = z

@@ -18,7 +18,7 @@ from ..models.target import FeatureNeeds
 from .glimpse import select_glimpse, text_to_visual_attention
 from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
 from .prune import prune_budget, prune_visual
-from .sampling import draw_token
+from .sampling import draw_token, logits_to_probs
 
 # A window no sequence reaches: with it nothing slides out of view and nothing is evicted, so
 # `window_mask` is plain causal attention ("all" / "pruned" draft contexts).
@@ -178,35 +178,60 @@ class SparrowProposer:
         kv.evict(n, window, _STEP_ROOM)
         return SparrowState(kv, n, len(kv), hidden[-1])
 
+    @property
+    def is_chain(self) -> bool:
+        return self.spec.tree_width == 1 and self.spec.tree_branch == 1
+
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
-        """k_i draft tokens for every request i: step j drafts one token for each request with
-        k_i > j, then feeds those still drafting forward in one packed draft pass."""
+        """A draft tree of depth k_i for every request i (a chain when tree_width and
+        tree_branch are 1), grown level by level: each level expands the tree_width most
+        probable nodes of the last one (cumulative draft log-probability) with tree_branch
+        children each, up to tree_budget nodes. Children are the top tokens at T=0 and i.i.d.
+        draws from the draft's q otherwise (what lossless tree acceptance needs; siblings are
+        never pruned by their values). The nodes to expand next are fed through the draft in
+        one packed pass per level; each sees the request's context and its own ancestors."""
+        trees = [_TreeGrowth(r, self.spec) for r in batch]
+        frontier = [[_Node(-1, r.state.last_hidden, 0.0)] for r in batch]       # the root
+        for depth in range(1, max((r.k for r in batch), default=0) + 1):
+            live = [i for i, r in enumerate(batch) if r.k >= depth and frontier[i]]
+            if not live:
+                break
+            expand = [(i, node) for i in live for node in frontier[i]]
+            logits = self.draft.logits(torch.stack([node.hidden for _, node in expand]))      # (b, V)
+            grown: dict[int, list[_Node]] = {i: [] for i in live}
+            for row, (i, node) in enumerate(expand):        # in order: each request's draws, in a fixed order
+                grown[i] += trees[i].add_children(node, logits[row], depth)
+            feed = {i: trees[i].to_expand(nodes) for i, nodes in grown.items() if batch[i].k > depth}
+            frontier = [feed.get(i, []) for i in range(len(batch))]
+            self._feed(batch, trees, feed, depth)
+        return [t.tree() for t in trees]
+
+    def _feed(self, batch: list[DraftRequest], trees: list["_TreeGrowth"], feed: dict[int, list["_Node"]],
+              depth: int) -> None:
+        """Run the nodes to expand next through the draft (one packed pass for the batch);
+        their hidden states give the next level's distributions."""
+        rows = [(i, node) for i, nodes in feed.items() for node in nodes]
+        if not rows:
+            return
         draft = self.draft
-        hidden = [r.state.last_hidden for r in batch]
-        tokens: list[list[int]] = [[] for _ in batch]
-        probs: list[list[torch.Tensor]] = [[] for _ in batch]
-        for j in range(max((r.k for r in batch), default=0)):
-            live = [i for i, r in enumerate(batch) if r.k > j]
-            logits = draft.logits(torch.stack([hidden[i] for i in live]))             # (b, V)
-            for row, i in enumerate(live):      # each request draws with its own generator, in order
-                tok, q = draw_token(logits[row], batch[i].sampling, batch[i].generator)
-                tokens[i].append(tok)
-                if q is not None:
-                    probs[i].append(q)
-            feed = [i for i in live if j + 1 < batch[i].k]     # the last draft token is never fed
-            if not feed:
+        device = self.draft.fuse.weight.device
+        ids = torch.tensor([trees[i].tokens[node.index] for i, node in rows], device=device)
+        z = draft.inputs_from_draft(ids, torch.stack([trees[i].parent_hidden[node.index] for i, node in rows]))
+        pos = torch.tensor([batch[i].state.next_pos + depth - 1 for i, _ in rows], device=device)
+        segments, start = [], 0
+        for i, nodes in feed.items():
+            if not nodes:
                 continue
-            device = hidden[feed[0]].device
-            ids = torch.tensor([tokens[i][-1] for i in feed], device=device)
-            z = draft.inputs_from_draft(ids, torch.stack([hidden[i] for i in feed]))
-            pos = torch.tensor([batch[i].state.next_pos + j for i in feed], device=device)
-            segments = [DraftSegment(batch[i].state.kv, row, row + 1, self.window) for row, i in enumerate(feed)]
-            out = draft.forward_packed(z, pos, torch.zeros(len(feed), dtype=torch.bool, device=device), segments)
-            for row, i in enumerate(feed):
-                hidden[i] = out[row]
-        return [Proposal(torch.tensor(t, dtype=torch.long), torch.stack(p) if p else None)
-                for t, p in zip(tokens, probs)]
+            state, tree = batch[i].state, trees[i]
+            spec_mask = None if self.is_chain else tree.spec_mask(nodes)
+            segments.append(DraftSegment(state.kv, start, start + len(nodes), self.window,
+                                         state.committed, spec_mask))
+            start += len(nodes)
+        out = draft.forward_packed(z, pos, torch.zeros(len(rows), dtype=torch.bool, device=device), segments)
+        for row, (i, node) in enumerate(rows):
+            node.hidden = out[row]
+
 
     @torch.inference_mode()
     def commit(self, states: list[SparrowState], results: list[StepResult]) -> None:
@@ -244,6 +269,82 @@ class SparrowProposer:
 
     def commit_one(self, state: SparrowState, tokens: list[int], features: torch.Tensor) -> None:
         self.commit([state], [StepResult(None, list(tokens), features)])
+
+
+@dataclass(slots=True)
+class _Node:
+    index: int                     # node index in the tree (-1: the root)
+    hidden: torch.Tensor | None    # draft output at this node (its children's distribution comes from it)
+    score: float                   # cumulative draft log-probability
+
+
+class _TreeGrowth:
+    """One request's tree while it grows (propose)."""
+
+    def __init__(self, request: DraftRequest, spec: SpecConfig):
+        self.request, self.spec = request, spec
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.draw: list[int] = []
+        self.probs: list[torch.Tensor] = []
+        self.parent_hidden: list[torch.Tensor] = []    # the parent's draft output, fed with the node
+        self.spec_index: dict[int, int] = {}           # node -> its entry after `committed` in the draft cache
+        self.ancestors: dict[int, list[int]] = {-1: []}
+        budget = spec.tree_budget or 1 << 30
+        self.budget = min(budget, request.k * spec.tree_width * spec.tree_branch)
+
+    def add_children(self, node: _Node, logits: torch.Tensor, depth: int) -> list[_Node]:
+        room = self.budget - len(self.tokens)
+        n = min(self.spec.tree_branch, room)
+        if n <= 0:
+            return []
+        sampling = self.request.sampling
+        if sampling.greedy:
+            logp = torch.log_softmax(logits.float(), -1)
+            top = torch.topk(logp, n)
+            picks, scores, row = top.indices.tolist(), top.values.tolist(), None
+        else:
+            q = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            picks = torch.multinomial(q, n, replacement=True, generator=self.request.generator).tolist()
+            scores = torch.log(q[picks].clamp(min=1e-30)).tolist()
+            row = len(self.probs)
+            self.probs.append(q)
+        children = []
+        for token, score in zip(picks, scores):
+            index = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(node.index)
+            self.draw.append(row if row is not None else index)
+            self.parent_hidden.append(node.hidden)
+            self.ancestors[index] = self.ancestors[node.index] + [index]
+            children.append(_Node(index, None, node.score + score))
+        return children
+
+    def to_expand(self, nodes: list[_Node]) -> list[_Node]:
+        """The nodes of a new level that get children: the tree_width most probable."""
+        if len(self.tokens) >= self.budget:
+            return []
+        return sorted(nodes, key=lambda node: -node.score)[: self.spec.tree_width]
+
+    def spec_mask(self, nodes: list[_Node]) -> torch.Tensor:
+        """(len(nodes), fed so far + len(nodes)): each fed node sees its fed ancestors and itself."""
+        for node in nodes:
+            self.spec_index[node.index] = len(self.spec_index)
+        mask = torch.zeros(len(nodes), len(self.spec_index), dtype=torch.bool)
+        for row, node in enumerate(nodes):
+            for a in self.ancestors[node.index]:
+                if a in self.spec_index:
+                    mask[row, self.spec_index[a]] = True
+        return mask
+
+    def tree(self) -> Proposal:
+        tokens = torch.tensor(self.tokens, dtype=torch.long)
+        probs = torch.stack(self.probs) if self.probs else None
+        if all(p == i - 1 for i, p in enumerate(self.parents)):
+            # A chain (width 1 or a single path): row i of probs is node i's distribution.
+            return Proposal(tokens, probs)
+        return Proposal(tokens, probs, torch.tensor(self.parents, dtype=torch.long),
+                        torch.tensor(self.draw, dtype=torch.long))
 
 
 def _sparrow(target, draft, spec: SpecConfig) -> SparrowProposer:

@@ -1,0 +1,184 @@
+"""Draft trees: lossless greedy output for many tree shapes, stub trees that are always / never /
+sometimes accepted, tree acceptance's sampling distribution (pure and end to end through the
+engine, chains and trees, with top-k and top-p), and the accepted path's KV kept in place."""
+
+import copy
+import math
+
+import pytest
+import torch
+from helpers import OracleTreeProposer
+
+from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.prefix_cache import PrefixCache
+from sparrow.scheduler import EngineConfig
+from sparrow.spec.accept import accept_tree_speculative
+from sparrow.spec.sampling import logits_to_probs
+from sparrow.spec.specvlm import SpecVLMProposer
+from sparrow.spec.tree import DraftTree
+from sparrow.tiny import synthetic_frames, tiny_draft
+
+PROMPT = "What happens in the video?"
+
+
+def hf_greedy(target, engine, video, prompt, n):
+    inputs = engine.prepare(video, prompt)
+    out = target.hf.generate(**inputs, do_sample=False, max_new_tokens=n)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("width,branch,depth,budget", [
+    (1, 1, 4, 0), (2, 2, 3, 0), (4, 1, 6, 0), (1, 4, 2, 0), (3, 2, 5, 12), (4, 4, 6, 24), (2, 3, 1, 0),
+])
+def test_tree_greedy_equals_hf_generate(any_target, large_video, width, branch, depth, budget):
+    spec = SpecConfig(num_draft_tokens=depth, window=8, anchors=16, tree_width=width, tree_branch=branch,
+                      tree_budget=budget)
+    engine = Engine(any_target, tiny_draft(any_target, spec, seed=4), spec)
+    expected = hf_greedy(any_target, engine, large_video, PROMPT, 24)
+    gens = [engine.stream(large_video, PROMPT, SamplingParams(max_new_tokens=24)) for _ in range(2)]   # batched
+    outs = [[t for d in g for t in d.token_ids] for g in gens]
+    assert outs == [expected, expected]
+    assert gens[0].output.metrics.draft_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["always", "never", "sometimes"])
+@pytest.mark.parametrize("width", [1, 3])
+def test_stub_trees_always_never_sometimes_accepted(qwen_target, small_video, mode, width):
+    plain = Engine(qwen_target, spec=SpecConfig(method="none"))
+    sampling = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    reference = plain.generate(small_video, PROMPT, sampling).token_ids
+    proposer = OracleTreeProposer(reference, qwen_target.vocab_size, width, mode)
+    engine = Engine(qwen_target, spec=SpecConfig(num_draft_tokens=4, tree_width=width), proposer=proposer)
+    out = engine.generate(small_video, PROMPT, sampling)
+    m = out.metrics
+    assert out.token_ids == reference
+    if mode == "never":
+        assert m.accepted_tokens == 0
+    elif mode == "sometimes":
+        # exactly the first level, every step (the last one may have had no room to draft)
+        assert m.steps - 1 <= m.accepted_tokens <= m.steps and m.accepted_per_position[1:] == [0] * 3
+    else:
+        assert m.accepted_per_position[0] == m.steps and m.mean_acceptance_length > 4.0
+
+
+def test_tree_acceptance_samples_the_target_distribution():
+    """A node with 3 children drawn i.i.d. from q, one of them with its own 2 children:
+    the first emitted token follows p, and the second does too given the first."""
+    vocab, trials = 5, 20000
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(7, vocab, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(2, vocab, generator=g) * 1.5, -1)
+    counts = torch.zeros(vocab)
+    second = torch.zeros(vocab, vocab)
+    rng = torch.Generator().manual_seed(2)
+    for _ in range(trials):
+        kids = torch.multinomial(q[0], 3, replacement=True, generator=rng)
+        grand = torch.multinomial(q[1], 2, replacement=True, generator=rng)
+        tree = DraftTree(torch.cat([kids, grand]), q, torch.tensor([-1, -1, -1, 0, 0]), torch.tensor([0, 0, 0, 1, 1]))
+        target = p[:6]                      # rows: the root, then nodes 0..4 (node 0's children come from q[1])
+        r = accept_tree_speculative(tree, target, rng)
+        toks = r.tokens(tree.tokens)
+        counts[toks[0]] += 1
+        if len(toks) > 1 and r.path and r.path[0] == 0:
+            second[toks[0], toks[1]] += 1
+    torch.testing.assert_close(counts / trials, p[0], atol=0.012, rtol=0)
+    # Given that node 0 (a draw of token kids[0]) was accepted, the next token follows p[1].
+    x = int(second.sum(1).argmax())
+    torch.testing.assert_close(second[x] / second[x].sum(), p[1], atol=0.03, rtol=0)
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at 1 - 0.001 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _exact_distribution(target, engine, video, sampling, n: int) -> dict[tuple[int, ...], float]:
+    """P(x_1..x_n) of the target itself under the request's sampling (temperature/top-k/top-p),
+    by enumerating every answer the truncated distributions allow: HF's own forward over the
+    prompt once, then each prefix's tokens on a copy of its cache."""
+    inputs = engine.prepare(video, PROMPT)
+    positions, delta = target.family.prefill_positions(target.hf, inputs)
+    prompt_len = inputs["input_ids"].shape[1]
+    with torch.inference_mode():
+        out = target.hf(**inputs, position_ids=positions, use_cache=True)
+    dist: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix: tuple[int, ...], prob: float, logits: torch.Tensor, cache) -> None:
+        p = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        for x in torch.nonzero(p).view(-1).tolist():
+            answer = prefix + (x,)
+            if len(answer) == n:
+                dist[answer] = prob * float(p[x])
+                continue
+            with torch.inference_mode():
+                step = target.hf(input_ids=torch.tensor([[x]]), past_key_values=copy.deepcopy(cache), use_cache=True,
+                                 position_ids=target.family.step_positions(prompt_len + len(prefix), 1, delta))
+            expand(answer, prob * float(p[x]), step.logits[0, -1], step.past_key_values)
+
+    expand((), 1.0, out.logits[0, -1], out.past_key_values)
+    return dist
+
+
+@pytest.mark.parametrize("tree", [(1, 1), (2, 2), "specvlm"], ids=["chain", "tree", "close-draft"])
+@pytest.mark.parametrize("truncation", [dict(top_k=3, temperature=1.3), dict(top_p=0.7, temperature=0.3)],
+                         ids=["top_k", "top_p"])
+def test_engine_samples_the_targets_distribution_end_to_end(qwen_target, tree, truncation):
+    """1,200 seeded three-token answers through the batched engine match the target's exact
+    three-token distribution (chi-square, p = 0.001). Drafts: a random Sparrow draft (its one
+    verify step drafts a depth-1 chain or two i.i.d. siblings; mostly rejected), and a close
+    one (the target itself on half the video, SpecVLM-style: q near p, so acceptance and the
+    residual after a rejection both carry weight)."""
+    video = synthetic_frames(4, 56, 56, seed=1)
+    config = EngineConfig(max_waiting=2000)
+    if tree == "specvlm":
+        spec = SpecConfig(method="specvlm", num_draft_tokens=2)
+        proposer = SpecVLMProposer(qwen_target, qwen_target, keep_ratio=0.5, video_cache_entries=4)
+        engine = Engine(qwen_target, spec=spec, proposer=proposer, prefix_cache=PrefixCache(), config=config)
+    else:
+        width, branch = tree
+        spec = SpecConfig(num_draft_tokens=2, window=8, anchors=16, tree_width=width, tree_branch=branch)
+        engine = Engine(qwen_target, tiny_draft(qwen_target, spec, seed=5), spec, prefix_cache=PrefixCache(),
+                        config=config)
+    sampling = SamplingParams(max_new_tokens=3, ignore_eos=True, **truncation)
+    exact = _exact_distribution(qwen_target, engine, video, sampling, 3)
+    trials = 1200
+    engine.generate(video, PROMPT, SamplingParams(max_new_tokens=1), video_key="v")      # the prefix, cached
+    gens = [engine.stream(video, PROMPT, SamplingParams(**{**_fields(sampling), "seed": i}), video_key="v")
+            for i in range(trials)]
+    counts: dict[tuple[int, int], int] = {}
+    drafted = accepted = 0
+    for g in gens:
+        for _ in g:
+            pass
+        key = tuple(g.output.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        drafted += g.output.metrics.draft_tokens
+        accepted += g.output.metrics.accepted_tokens
+    assert set(counts) <= set(exact), "an answer the target cannot give"
+    assert drafted > 0
+    if tree == "specvlm":
+        assert accepted > trials // 4                    # a close draft: acceptance matters
+    big = [k for k, p in exact.items() if p * trials >= 5]
+    rest = 1 - sum(exact[k] for k in big)
+    stat = sum((counts.get(k, 0) - exact[k] * trials) ** 2 / (exact[k] * trials) for k in big)
+    cells = len(big)
+    if rest * trials >= 5:
+        observed_rest = trials - sum(counts.get(k, 0) for k in big)
+        stat += (observed_rest - rest * trials) ** 2 / (rest * trials)
+        cells += 1
+    assert cells >= 3, "the target's answers are too concentrated for the test to mean anything"
+    assert stat < _chi2_critical(cells - 1), f"chi-square {stat:.1f} over {cells} cells"
+
+
+def _fields(sampling: SamplingParams) -> dict:
+    return {f: getattr(sampling, f) for f in sampling.__slots__}
+
+
+def test_accepted_path_kv_is_compacted_in_place(qwen_target, small_video):
+    """After a tree step the target's cache equals a plain prefill of the same tokens."""
+    spec = SpecConfig(num_draft_tokens=3, tree_width=3, tree_branch=2, window=8, anchors=16)
+    engine = Engine(qwen_target, tiny_draft(qwen_target, spec, seed=4), spec)
+    out = engine.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    plain = Engine(qwen_target, spec=SpecConfig(method="none"))
+    assert out.token_ids == plain.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16,
+                                                                                ignore_eos=True)).token_ids
