@@ -79,6 +79,7 @@ METHODS = {m.name: m for m in (
     Method("specvlm-eagle", "EAGLE + SpecVLM pruning"),
     Method("sparrow", "Sparrow"),
     Method("sparrow-glimpse", "Sparrow + glimpse"),
+    Method("sparrow-tree", "Sparrow tree"),
     Method("sparrow-adaptive", "Sparrow, adaptive k"),      # the concurrency benchmark's; opt-in here
     Method("ablation-none", "none", ablation=True),
     Method("ablation-window", "window", ablation=True),
@@ -101,6 +102,7 @@ class BenchConfig:
     glimpse: int = 16
     window: int = 16   # the world drafts are trained with window 16, anchors 32 (training/world_data.py)
     anchors: int = 32
+    tree: tuple[int, int, int] = (4, 2, 16)   # sparrow-tree: width, branch, node budget (depth: k)
     methods: tuple[str, ...] = tuple(m for m in METHODS if m != "sparrow-adaptive")
     seed: int = BENCH_SEED
     warmup_tokens: int = 8           # one untimed request per method first (0: none)
@@ -161,6 +163,10 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache)
     if name == "sparrow":
         return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0), prefix_cache=cache)
+    if name == "sparrow-tree":
+        width, branch, budget = cfg.tree
+        return Engine(target, models.draft("world/draft"),
+                      _spec(cfg, glimpse=0, tree_width=width, tree_branch=branch, tree_budget=budget), prefix_cache=cache)
     if name == "sparrow-adaptive":       # k chosen per step from measured costs and acceptance (scheduler.DraftPolicy)
         return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0, adaptive_k=True), prefix_cache=cache)
     if name == "sparrow-glimpse":
@@ -776,6 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--glimpse", type=int, default=16, help="glimpse of sparrow-glimpse")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--tree", default="4,2,16", help="sparrow-tree: WIDTH,BRANCH,BUDGET (depth is --k)")
     ap.add_argument("--seed", type=int, default=BENCH_SEED)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared 2-core box)")
     ap.add_argument("--out", default=None, help="write the 'speculative' section of this markdown file")
@@ -792,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         ((0.0,) if q else (0.0, 1.0)),
         reps=args.reps or (2 if q else 5), max_new_tokens=args.max_new_tokens or (48 if q else 96),
         k=args.k, glimpse=args.glimpse, window=args.window, anchors=args.anchors,
+        tree=tuple(int(x) for x in args.tree.split(",")),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), seed=args.seed)
     result = run_timed(lambda: run_benchmark(cfg))
     if result is None:

@@ -67,6 +67,10 @@ class EngineConfig:
     prefill_share        ... and prefill gets about this share of the time while streams decode
                          (the rest goes to decode steps); alone, a prefill runs at full chunks
     prepare_threads      videos decoded at once (off the scheduler thread)
+    step_draft_nodes     draft-tree nodes a whole step may verify, shared by the requests that
+                         draft (each gets at most its equal share, however large its tree
+                         could be); 0: no cap. Verify cost grows with the tokens scored, so a
+                         batch gives each request a smaller tree (BENCHMARKS.md: verify cost).
     """
 
     kv_cache_bytes: int = 2 << 30
@@ -76,6 +80,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = 2048
     prefill_slice_s: float = 0.1
     prefill_share: float = 0.5
+    step_draft_nodes: int = 0
     prepare_threads: int = 2
 
     def __post_init__(self) -> None:
@@ -84,6 +89,8 @@ class EngineConfig:
                 raise InvalidRequest(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0 or not self.queue_timeout_s >= 0:
             raise InvalidRequest("max_waiting and queue_timeout_s must be >= 0")
+        if self.step_draft_nodes < 0:
+            raise InvalidRequest("step_draft_nodes must be >= 0")
         if not self.prefill_slice_s > 0 or not 0 < self.prefill_share <= 1:
             raise InvalidRequest("need prefill_slice_s > 0 and 0 < prefill_share <= 1")
 
@@ -429,7 +436,10 @@ class Scheduler:
         drafting = [i for i, k in enumerate(ks) if k > 0]
         proposals: list[Proposal | None] = [None] * len(batch)
         if drafting:
-            calls = [DraftRequest(batch[i].draft_state, ks[i], batch[i].sampling, batch[i].generator) for i in drafting]
+            cap = self.config.step_draft_nodes
+            share = max(1, cap // len(drafting)) if cap else None
+            calls = [DraftRequest(batch[i].draft_state, ks[i], batch[i].sampling, batch[i].generator, share)
+                     for i in drafting]
             for i, proposal in zip(drafting, self.engine.proposer.propose(calls)):
                 proposals[i] = proposal
         return proposals

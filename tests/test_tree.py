@@ -182,3 +182,17 @@ def test_accepted_path_kv_is_compacted_in_place(qwen_target, small_video):
     plain = Engine(qwen_target, spec=SpecConfig(method="none"))
     assert out.token_ids == plain.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16,
                                                                                 ignore_eos=True)).token_ids
+
+
+def test_a_step_shares_its_node_budget_across_the_batch(qwen_target, large_video):
+    """step_draft_nodes = 8 over 4 drafting requests: at most 2 nodes each per step; lossless."""
+    spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2)
+    engine = Engine(qwen_target, tiny_draft(qwen_target, spec, seed=4), spec,
+                    config=EngineConfig(step_draft_nodes=8))
+    expected = hf_greedy(qwen_target, engine, large_video, PROMPT, 40)
+    sizes = []
+    real = engine.proposer.propose
+    engine.proposer.propose = lambda batch: [sizes.append((len(batch), p.size)) or p for p in real(batch)]
+    gens = [engine.stream(large_video, PROMPT, SamplingParams(max_new_tokens=40)) for _ in range(4)]
+    assert [[t for d in g for t in d.token_ids] for g in gens] == [expected] * 4
+    assert max(n for n, _ in sizes) >= 3 and all(size <= 8 // n for n, size in sizes)

@@ -290,8 +290,7 @@ class _TreeGrowth:
         self.parent_hidden: list[torch.Tensor] = []    # the parent's draft output, fed with the node
         self.spec_index: dict[int, int] = {}           # node -> its entry after `committed` in the draft cache
         self.ancestors: dict[int, list[int]] = {-1: []}
-        budget = spec.tree_budget or 1 << 30
-        self.budget = min(budget, request.k * spec.tree_width * spec.tree_branch)
+        self.budget = min(spec.max_tree_nodes(request.k), request.budget or 1 << 30)
 
     def add_children(self, node: _Node, logits: torch.Tensor, depth: int) -> list[_Node]:
         room = self.budget - len(self.tokens)

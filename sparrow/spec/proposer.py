@@ -51,9 +51,10 @@ class DraftRequest:
     """One request's part of a batched propose: its state, how many tokens, how to draw."""
 
     state: Any
-    k: int
+    k: int                              # depth (a chain's length)
     sampling: SamplingParams
     generator: torch.Generator
+    budget: int | None = None           # the most draft nodes this step (the batch's share); None: the method's
 
 
 @dataclass(slots=True)
