@@ -462,7 +462,7 @@ class TargetModel:
         scheduler runs a PrefillJob over an arena slot instead, chunk by chunk).
         With `prefix` the cache starts as a copy of the video prefix's. visual_features: also
         the features at t-1 of the visual positions (drafts whose context holds visual entries)."""
-        needs = FeatureNeeds(tuple(feature_layers), bridge_layer, visual_features)
+        needs = FeatureNeeds(tuple(feature_layers or ()), bridge_layer, visual_features)
         kv = new_kv_cache(kv_cache, self.num_layers, capacity)
         return PrefillJob(self, inputs, kv, needs, prefix).run().output()
 
@@ -476,7 +476,7 @@ class TargetModel:
         if video_pos.numel() == 0:
             raise InvalidRequest("the prompt holds no video tokens")
         end = int(video_pos[-1]) + 1
-        needs = FeatureNeeds(tuple(feature_layers), bridge_layer, visual_features)
+        needs = FeatureNeeds(tuple(feature_layers or ()), bridge_layer, visual_features)
         job = PrefillJob(self, inputs, new_kv_cache("static", self.num_layers, end), needs, end=end).run()
         return job.collector.prefix(job.kv, end)
 
