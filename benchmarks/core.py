@@ -60,7 +60,7 @@ def verify_vs_decode(target, frames, k: int, reps: int) -> dict:
 
 def loop_overhead(target, frames, k: int, new_tokens: int) -> dict:
     spec = SpecConfig(num_draft_tokens=k)
-    engine = Engine(target, tiny_draft(target, spec), spec)
+    engine = Engine(target, tiny_draft(target), spec)
     out = engine.generate(frames, "What happens in the video?", SamplingParams(max_new_tokens=new_tokens),
                           VideoOptions(fps=None, num_frames=len(frames)))
     m = out.metrics

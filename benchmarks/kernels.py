@@ -182,14 +182,12 @@ def draft_table(args, device, dtype) -> list[str]:
 def draft_step_table(args, device, dtype) -> list[str]:
     """k draft steps of the tiny test draft (launch-bound, like any 1-layer draft on a GPU):
     the current proposer path against the static step, eager and (CUDA only) graph-replayed."""
-    from sparrow import SpecConfig
     from sparrow.models.draft_graph import DraftDecodeStep
     from sparrow.tiny import tiny_draft, tiny_target
 
     target = tiny_target("qwen2_5_vl", seed=0)
     target.hf.to(device, dtype)
-    spec = SpecConfig(window=WINDOW, anchors=ANCHORS, glimpse=GLIMPSE)
-    draft = tiny_draft(target, spec)
+    draft = tiny_draft(target)
     _, _, _, _, pos, pinned = window_inputs(1, dtype, device)
     pos, pinned = pos[:-1], pinned[:-1]                               # the context before drafting
     kv = draft.new_kv(pos.shape[0] + DRAFT_TOKENS)                  # empty, on the device

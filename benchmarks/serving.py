@@ -108,7 +108,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="sparrow-bench-"))
     target = tiny_target("qwen2_5_vl", seed=0)
     target.save_pretrained(tmp / "target")
-    tiny_draft(target, spec, seed=0).save_pretrained(tmp / "draft")
+    tiny_draft(target, seed=0).save_pretrained(tmp / "draft")
 
     def videos(offset: int) -> list[bytes]:      # fresh videos per path: every first question is cold
         return [write_synthetic_video(None, num_frames=args.frames, width=args.size, height=args.size, fps=4.0,
@@ -120,7 +120,7 @@ def main() -> int:
 
     rows = {}
     loaded = load_target(str(tmp / "target"))
-    engine = Engine(loaded, load_draft(str(tmp / "draft"), loaded, spec), spec, prefix_cache=PrefixCache())
+    engine = Engine(loaded, load_draft(str(tmp / "draft"), loaded), spec, prefix_cache=PrefixCache())
     timed(engine_stream(engine, videos(900)[0], PROMPTS[0], sampling))                  # warm-up
     rows["in-process engine"] = measure(lambda v, p: engine_stream(engine, v, p, sampling), videos(0))
 

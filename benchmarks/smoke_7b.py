@@ -37,7 +37,6 @@ def build_checkpoint(out: Path, vocab: int | None = None, layers: int = 1, shard
     """Write the 7B-shaped target (out/target) and a Sparrow draft for it (out/draft)."""
     # sparrow first: importing the Qwen2.5-VL classes before anything else of transformers 5.24
     # hits a circular import (transformers.activations <- integrations.finegrained_fp8).
-    from sparrow.config import SpecConfig
     from sparrow.models import SparrowDraft, TargetModel
     from sparrow.tokenizer import qwen_vl_tokenizer
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -67,7 +66,7 @@ def build_checkpoint(out: Path, vocab: int | None = None, layers: int = 1, shard
             hf.generation_config.eos_token_id = text["eos_token_id"]
             hf.generation_config.pad_token_id = tok.pad_token_id
             target = TargetModel(hf, tok)
-            draft = SparrowDraft.for_target(target, SpecConfig(), seed=seed).eval()
+            draft = SparrowDraft.for_target(target, seed=seed).eval()
     finally:
         torch.set_default_dtype(old)
     target.save_pretrained(out / "target", max_shard_size=shard)

@@ -10,7 +10,7 @@ is tested against (tests/test_kernels.py). Contract and conventions: reference.p
                    triton_attention.verify_attention_triton, flex.verify_attention_flex,
                    flash.verify_attention_flash        (chain only, CUDA)
 
-The draft reaches these through the backend registry (`SpecConfig.attention_backend`:
+The draft reaches these through the backend registry (`DraftArchitecture.attention_backend`:
 "sdpa", "eager", "flex", "triton", "flash_attn"), which imports the optional modules only when
 selected. Importing this package imports neither triton, flex attention nor flash-attn.
 

@@ -107,7 +107,7 @@ def _random_demo(args: argparse.Namespace) -> int:
               "acceptance is low until a trained pair is used (see README).")
         target = load_target(f"tiny:qwen2_5_vl:{seed}", args.dtype, args.device)
         spec = SpecConfig(method="sparrow", num_draft_tokens=args.k or 4)
-        engine = Engine(target, tiny_draft(target, spec, seed=seed), spec)
+        engine = Engine(target, tiny_draft(target, seed=seed), spec)
         plain = Engine(target, spec=SpecConfig(method="none"))
         sampling = SamplingParams(max_new_tokens=args.max_new_tokens or 48)
         # Every frame sampled, so --frames is the number of frames the model sees.

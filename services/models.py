@@ -24,9 +24,8 @@ import torch.nn as nn
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from sparrow.config import SpecConfig
 from sparrow.errors import InvalidRequest
-from sparrow.models.draft import SparrowDraft
+from sparrow.models.draft import DraftArchitecture, SparrowDraft
 from sparrow.models.placement import parse_device, parse_dtype
 from sparrow.models.target import TargetModel
 
@@ -45,15 +44,15 @@ def load_target(spec: str, dtype: str | torch.dtype = "float32", device: str = "
     return TargetModel.from_pretrained(spec, dtype=dtype, device=device, device_map=device_map)
 
 
-def load_draft(spec: str, target, spec_config: SpecConfig) -> SparrowDraft:
+def load_draft(spec: str, target, arch: DraftArchitecture = DraftArchitecture()) -> SparrowDraft:
     """target: a TargetModel, or SharedHeads on a draft replica. The draft takes the device
     and dtype of the target's embedding (which it shares)."""
     if spec.startswith("tiny"):
         from sparrow.tiny import tiny_draft
         if not isinstance(target, TargetModel):
             raise InvalidRequest("a tiny draft is built for a tiny target; give the target spec")
-        return tiny_draft(target, spec_config, seed=int(spec.partition(":")[2] or 0))
-    draft = SparrowDraft.from_pretrained(spec, attention_backend=spec_config.attention_backend)
+        return tiny_draft(target, arch, seed=int(spec.partition(":")[2] or 0))
+    draft = SparrowDraft.from_pretrained(spec, attention_backend=arch.attention_backend)
     return draft.to(target.device, target.embed_tokens().weight.dtype).bind(target).eval()
 
 

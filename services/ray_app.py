@@ -131,7 +131,7 @@ class DraftDeployment:
 
     def __init__(self, settings: AppSettings):
         draft = load_draft(settings.draft, load_heads(settings.target, settings.dtype, settings.device),
-                           settings.spec)
+                           settings.draft_arch)
         self.worker = DraftWorker(SparrowProposer(draft, settings.spec), open_cache(settings.cache))
         self.replica = ray.get_runtime_context().get_actor_name() or ""
         self.clients: weakref.WeakValueDictionary[str, DraftSessions] = weakref.WeakValueDictionary()

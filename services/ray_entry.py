@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from sparrow.config import SpecConfig
+from sparrow.models.draft import DraftArchitecture
 from sparrow.scheduler import EngineConfig
 
 from .servicer import ServiceConfig
 from .settings import AppSettings
 
 SETTINGS_FILE_KEY = "settings_file"
-NESTED = {"spec": SpecConfig, "service": ServiceConfig, "engine": EngineConfig}     # AppSettings fields that are dataclasses
+NESTED = {"spec": SpecConfig, "service": ServiceConfig, "engine": EngineConfig, "draft_arch": DraftArchitecture}     # AppSettings fields that are dataclasses
 
 
 def app_builder(args: dict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sparrow.config import SpecConfig
+from sparrow.models.draft import DraftArchitecture
 from sparrow.scheduler import EngineConfig
 from sparrow.engine import Engine
 from sparrow.models.placement import check_placement
@@ -29,6 +30,7 @@ class AppSettings:
     draft: str | None = None
     draft_placement: str = "colocated"
     spec: SpecConfig = SpecConfig()
+    draft_arch: DraftArchitecture = DraftArchitecture()     # a tiny: draft's shape; a loaded draft's attention backend
     engine: EngineConfig = EngineConfig()
     cache: str = "memory"
     service: ServiceConfig = ServiceConfig()
@@ -65,6 +67,6 @@ def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, Stat
     prefix = PrefixCache(settings.prefix_cache_bytes, settings.prefix_cache_entries)
     if settings.draft is None:
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=prefix, config=settings.engine), cache
-    local = SparrowProposer(load_draft(settings.draft, target, settings.spec), settings.spec)
+    local = SparrowProposer(load_draft(settings.draft, target, settings.draft_arch), settings.spec)
     proposer = local if draft_client is None else RemoteDraftProposer(draft_client, local, settings.spec, cache)
     return Engine(target, spec=settings.spec, proposer=proposer, prefix_cache=prefix, config=settings.engine), cache

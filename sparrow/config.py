@@ -84,10 +84,6 @@ class SpecConfig:
     glimpse: int = 0
     draft_context: str = "text"     # "text" | "all" | "pruned"
     prune_keep: float = 0.1         # "pruned": share of the visual tokens kept
-    # Draft architecture, used when a fresh draft is built with SparrowDraft.for_target.
-    draft_layers: int = 1
-    feature_layers: tuple[int, ...] | None = None   # indices into the target's hidden_states; None: low/mid/high
-    attention_backend: str = "sdpa"   # the draft's window attention (sparrow.models.attention)
 
     def __post_init__(self) -> None:
         _check(self.method in SPEC_METHODS, f"method must be one of {SPEC_METHODS}, got {self.method!r}")
@@ -99,14 +95,10 @@ class SpecConfig:
                f"draft_context must be one of {DRAFT_CONTEXTS}, got {self.draft_context!r}")
         _check(isinstance(self.prune_keep, (int, float)) and 0.0 <= self.prune_keep <= 1.0,
                f"prune_keep must be in [0, 1], got {self.prune_keep!r}")
-        _check(self.draft_layers >= 1, f"draft_layers must be >= 1, got {self.draft_layers}")
         _check(self.tree_width >= 1 and self.tree_branch >= 1, "tree_width and tree_branch must be >= 1")
         _check(0 <= self.tree_budget <= 256, f"tree_budget must be in [0, 256], got {self.tree_budget}")
         if self.method == "eagle-style" and self.draft_context == "text":
             object.__setattr__(self, "draft_context", "all")
-        if self.feature_layers is not None:
-            _check(len(self.feature_layers) >= 1 and all(i >= 0 for i in self.feature_layers),
-                   "feature_layers must be a non-empty tuple of hidden-state indices")
 
     def max_tree_nodes(self, depth: int) -> int:
         """The most draft nodes a tree of this depth may have (a chain: depth)."""

@@ -41,9 +41,9 @@ from .models.target import FeatureNeeds, PrefillJob, TargetState
 from .output import OutputProcessor
 from .prefix_cache import PrefixEntry
 from .spec.accept import AcceptResult, accept_tree_greedy, accept_tree_speculative
-from .spec.proposer import BeginInput, DraftRequest, Proposal, StepResult
+from .spec.proposer import DraftRequest, Proposal, StepResult
 from .spec.tree import DraftTree
-from .spec.sampling import draw_token, logits_to_probs, new_generator
+from .spec.sampling import draw_token, logits_to_probs
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,7 @@ import torch
 from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2_5_VLConfig,
                           Qwen2_5_VLForConditionalGeneration)
 
-from .config import SpecConfig
-from .models.draft import SparrowDraft
+from .models.draft import DraftArchitecture, SparrowDraft
 from .models.target import TargetModel
 from .tokenizer import llava_ov_tokenizer, qwen_vl_tokenizer
 
@@ -82,10 +81,10 @@ def tiny_target(arch: str = "qwen2_5_vl", seed: int = 0, **size) -> TargetModel:
     return TargetModel(hf, tok)
 
 
-def tiny_draft(target: TargetModel, spec: SpecConfig | None = None, seed: int = 0) -> SparrowDraft:
+def tiny_draft(target: TargetModel, arch: DraftArchitecture | None = None, seed: int = 0) -> SparrowDraft:
     """A randomly initialised Sparrow draft bound to `target` (little will be accepted)."""
     with torch.random.fork_rng():
-        return SparrowDraft.for_target(target, spec, seed=seed).eval()
+        return SparrowDraft.for_target(target, arch, seed=seed).eval()
 
 
 def synthetic_frames(num_frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:

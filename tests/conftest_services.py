@@ -105,13 +105,12 @@ def own_redis(tmp_path):
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory):
     """A tiny Qwen2.5-VL target and a Sparrow draft for it, saved as real model directories."""
-    from sparrow.config import SpecConfig
     from sparrow.tiny import tiny_draft, tiny_target
 
     root = tmp_path_factory.mktemp("models")
     target = tiny_target("qwen2_5_vl", seed=0)
     target.save_pretrained(root / "target")
-    tiny_draft(target, SpecConfig(), seed=0).save_pretrained(root / "draft")
+    tiny_draft(target, seed=0).save_pretrained(root / "draft")
     return root / "target", root / "draft"
 
 
@@ -162,4 +161,4 @@ def reference_engine(tiny_model_dirs):
 
     spec = SpecConfig(**SPEC_KWARGS)
     target = load_target(str(tiny_model_dirs[0]))
-    return Engine(target, load_draft(str(tiny_model_dirs[1]), target, spec), spec)
+    return Engine(target, load_draft(str(tiny_model_dirs[1]), target), spec)

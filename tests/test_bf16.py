@@ -42,7 +42,7 @@ def hf_greedy(target, engine, video, prompt, max_new_tokens):
 @pytest.mark.parametrize("video_name", ["small_video", "large_video"])
 def test_bf16_golden_random_draft(bf16_target, video_name, prompt, request):
     video = request.getfixturevalue(video_name)
-    draft = tiny_draft(bf16_target, SPEC, seed=1)
+    draft = tiny_draft(bf16_target, seed=1)
     assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
     engine = Engine(bf16_target, draft, SPEC)
     out = engine.generate(video, prompt, SamplingParams(max_new_tokens=24))
@@ -66,7 +66,7 @@ def test_bf16_golden_oracle_all_accepted_and_corrupt_none_accepted(bf16_target, 
 
 
 def test_bf16_sampling_seeded_reproducible(bf16_target, small_video):
-    check_seeded_sampling(Engine(bf16_target, tiny_draft(bf16_target, SPEC), SPEC), small_video, PROMPTS[0])
+    check_seeded_sampling(Engine(bf16_target, tiny_draft(bf16_target), SPEC), small_video, PROMPTS[0])
 
 
 def test_bf16_speculative_sampling_follows_the_target(qwen_target, tmp_path, small_video):
@@ -76,7 +76,7 @@ def test_bf16_speculative_sampling_follows_the_target(qwen_target, tmp_path, sma
     qwen_target.save_pretrained(tmp_path)
     target = TargetModel.from_pretrained(tmp_path, dtype=torch.bfloat16, device=DEVICE)
     spec = SpecConfig(num_draft_tokens=1, window=8, anchors=16)
-    engine = Engine(target, tiny_draft(target, spec, seed=2), spec)
+    engine = Engine(target, tiny_draft(target, seed=2), spec)
     video = engine.process_video(small_video)          # processed once, reused by every request
     firsts, seconds = [], []
     for seed in range(240):

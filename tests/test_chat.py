@@ -16,7 +16,7 @@ ANSWER = "A red circle appears."
 
 
 def test_follow_up_reuses_the_video_prefill_and_equals_hf_generate(any_target, small_video):
-    engine = Engine(any_target, tiny_draft(any_target, SPEC), SPEC, prefix_cache=PrefixCache(max_entries=2))
+    engine = Engine(any_target, tiny_draft(any_target), SPEC, prefix_cache=PrefixCache(max_entries=2))
     decoded = []
 
     def video():                                   # called on a prefix-cache miss only

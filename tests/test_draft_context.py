@@ -105,7 +105,7 @@ def test_greedy_output_equals_plain_decoding(qwen_target, llava_target, small_vi
         plain = Engine(target, spec=SpecConfig(method="none"))
         ref = plain.generate(video, PROMPT, SamplingParams(max_new_tokens=20)).token_ids
         s = spec(context)
-        engine = Engine(target, tiny_draft(target, s, seed=1), s)
+        engine = Engine(target, tiny_draft(target, seed=1), s)
         out = engine.generate(video, PROMPT, SamplingParams(max_new_tokens=20))
         assert out.token_ids == ref
         assert out.metrics.steps > 0 and out.metrics.draft_tokens > 0
@@ -115,7 +115,7 @@ def test_draft_keys_grow_with_the_video_in_all_but_not_in_text(qwen_target):
     keys = {}
     for context in ("text", "all", "pruned"):
         s = spec(context, prune_keep=0.25)
-        engine = Engine(qwen_target, tiny_draft(qwen_target, s), s)
+        engine = Engine(qwen_target, tiny_draft(qwen_target), s)
         for frames in (4, 32):
             m = engine.generate(synthetic_frames(frames, 56, 56), PROMPT,
                                 SamplingParams(max_new_tokens=12, ignore_eos=True)).metrics
@@ -133,7 +133,7 @@ def test_draft_keys_grow_with_the_video_in_all_but_not_in_text(qwen_target):
 
 def test_all_context_keeps_every_entry_and_round_trips(qwen_target, small_video):
     s = spec("all")
-    draft = tiny_draft(qwen_target, s)
+    draft = tiny_draft(qwen_target)
     proposer = SparrowProposer(draft, s)
     engine = Engine(qwen_target, draft, s)
     inputs = engine.prepare(small_video, PROMPT)
@@ -157,7 +157,7 @@ def test_all_context_keeps_every_entry_and_round_trips(qwen_target, small_video)
 
 def test_cached_video_prefix_serves_the_pruned_context(qwen_target, small_video):
     s = spec("pruned")
-    draft = tiny_draft(qwen_target, s)
+    draft = tiny_draft(qwen_target)
     cached = Engine(qwen_target, draft, s, prefix_cache=PrefixCache())
     plain = Engine(qwen_target, spec=SpecConfig(method="none"))
     sampling = SamplingParams(max_new_tokens=12)
@@ -193,7 +193,7 @@ def response(qwen_target, small_video):
 def test_signals_are_what_prefill_gives_the_draft(qwen_target, response, context):
     processed, tokens = response
     s = spec(context)
-    draft = tiny_draft(qwen_target, s, seed=1)
+    draft = tiny_draft(qwen_target, seed=1)
     dc = draft.config
     sig = target_signals(qwen_target, processed, PROMPT, tokens, dc.feature_layers, dc.bridge_layer,
                          context, s.prune_keep)
@@ -215,7 +215,7 @@ def test_training_masks_and_outputs_equal_inference(qwen_target, response, conte
     distributions and the keys each step sees equal the training unroll's."""
     processed, tokens = response
     s_cfg = spec(context)
-    draft = tiny_draft(qwen_target, s_cfg, seed=1)
+    draft = tiny_draft(qwen_target, seed=1)
     dc = draft.config
     sig = target_signals(qwen_target, processed, PROMPT, tokens, dc.feature_layers, dc.bridge_layer,
                          context, s_cfg.prune_keep)

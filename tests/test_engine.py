@@ -26,7 +26,7 @@ def hf_greedy(target, engine, video, prompt, max_new_tokens):
 @pytest.mark.parametrize("video_name", ["small_video", "large_video"])
 def test_golden_random_draft(any_target, video_name, prompt, draft_seed, request):
     video = request.getfixturevalue(video_name)
-    engine = Engine(any_target, tiny_draft(any_target, SPEC, seed=draft_seed), SPEC)
+    engine = Engine(any_target, tiny_draft(any_target, seed=draft_seed), SPEC)
     out = engine.generate(video, prompt, SamplingParams(max_new_tokens=24))
     assert out.token_ids == hf_greedy(any_target, engine, video, prompt, 24)
     assert out.metrics.steps > 0 and out.metrics.draft_tokens > 0
@@ -61,17 +61,17 @@ def test_plain_and_speculative_decoding_match_hf_with_prefill_in_chunks(qwen_tar
         plain = Engine(qwen_target, spec=SpecConfig(method="none"), config=config)
         assert plain.generate(large_video, prompt, SamplingParams(max_new_tokens=20)).token_ids == ref
         spec = SpecConfig(num_draft_tokens=3)
-        sd = Engine(qwen_target, tiny_draft(qwen_target, spec), spec, config=config)
+        sd = Engine(qwen_target, tiny_draft(qwen_target), spec, config=config)
         assert sd.generate(large_video, prompt, SamplingParams(max_new_tokens=20)).token_ids == ref
 
 
 def test_sampling_seeded_reproducible_and_runs(any_target, small_video):
-    a = check_seeded_sampling(Engine(any_target, tiny_draft(any_target, SPEC), SPEC), small_video, PROMPTS[0])
+    a = check_seeded_sampling(Engine(any_target, tiny_draft(any_target), SPEC), small_video, PROMPTS[0])
     assert a.finish_reason in ("stop", "length")
 
 
 def test_sampling_does_not_touch_global_rng(qwen_target, small_video):
-    engine = Engine(qwen_target, tiny_draft(qwen_target, SPEC), SPEC)
+    engine = Engine(qwen_target, tiny_draft(qwen_target), SPEC)
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
@@ -80,7 +80,7 @@ def test_sampling_does_not_touch_global_rng(qwen_target, small_video):
 
 
 def test_interleaved_streams_equal_solo_runs(qwen_target, small_video, large_video):
-    engine = Engine(qwen_target, tiny_draft(qwen_target, SPEC), SPEC)
+    engine = Engine(qwen_target, tiny_draft(qwen_target), SPEC)
     sampling = SamplingParams(max_new_tokens=24)
     solo_a = engine.generate(small_video, PROMPTS[0], sampling).token_ids
     solo_b = engine.generate(large_video, PROMPTS[1], sampling).token_ids
@@ -99,7 +99,7 @@ def test_interleaved_streams_equal_solo_runs(qwen_target, small_video, large_vid
 
 def test_draft_attention_span_is_bounded_by_anchors_window_glimpse(qwen_target):
     spec = SpecConfig(num_draft_tokens=4, window=6, anchors=5, glimpse=3)
-    engine = Engine(qwen_target, tiny_draft(qwen_target, spec), spec)
+    engine = Engine(qwen_target, tiny_draft(qwen_target), spec)
     spans = {}
     for frames in (4, 64):
         out = engine.generate(synthetic_frames(frames, 56, 56), PROMPTS[1], SamplingParams(max_new_tokens=20))
@@ -113,7 +113,7 @@ def test_draft_attention_span_is_bounded_by_anchors_window_glimpse(qwen_target):
 def test_save_load_round_trip(tmp_path, any_target, small_video):
     any_target.save_pretrained(tmp_path / "target")
     loaded = TargetModel.from_pretrained(tmp_path / "target")
-    draft = tiny_draft(any_target, SPEC, seed=3)
+    draft = tiny_draft(any_target, seed=3)
     draft.save_pretrained(tmp_path / "draft")
     draft2 = SparrowDraft.from_pretrained(tmp_path / "draft", target=loaded)
     sampling = SamplingParams(max_new_tokens=16)
@@ -144,13 +144,13 @@ def test_qwen_uses_three_axis_positions(qwen_target, large_video):
     assert not torch.allclose(base, slower, atol=1e-4)
     assert qwen_target.hf.model.rope_deltas is not None  # HF's own call above stored state...
     qwen_target.hf.model.rope_deltas = None
-    Engine(qwen_target, tiny_draft(qwen_target, SPEC), SPEC).generate(large_video, PROMPTS[0],
+    Engine(qwen_target, tiny_draft(qwen_target), SPEC).generate(large_video, PROMPTS[0],
                                                                       SamplingParams(max_new_tokens=4))
     assert qwen_target.hf.model.rope_deltas is None            # ...the engine leaves none behind
 
 
 def test_bad_inputs_get_typed_errors(qwen_target, small_video):
-    engine = Engine(qwen_target, tiny_draft(qwen_target, SPEC), SPEC)
+    engine = Engine(qwen_target, tiny_draft(qwen_target), SPEC)
     with pytest.raises(InvalidRequest):
         engine.generate(small_video, "   ")
     with pytest.raises(VideoError):
@@ -168,7 +168,7 @@ def test_bad_inputs_get_typed_errors(qwen_target, small_video):
 
 
 def test_stream_deltas_concatenate_to_output(qwen_target, small_video):
-    engine = Engine(qwen_target, tiny_draft(qwen_target, SPEC), SPEC)
+    engine = Engine(qwen_target, tiny_draft(qwen_target), SPEC)
     gen = engine.stream(small_video, PROMPTS[0], SamplingParams(max_new_tokens=20))
     deltas = list(gen)
     assert [t for d in deltas for t in d.token_ids] == gen.output.token_ids
@@ -177,7 +177,7 @@ def test_stream_deltas_concatenate_to_output(qwen_target, small_video):
 
 
 def test_abort_stops_generation(qwen_target, small_video):
-    engine = Engine(qwen_target, tiny_draft(qwen_target, SPEC), SPEC)
+    engine = Engine(qwen_target, tiny_draft(qwen_target), SPEC)
     gen = engine.stream(small_video, PROMPTS[0], SamplingParams(max_new_tokens=2000, ignore_eos=True))
     next(gen)
     gen.abort()
@@ -187,7 +187,7 @@ def test_abort_stops_generation(qwen_target, small_video):
 
 
 def test_stop_string_ends_the_answer_and_is_not_part_of_it(qwen_target, small_video):
-    engine = Engine(qwen_target, tiny_draft(qwen_target, SPEC), SPEC)
+    engine = Engine(qwen_target, tiny_draft(qwen_target), SPEC)
     full = engine.generate(small_video, PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True))
     text = full.text
     assert len(text) >= 8, text

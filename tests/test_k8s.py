@@ -320,9 +320,9 @@ def test_settings_reject_unknown_keys_and_merge_inline_args(tmp_path):
 
     path = tmp_path / "settings.yaml"
     path.write_text("target: 'tiny:qwen2_5_vl'\nservice: {max_new_tokens: 512, max_concurrent: 3}\n"
-                    "spec: {feature_layers: [1, 2]}\n")
+                    "draft_arch: {feature_layers: [1, 2]}\n")
     s = ray_entry.settings_from_args({"settings_file": str(path), "service": {"max_new_tokens": 256}})
-    assert (s.service.max_new_tokens, s.service.max_concurrent, s.spec.feature_layers) == (256, 3, (1, 2))
+    assert (s.service.max_new_tokens, s.service.max_concurrent, s.draft_arch.feature_layers) == (256, 3, (1, 2))
     with pytest.raises(ValueError, match="max_new_token"):
         ray_entry.settings_from_args({"settings_file": str(path), "service": {"max_new_token": 1}})
     with pytest.raises(ValueError, match="targett"):

@@ -23,6 +23,7 @@ from sparrow.kernels.reference import (PAD_POS, attend, chain_tree, verify_atten
 from sparrow.kernels.split_kv import (combine_splits, split_partials, split_size,
                                       verify_attention_split)
 from sparrow.models.attention import available_backends, get_backend
+from sparrow.models.draft import DraftArchitecture
 from sparrow.tiny import tiny_draft
 from sparrow.window import window_mask
 
@@ -261,7 +262,7 @@ def _backends() -> list[str]:
 def test_draft_hidden_states_match_sdpa_with_every_backend(qwen_target):
     """Glimpse + anchors + window entries, then 3 drafted ones, through the real draft."""
     spec = SpecConfig(window=6, anchors=5, glimpse=2)
-    draft = tiny_draft(qwen_target, spec, seed=0)
+    draft = tiny_draft(qwen_target, seed=0)
     g = torch.Generator().manual_seed(0)
     z = torch.randn(12, draft.config.hidden_size, generator=g)
     pos, pinned = window_keys(2, 5, (20, 25))                     # 12 context entries
@@ -288,8 +289,8 @@ def test_engine_greedy_output_is_the_targets_with_every_backend(qwen_target, sma
     prompt = "What happens in the video?"
     reference = None
     for name in ["sdpa"] + _backends():
-        spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, glimpse=2, attention_backend=name)
-        engine = Engine(qwen_target, tiny_draft(qwen_target, spec, seed=1), spec)
+        spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, glimpse=2)
+        engine = Engine(qwen_target, tiny_draft(qwen_target, DraftArchitecture(attention_backend=name), seed=1), spec)
         reference = reference or _hf_greedy(qwen_target, engine, small_video, prompt, 12)
         out = engine.generate(small_video, prompt, SamplingParams(max_new_tokens=12))
         assert out.token_ids == reference, name
@@ -299,8 +300,8 @@ def test_engine_greedy_output_is_the_targets_with_every_backend(qwen_target, sma
 @pytest.mark.parametrize("backend", ["sdpa"] + (["triton"] if HAS_TRITON else []))
 def test_static_decode_step_matches_forward_entries(qwen_target, backend):
     """The CUDA-graph-ready step (run eagerly here) computes what the draft computes."""
-    spec = SpecConfig(window=6, anchors=5, glimpse=2, attention_backend=backend)
-    draft = tiny_draft(qwen_target, spec, seed=2)
+    spec = SpecConfig(window=6, anchors=5, glimpse=2)
+    draft = tiny_draft(qwen_target, DraftArchitecture(attention_backend=backend), seed=2)
     from sparrow.models.draft_graph import DraftDecodeStep
     step = DraftDecodeStep(draft, capacity=24, window=spec.window)
     assert step.graph is None                                     # no CUDA here: eager fallback

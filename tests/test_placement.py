@@ -6,7 +6,6 @@ import pytest
 import torch
 import yaml
 
-from sparrow import SpecConfig
 from sparrow.errors import InvalidRequest
 from sparrow.models.placement import check_placement, parse_device, parse_dtype
 from sparrow.services import ray_entry
@@ -67,17 +66,16 @@ def test_device_map_without_accelerate_is_a_clear_error(tmp_path, qwen_target):
 def test_saved_sharded_checkpoint_loads_in_bf16_with_draft_and_heads(tmp_path, qwen_target):
     qwen_target.save_pretrained(tmp_path / "target", max_shard_size="200KB")
     assert len(list((tmp_path / "target").glob("model-*.safetensors"))) > 1        # really sharded
-    spec = SpecConfig(num_draft_tokens=2)
-    tiny_draft(qwen_target, spec).save_pretrained(tmp_path / "draft")
+    tiny_draft(qwen_target).save_pretrained(tmp_path / "draft")
     target = load_target(str(tmp_path / "target"), "bfloat16", "cpu")
     assert target.hf.dtype == torch.bfloat16 and parse_dtype("auto") == "auto"
-    draft = load_draft(str(tmp_path / "draft"), target, spec)
+    draft = load_draft(str(tmp_path / "draft"), target)
     assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
     heads = load_heads(str(tmp_path / "target"), "bfloat16", "cpu")     # a draft replica's view: no target
     assert heads.embed.weight.dtype == heads.head.weight.dtype == torch.bfloat16
     torch.testing.assert_close(heads.embed.weight, target.embed_tokens().weight, atol=0, rtol=0)
     torch.testing.assert_close(heads.head.weight, target.lm_head().weight, atol=0, rtol=0)
-    remote = load_draft(str(tmp_path / "draft"), heads, spec)
+    remote = load_draft(str(tmp_path / "draft"), heads)
     assert {p.dtype for p in remote.parameters()} == {torch.bfloat16}
     kept = load_target(str(tmp_path / "target"), "auto")                # the checkpoint's own dtype
     assert kept.hf.dtype == torch.float32

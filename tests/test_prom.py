@@ -51,7 +51,7 @@ def requests_done(qwen_target, small_video):
     """Two real requests on the tiny target: a random Sparrow draft (little accepted) and
     the target's own continuation as the draft (everything accepted, every position)."""
     sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    random_draft = Engine(qwen_target, tiny_draft(qwen_target, SPEC, seed=0), SPEC)
+    random_draft = Engine(qwen_target, tiny_draft(qwen_target, seed=0), SPEC)
     first = timed_generate(random_draft, small_video, sampling)
     oracle = Engine(qwen_target, spec=SPEC, proposer=OracleProposer(first[0].token_ids))
     second = timed_generate(oracle, small_video, sampling)

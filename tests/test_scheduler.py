@@ -5,7 +5,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest, ResourceExhausted, VideoError
@@ -46,7 +45,7 @@ def test_concurrent_mixed_requests_equal_their_solo_runs(qwen_target):
     videos = [synthetic_frames(4, 56, 56, seed=1), synthetic_frames(8, 84, 112, seed=2),
               synthetic_frames(16, 56, 84, seed=3)]
     arena_bytes = 3 * 1024 * 1024        # room for a few requests at once: the aborted slot must be reused
-    engine = Engine(qwen_target, tiny_draft(qwen_target, SPEC, seed=1), SPEC,
+    engine = Engine(qwen_target, tiny_draft(qwen_target, seed=1), SPEC,
                     config=EngineConfig(kv_cache_bytes=arena_bytes, prefill_chunk_tokens=64))
     jobs = _jobs(videos)
     solo = [_solo(engine, job) for job in jobs]
@@ -96,7 +95,7 @@ def test_concurrent_mixed_requests_equal_their_solo_runs(qwen_target):
 
 
 def test_requests_wait_for_memory_and_are_refused_past_the_arena_or_the_timeout(qwen_target, small_video):
-    draft = tiny_draft(qwen_target, SPEC, seed=1)
+    draft = tiny_draft(qwen_target, seed=1)
     per_token = 2 * 4 * 2 * 16 * 4                                     # layers x kv heads x head dim x fp32, K and V
     tight = EngineConfig(kv_cache_bytes=1000 * per_token, queue_timeout_s=0.5)   # prompt is ~330 tokens
     engine = Engine(qwen_target, draft, SPEC, config=tight)
@@ -139,7 +138,7 @@ def test_every_registered_method_is_a_proposer_and_lossless_through_the_schedule
     assert method in PROPOSERS
     spec = SpecConfig(method=method, num_draft_tokens=3, window=8, anchors=16, prune_keep=0.5)
     draft = (tiny_target("qwen2_5_vl", seed=6, hidden=32, layers=2, heads=2) if method == "specvlm"
-             else tiny_draft(qwen_target, spec, seed=2) if method != "none" else None)
+             else tiny_draft(qwen_target, seed=2) if method != "none" else None)
     proposer = build_proposer(spec, qwen_target, draft)
     assert (proposer is None) == (method == "none")
     if proposer is not None:
@@ -160,7 +159,7 @@ def test_unknown_method_and_missing_draft_are_clear_errors(qwen_target):
     with pytest.raises(InvalidRequest, match="method"):
         SpecConfig(method="medusa")
     with pytest.raises(InvalidRequest, match="Eagle3Draft"):
-        Engine(qwen_target, tiny_draft(qwen_target, SPEC), SpecConfig(method="eagle3"))
+        Engine(qwen_target, tiny_draft(qwen_target), SpecConfig(method="eagle3"))
     with pytest.raises(InvalidRequest, match="needs a draft"):
         Engine(qwen_target, spec=SpecConfig(method="sparrow"))
     with pytest.raises(InvalidRequest, match="Sparrow draft"):
@@ -171,7 +170,7 @@ def test_adaptive_k_stays_lossless_and_drops_to_plain_decoding_for_a_useless_dra
     """A random draft is almost never accepted: the policy learns that and stops drafting,
     while greedy output stays the target's."""
     spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, adaptive_k=True)
-    engine = Engine(qwen_target, tiny_draft(qwen_target, spec, seed=3), spec)
+    engine = Engine(qwen_target, tiny_draft(qwen_target, seed=3), spec)
     expected = hf_greedy(qwen_target, engine, small_video, PROMPTS[0], 60)
     sampling = SamplingParams(max_new_tokens=60, ignore_eos=True)
     outs = [engine.generate(small_video, PROMPTS[0], sampling) for _ in range(3)]

@@ -93,7 +93,7 @@ class CountingProposer(RemoteDraftProposer):
 @pytest.fixture(scope="module")
 def models():
     target = tiny_target("qwen2_5_vl", seed=0)
-    return target, tiny_draft(target, SPEC, seed=0), synthetic_frames(4, 56, 56, seed=1)
+    return target, tiny_draft(target, seed=0), synthetic_frames(4, 56, 56, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ PROMPTS = ["What happens in the video?", "Which shape moves first, and where doe
 
 
 def test_split_prefill_equals_full_prefill(any_target, large_video):
-    engine = Engine(any_target, tiny_draft(any_target, SPEC), SPEC)
+    engine = Engine(any_target, tiny_draft(any_target), SPEC)
     layers, bridge = engine.proposer.needs.feature_layers, engine.proposer.needs.bridge_layer
     inputs = engine.prepare(large_video, PROMPTS[1])
     full = any_target.prefill(inputs, 1000, layers, bridge)
@@ -27,7 +27,7 @@ def test_split_prefill_equals_full_prefill(any_target, large_video):
 
 
 def test_second_question_reuses_the_video_prefill(any_target, small_video):
-    draft = tiny_draft(any_target, SPEC)
+    draft = tiny_draft(any_target)
     cache = PrefixCache(max_entries=2)
     cached, plain = Engine(any_target, draft, SPEC, prefix_cache=cache), Engine(any_target, draft, SPEC)
     calls = []

@@ -30,7 +30,7 @@ def signals(qwen_target, video):
     engine = Engine(qwen_target, spec=SpecConfig(method="none"))
     processed = engine.process_video(video)
     response = engine.generate(processed, PROMPT, SamplingParams(max_new_tokens=14, ignore_eos=True)).token_ids
-    draft = tiny_draft(qwen_target, SPEC, seed=1)
+    draft = tiny_draft(qwen_target, seed=1)
     return draft, processed, target_signals(qwen_target, processed, PROMPT, response,
                                             draft.config.feature_layers, draft.config.bridge_layer)
 

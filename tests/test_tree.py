@@ -33,7 +33,7 @@ def hf_greedy(target, engine, video, prompt, n):
 def test_tree_greedy_equals_hf_generate(any_target, large_video, width, branch, depth, budget):
     spec = SpecConfig(num_draft_tokens=depth, window=8, anchors=16, tree_width=width, tree_branch=branch,
                       tree_budget=budget)
-    engine = Engine(any_target, tiny_draft(any_target, spec, seed=4), spec)
+    engine = Engine(any_target, tiny_draft(any_target, seed=4), spec)
     expected = hf_greedy(any_target, engine, large_video, PROMPT, 24)
     gens = [engine.stream(large_video, PROMPT, SamplingParams(max_new_tokens=24)) for _ in range(2)]   # batched
     outs = [[t for d in g for t in d.token_ids] for g in gens]
@@ -137,7 +137,7 @@ def test_engine_samples_the_targets_distribution_end_to_end(qwen_target, tree, t
     else:
         width, branch = tree
         spec = SpecConfig(num_draft_tokens=2, window=8, anchors=16, tree_width=width, tree_branch=branch)
-        engine = Engine(qwen_target, tiny_draft(qwen_target, spec, seed=5), spec, prefix_cache=PrefixCache(),
+        engine = Engine(qwen_target, tiny_draft(qwen_target, seed=5), spec, prefix_cache=PrefixCache(),
                         config=config)
     sampling = SamplingParams(max_new_tokens=3, ignore_eos=True, **truncation)
     exact = _exact_distribution(qwen_target, engine, video, sampling, 3)
@@ -177,7 +177,7 @@ def _fields(sampling: SamplingParams) -> dict:
 def test_accepted_path_kv_is_compacted_in_place(qwen_target, small_video):
     """After a tree step the target's cache equals a plain prefill of the same tokens."""
     spec = SpecConfig(num_draft_tokens=3, tree_width=3, tree_branch=2, window=8, anchors=16)
-    engine = Engine(qwen_target, tiny_draft(qwen_target, spec, seed=4), spec)
+    engine = Engine(qwen_target, tiny_draft(qwen_target, seed=4), spec)
     out = engine.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True))
     plain = Engine(qwen_target, spec=SpecConfig(method="none"))
     assert out.token_ids == plain.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16,
@@ -187,7 +187,7 @@ def test_accepted_path_kv_is_compacted_in_place(qwen_target, small_video):
 def test_a_step_shares_its_node_budget_across_the_batch(qwen_target, large_video):
     """step_draft_nodes = 8 over 4 drafting requests: at most 2 nodes each per step; lossless."""
     spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2)
-    engine = Engine(qwen_target, tiny_draft(qwen_target, spec, seed=4), spec,
+    engine = Engine(qwen_target, tiny_draft(qwen_target, seed=4), spec,
                     config=EngineConfig(step_draft_nodes=8))
     expected = hf_greedy(qwen_target, engine, large_video, PROMPT, 40)
     sizes = []

@@ -88,8 +88,7 @@ class TrainConfig:
         """The inference settings this draft is trained for."""
         return SpecConfig(method="sparrow", num_draft_tokens=num_draft_tokens or self.eval_draft_tokens,
                           window=self.window, anchors=self.anchors, glimpse=self.glimpse,
-                          draft_context=self.context, prune_keep=self.prune_keep,
-                          draft_layers=self.draft_layers, feature_layers=self.feature_layers)
+                          draft_context=self.context, prune_keep=self.prune_keep)
 
 
 # What each TrainConfig field does, for `sparrow train-draft --help` (one option per field).

@@ -69,6 +69,28 @@ class DraftConfig:
         )
 
 
+@dataclass(frozen=True)
+class DraftArchitecture:
+    """How a fresh draft is built and how it computes attention: apart from the speculation
+    policy (SpecConfig) and the engine's internals (EngineConfig).
+
+    num_layers: decoder layers; feature_layers: target hidden-state indices it reads (None:
+    low/mid/high, as EAGLE-3); attention_backend: its window attention (sparrow.models.attention).
+    """
+
+    num_layers: int = 1
+    feature_layers: tuple[int, ...] | None = None
+    attention_backend: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise InvalidRequest(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.feature_layers is not None:
+            if not self.feature_layers or any(i < 0 for i in self.feature_layers):
+                raise InvalidRequest("feature_layers must be a non-empty tuple of hidden-state indices")
+            object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -280,14 +302,12 @@ class SparrowDraft(nn.Module):
 
     # ----- construction / persistence ------------------------------------------------------
     @classmethod
-    def for_target(cls, target, spec=None, seed: int | None = None) -> "SparrowDraft":
+    def for_target(cls, target, arch: DraftArchitecture | None = None, seed: int | None = None) -> "SparrowDraft":
         """A fresh (randomly initialised) draft shaped for `target`, bound to its embed/lm_head."""
-        layers = spec.draft_layers if spec is not None else 1
-        feats = spec.feature_layers if spec is not None else None
+        arch = arch or DraftArchitecture()
         if seed is not None:
             torch.manual_seed(seed)
-        draft = cls(DraftConfig.for_target(target, layers, feats),
-                    spec.attention_backend if spec is not None else "sdpa")
+        draft = cls(DraftConfig.for_target(target, arch.num_layers, arch.feature_layers), arch.attention_backend)
         return draft.to(target.device, target.hf.dtype).bind(target)
 
     def bind(self, target) -> "SparrowDraft":

@@ -18,7 +18,7 @@ from ..models.target import FeatureNeeds
 from .glimpse import select_glimpse, text_to_visual_attention
 from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
 from .prune import prune_budget, prune_visual
-from .sampling import draw_token, logits_to_probs
+from .sampling import logits_to_probs
 
 # A window no sequence reaches: with it nothing slides out of view and nothing is evicted, so
 # `window_mask` is plain causal attention ("all" / "pruned" draft contexts).
