@@ -76,7 +76,7 @@ from sparrow.state_cache import open_cache  # noqa: E402
 from sparrow.training.world import CAPTION_PROMPTS, LADDER  # noqa: E402
 from sparrow.video import ProcessedVideo, prepare_video  # noqa: E402
 
-METHODS = {"plain": "plain", "sparrow": "Sparrow", "sparrow-adaptive": "Sparrow, adaptive k"}
+METHODS = {"plain": "plain", "sparrow": "Sparrow", "sparrow-adaptive": "Sparrow, adaptive k", "sparrow-tree": "Sparrow tree"}
 PATHS = {"in-process": "in-process", "grpc": "gRPC"}
 SEED = 3 * 10**9                 # world videos: training < 1e9, world eval 4e9, speculative 2e9
 TINY_LENGTHS = ((84, 8), (112, 8))    # 36 and 64 visual tokens with the world-style processor
@@ -92,6 +92,7 @@ class ConcurrencyConfig:
     methods: tuple[str, ...] = ("plain", "sparrow")        # "sparrow-adaptive" on request (--methods)
     paths: tuple[str, ...] = tuple(PATHS)
     k: int = 4
+    tree: tuple[int, int, int] = (2, 2, 12)      # sparrow-tree: width, branch, node budget
     seed: int = SEED
     warmup_tokens: int = 8                               # one untimed request per method and path first
     prefill_video: tuple[int, int] | None = LADDER[-1]   # 25,056 tokens; None: no prefill scenario
@@ -256,7 +257,8 @@ def run_benchmark(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) ->
     measures, summaries, the prefill scenario and identity mismatches. JSON-serialisable."""
     load_before, machine = os.getloadavg(), sb.machine()
     models = sb.Models(cfg.models)
-    spec_cfg = sb.BenchConfig(models=cfg.models, k=cfg.k, methods=("plain", "sparrow", "sparrow-adaptive"))
+    spec_cfg = sb.BenchConfig(models=cfg.models, k=cfg.k, methods=("plain", "sparrow", "sparrow-adaptive", "sparrow-tree"),
+                              tree=cfg.tree)
     # An engine per method and path, each with its own prefix cache, as separate deployments would be.
     caches = [PrefixCache(max_bytes=64 << 30, max_entries=cfg.videos_per_rep + 8) for _ in range(2 * len(cfg.methods))]
     engines = {m: sb.build_engine(m, models, spec_cfg, caches[i]) for i, m in enumerate(cfg.methods)}
@@ -568,6 +570,7 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
         streams=_ints(args.streams) if args.streams else (1, 2) if tiny else (1, 2, 4, 8) if quick else defaults.streams,
         tokens=args.tokens or (8 if tiny else 32 if quick else defaults.tokens), reps=reps,
         methods=_names(args.methods), paths=_names(args.paths), k=args.k, seed=args.seed,
+        tree=tuple(int(x) for x in args.tree.split(",")),
         prefill_video=prefill, prefill_streams=args.prefill_streams or (2 if tiny else defaults.prefill_streams),
         prefill_reps=min(reps, args.prefill_reps or (1 if quick else reps)),
         prefill_stream_tokens=args.prefill_stream_tokens or (256 if tiny else defaults.prefill_stream_tokens),
@@ -586,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="plain,sparrow", help=f"comma list of {list(METHODS)}")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--tree", default="2,2,12", help="sparrow-tree: WIDTH,BRANCH,BUDGET (depth is --k)")
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--prefill-video", help="SIDExFRAMES of the prefill scenario's long video (default 168x1392: 25k)")
     ap.add_argument("--prefill-streams", type=int, help="streams decoding during it (default 8)")
