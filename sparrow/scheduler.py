@@ -102,7 +102,7 @@ class Request:
 
     id: int
     video: Any
-    prompt: str
+    prompt: Any                             # the question: a string, or chat turns (sparrow.chat)
     sampling: SamplingParams
     options: Any
     video_key: str | None
