@@ -160,10 +160,6 @@ class DraftKV:
     def values(self) -> list[torch.Tensor]:
         return [v[:, :, : self.length] for v in self._v]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._k + self._v)
-
     def reserve(self, n: int) -> None:
         """Room for n more entries (grows the buffers, keeping the filled part)."""
         need = self.length + n

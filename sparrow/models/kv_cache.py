@@ -68,11 +68,6 @@ class PreallocatedLayer(DynamicLayer):
         self.length = 0
         self.keys = self.values = None
 
-    def view(self, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of the filled part plus `extra` slots after it (no copy)."""
-        end = self.length + extra
-        return self.k_buf[:, :, :end], self.v_buf[:, :, :end]
-
 
 def new_kv_cache(kind: str, num_layers: int, capacity: int) -> Cache:
     """A fresh cache for one request. kind: "static" (preallocated) or "dynamic" (HF default)."""
@@ -147,10 +142,6 @@ class KVSlot:
         self.cache = Cache(layers=[PreallocatedLayer(capacity, k[:, :, start:end], v[:, :, start:end])
                                    for k, v in zip(arena.keys, arena.values)])
         self.released = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.capacity * self.arena.bytes_per_token
 
     def release(self) -> None:
         if not self.released:
