@@ -127,13 +127,16 @@ class Engine:
     # ----- public entry points -------------------------------------------------------------------
     def submit(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                options: VideoOptions | None = None, *, video_key: str | None = None,
-               num_draft_tokens: int | None = None, sink: Callable[[Any], None]) -> Request:
+               num_draft_tokens: int | None = None, sink: Callable[[Any], None],
+               prefix: PrefixEntry | None = None) -> Request:
         """Start a request; its events go to `sink` from the engine's threads: TokenDelta
-        items, then a GenerationOutput or an exception. `request.abort()` stops it."""
+        items, then a GenerationOutput or an exception. `request.abort()` stops it.
+        prefix: the video already prefilled (a live window's snapshot, sparrow/live.py): the
+        request prefills only its own text on a copy of it; `video` is then unused."""
         if isinstance(prompt, list):
             prompt = tuple(prompt)         # the request keeps its own copy of the turns
         return self.scheduler.submit(video, prompt, sampling or SamplingParams(), options, video_key,
-                                     num_draft_tokens, sink)
+                                     num_draft_tokens, sink, entry=prefix)
 
     def stream(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                options: VideoOptions | None = None, *, video_key: str | None = None,
@@ -181,15 +184,18 @@ class Engine:
                                                                and request.sampling.seed is not None)
         m.num_draft_tokens = k
         target = self.target
-        use_prefix = self.prefix_cache is not None and request.video_key is not None
+        given = request.entry                                  # a live window's snapshot
+        use_prefix = given is None and self.prefix_cache is not None and request.video_key is not None
         want = self.proposer is not None and (k > 0 or use_prefix)
         needs = self.proposer.needs if want else FeatureNeeds()
         t0 = time.perf_counter()
-        entry = self.prefix_cache.get(request.video_key) if use_prefix else None
+        entry = given if given is not None else self.prefix_cache.get(request.video_key) if use_prefix else None
         processed = entry.video if entry is not None else self.process_video(request.video, request.options)
         inputs = target.build_inputs(processed, request.prompt)
-        if entry is not None and (not entry.prefix.matches(inputs["input_ids"][0], target.video_token_id)
-                                  or (needs.visual_features and entry.prefix.visual_features is None)):
+        if given is not None and not given.prefix.matches(inputs["input_ids"][0], target.video_token_id):
+            raise InvalidRequest("the question must follow the video (a live window's prompt starts with it)")
+        if given is None and entry is not None and (not entry.prefix.matches(inputs["input_ids"][0], target.video_token_id)
+                                                    or (needs.visual_features and entry.prefix.visual_features is None)):
             entry, processed = None, self.process_video(request.video, request.options)   # text before the video
             inputs = target.build_inputs(processed, request.prompt)
         m.video_seconds = time.perf_counter() - t0

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -246,18 +247,20 @@ class Scheduler:
         self._prefilling: deque[Request] = deque()
         self._running: list[Request] = []
         self._to_prepare: deque[Request] = deque()   # submitted, not yet prepared
+        self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()   # call_soon work (live ingest)
         self._preparers = 0                          # worker threads preparing them
         self._thread: threading.Thread | None = None
         self._closed = False
         self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
         # Counters for operators and tests: decode steps, the largest batch, requests that had
         # to wait for KV memory, prefill slices run.
-        self.stats = {"steps": 0, "max_batch": 0, "waited_for_memory": 0, "prefill_slices": 0}
+        self.stats = {"steps": 0, "max_batch": 0, "waited_for_memory": 0, "prefill_slices": 0, "tasks": 0}
 
     # ----- submission (any thread) ---------------------------------------------------------------
     def submit(self, video, prompt: str, sampling: SamplingParams, options, video_key: str | None,
-               num_draft_tokens: int | None, sink: Callable[[Any], None]) -> Request:
+               num_draft_tokens: int | None, sink: Callable[[Any], None], entry: PrefixEntry | None = None) -> Request:
         request = Request(next(self._ids), video, prompt, sampling, options, video_key, num_draft_tokens, sink)
+        request.entry = entry
         if self._closed:
             raise RuntimeError("the engine is closed")
         with self._cv:
@@ -269,6 +272,20 @@ class Scheduler:
                 self._preparers += 1
                 threading.Thread(target=self._prepare_loop, name="sparrow-prepare", daemon=True).start()
         return request
+
+    def call_soon(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the scheduler thread between steps (work that uses the target model
+        outside a request: a live session's frame prefill). It is paced like a prefill slice:
+        while streams decode, tasks and prefill slices share about prefill_share of the time.
+        Keep a task short (one slice). The future gets its result or exception."""
+        future: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._tasks.append((fn, future))
+            self._ensure_thread()
+            self._cv.notify_all()
+        return future
 
     @property
     def num_running(self) -> int:
@@ -309,7 +326,7 @@ class Scheduler:
             with self._cv:
                 self._waiting.extend(self._ready)
                 self._ready.clear()
-                busy = bool(self._waiting or self._prefilling or self._running)
+                busy = bool(self._waiting or self._prefilling or self._running or self._tasks)
                 if not busy:
                     # An idle scheduler lets its thread go (a later submit starts another).
                     idle_since = idle_since or time.monotonic()
@@ -322,6 +339,7 @@ class Scheduler:
             try:
                 self._admit()
                 self._prefill_slice()
+                self._run_task()
                 self._decode_step()
             except Exception as exc:  # noqa: BLE001 - a failed batched forward fails the requests in it
                 log.exception("scheduler step failed")
@@ -402,6 +420,24 @@ class Scheduler:
                 return
             self._running.append(request)
             self._emit(request, [first])
+
+    def _run_task(self) -> None:
+        """One call_soon task, paced like a prefill slice while streams decode."""
+        if not self._tasks or (self._running and time.perf_counter() < self._next_slice_at):
+            return
+        with self._cv:
+            fn, future = self._tasks.popleft()
+        if not future.set_running_or_notify_cancel():
+            return
+        t0 = time.perf_counter()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - the caller's error, handed back to it
+            future.set_exception(exc)
+        spent = time.perf_counter() - t0
+        cfg = self.config
+        self._next_slice_at = time.perf_counter() + spent * (1 - cfg.prefill_share) / cfg.prefill_share
+        self.stats["tasks"] += 1
 
     def _decode_step(self) -> None:
         for request in [r for r in self._running if r.aborted.is_set()]:

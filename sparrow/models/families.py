@@ -28,12 +28,20 @@ class Family:
         n = inputs["input_ids"].shape[1]
         return torch.arange(n).view(1, n), 0
 
-    def step_positions(self, start: int, n: int, delta: int) -> torch.Tensor:
-        return self.text_positions(torch.arange(start, start + n), delta)
+    def step_positions(self, start: int, n: int, delta: int, time_shift: int = 0) -> torch.Tensor:
+        return self.text_positions(torch.arange(start, start + n), delta, time_shift)
 
-    def text_positions(self, index: torch.Tensor, delta: int) -> torch.Tensor:
-        """Positions of text tokens at sequence indices `index` (n,) after the prompt: (1, n)."""
+    def text_positions(self, index: torch.Tensor, delta: int, time_shift: int = 0) -> torch.Tensor:
+        """Positions of text tokens at sequence indices `index` (n,) after the prompt: (1, n).
+        time_shift: added on the temporal axis (families with one; a live window, live.py)."""
+        if time_shift:
+            raise InvalidRequest(f"{self.model_type} positions have no temporal axis to shift")
         return (index + delta).view(1, -1)
+
+    def shift_time(self, position_ids: torch.Tensor, start: int, shift: int) -> torch.Tensor:
+        """A copy of prefill `position_ids` with `shift` added on the temporal axis from
+        sequence index `start` on."""
+        raise InvalidRequest(f"{self.model_type} positions have no temporal axis to shift")
 
     def video_embeds(self, hf, inputs: dict) -> torch.Tensor:
         """(Nv, H) the visual tokens' embeddings in prompt order, from the model's public
@@ -81,10 +89,20 @@ class QwenVLFamily(Family):
         out = hf.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"], return_dict=True)
         return torch.cat(out.pooler_output, dim=0)
 
-    def text_positions(self, index: torch.Tensor, delta: int) -> torch.Tensor:
-        # After the prompt every token is text: the three axes share one position (3, 1, n).
+    def text_positions(self, index: torch.Tensor, delta: int, time_shift: int = 0) -> torch.Tensor:
+        # After the prompt every token is text: the three axes share one position (3, 1, n),
+        # except that a live window's text sits time_shift later on the temporal axis.
         n = index.shape[0]
-        return (index + delta).view(1, 1, n).expand(3, 1, n)
+        pos = (index + delta).view(1, 1, n).expand(3, 1, n)
+        if time_shift:
+            pos = pos.clone()
+            pos[0] += time_shift
+        return pos
+
+    def shift_time(self, position_ids: torch.Tensor, start: int, shift: int) -> torch.Tensor:
+        out = position_ids.clone()
+        out[0, :, start:] += shift
+        return out
 
 
 class LlavaOnevisionFamily(Family):

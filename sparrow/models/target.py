@@ -36,6 +36,7 @@ class TargetState:
     kv: object            # transformers Cache
     length: int           # tokens in the KV cache
     rope_delta: int       # position of sequence index i (after the prompt) is i + rope_delta
+    time_shift: int = 0   # added to the temporal axis of those positions (a live window, live.py)
 
 
 @dataclass(slots=True)
@@ -186,6 +187,9 @@ class PrefillJob:
             if not prefix.matches(self.ids, target.video_token_id):
                 raise ValueError("this video prefix was prefilled for a different prompt start")
             self.cursor = prefix.load_into(kv)
+            if prefix.time_shift:       # a live window's text sits later in time (sparrow/live.py)
+                self.position_ids = target.family.shift_time(self.position_ids, self.cursor, prefix.time_shift)
+        self.time_shift = prefix.time_shift if prefix is not None else 0
         self.start = self.cursor
         self.collector = FeatureCollector(self.ids, target.video_token_id, needs, prefix)
         self.chunk_tokens = chunk_tokens
@@ -226,7 +230,7 @@ class PrefillJob:
         return self
 
     def output(self) -> "PrefillOutput":
-        state = TargetState(kv=self.kv, length=self.end, rope_delta=self.rope_delta)
+        state = TargetState(kv=self.kv, length=self.end, rope_delta=self.rope_delta, time_shift=self.time_shift)
         pre = self.collector.output(state, self._logits)
         if pre.visual_features is not None:
             pre.video_token_id = self.target.video_token_id
@@ -254,6 +258,9 @@ class VideoPrefix:
     bridge_visual: torch.Tensor | None    # (Nv, H) bridge-layer states at the visual tokens
     visual_features: torch.Tensor | None = None   # (Nv', F*H) features at t-1 for the visual tokens t >= 1
                                                   # (only when prefilled with visual_features=True)
+    # A live window (sparrow/live.py) whose oldest frames were evicted: the text after it sits
+    # this much later on the temporal rope axis, as the text before it was re-positioned.
+    time_shift: int = 0
 
     @property
     def length(self) -> int:
@@ -495,11 +502,11 @@ class TargetModel:
             tree = trees[i] if trees is not None else None
             if tree is None or tree.is_chain:
                 segments.append(RaggedSegment(state.kv, row, row + n))
-                positions.append(self.family.step_positions(state.length, n, state.rope_delta))
+                positions.append(self.family.step_positions(state.length, n, state.rope_delta, state.time_shift))
             else:
                 depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
                 segments.append(RaggedSegment(state.kv, row, row + n, tree.attention_mask()))
-                positions.append(self.family.text_positions(state.length + depth, state.rope_delta))
+                positions.append(self.family.text_positions(state.length + depth, state.rope_delta, state.time_shift))
             row += n
         batch = RaggedBatch(segments)
         ids = torch.cat([t.view(-1) for t in tokens]).view(1, row).to(self.device)
