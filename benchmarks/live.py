@@ -1,0 +1,189 @@
+"""Live sessions: time to first token of a question after 10 s, 1 min and 10 min of stream,
+against re-prefilling the window for each question; and the real-time factor ingest sustains.
+
+    python -m benchmarks.live --out BENCHMARKS.md                  # 5 streams, 10 s / 1 min / 10 min
+    python -m benchmarks.live --points 10,60 --reps 2              # quick
+
+Each rep is a fresh live-world stream (2 fps frames at the world's 84 px: 9 visual tokens a
+frame pair, one pair a second). For each --window (seconds kept), one LiveSession ingests the
+stream as fast as it can (raw frames pushed a second at a time); at each --points time it
+waits until everything so far is prefilled, then:
+
+    live        session.ask(question): a copy of the window's cache + the question's prefill
+    re-prefill  the same question about the same window's frames as a fresh one-shot request
+                (patchify + vision tower + prefill of the whole window; the frames are given
+                decoded, so container decoding is not even counted against it)
+
+Time to first token = from the call to the first streamed token (greedy, 8 new tokens).
+Ingest: stream seconds / wall seconds spent pushing and prefilling (raw frames), and the
+same for MPEG-TS chunks fed through the session's decoder (--ts-seconds of stream, encoded
+beforehand). A ratio > 1 is faster than real time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import time
+
+import av
+import numpy as np
+
+from sparrow.config import SamplingParams, SpecConfig
+from sparrow.engine import Engine
+from sparrow.live import LiveConfig, LiveSession
+from sparrow.models.target import TargetModel
+from sparrow.video import VideoOptions
+from sparrow.video.options import Frames
+
+from .report import write_section
+
+QUESTION = "what is in view now ?"
+SAMPLING = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+FPS = 2.0
+
+
+def live_stream(seed: int, size: int = 84):
+    """(render(first, count) -> uint8 frames at FPS) for a live-world stream of this seed
+    (frames of another side than the world's: moving squares, for timing only)."""
+    try:
+        from sparrow.video.live_world import LiveWorld          # the live world, where present
+    except ImportError:
+        LiveWorld = None
+    if LiveWorld is not None and size == 84:
+        world = LiveWorld(seed=seed)
+        step = max(1, int(round(world.fps / FPS)))
+
+        def render(first: int, count: int) -> np.ndarray:
+            return world.frames(first * step, (first + count) * step)[::step]
+        return render
+    from sparrow.tiny import synthetic_frames
+
+    def render(first: int, count: int) -> np.ndarray:
+        return synthetic_frames(count, size, size, seed=seed * 100_003 + first)
+    return render
+
+
+def _first_token_s(gen) -> float:
+    t0 = time.perf_counter()
+    first = None
+    for _ in gen:
+        if first is None:
+            first = time.perf_counter() - t0
+    return first
+
+
+def run_stream(engine: Engine, seed: int, window_s: float, points: list[float], size: int = 84) -> dict:
+    render = live_stream(seed, size)
+    options = VideoOptions(min_pixels=28 * 28)
+    session = LiveSession(engine, LiveConfig(fps=FPS, window_s=window_s, max_lag_s=1e9, options=options))
+    kept: list[np.ndarray] = []               # the window's frames, for the re-prefill baseline
+    ingest_s, stream_s, out = 0.0, 0.0, {}
+    per_push = int(FPS)                       # a second of frames per push
+    frame = 0
+    for point in sorted(points):
+        while stream_s < point:
+            frames = render(frame, per_push)
+            times = (frame + np.arange(per_push)) / FPS
+            t0 = time.perf_counter()
+            session.push_frames(frames, times)
+            session.wait_ingested()
+            ingest_s += time.perf_counter() - t0
+            kept.extend(frames)
+            frame += per_push
+            stream_s = frame / FPS
+        stats = session.stats
+        window_frames = 2 * stats.window_pairs
+        kept = kept[-window_frames:]
+        t_live = _first_token_s(session.ask(QUESTION, SAMPLING).generation)
+        clip = Frames(np.stack(kept), np.arange(len(kept)) / FPS, FPS, options)
+        t_full = _first_token_s(engine.stream(clip, QUESTION, SAMPLING, options))
+        out[point] = dict(live=t_live, reprefill=t_full, tokens=stats.visual_tokens, kv_bytes=stats.kv_bytes)
+    out["ingest_rtf"] = stream_s / ingest_s
+    session.close()
+    return out
+
+
+def ts_rtf(engine: Engine, seed: int, seconds: int) -> float:
+    render = live_stream(seed)
+    frames = render(0, int(seconds * FPS))
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mpegts") as container:
+        stream = container.add_stream("libx264", rate=int(FPS))
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        stream.options = {"g": str(int(FPS)), "preset": "veryfast"}
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    data = buf.getvalue()
+    chunk = max(188, len(data) // seconds // 188 * 188)      # about a second a chunk
+    session = LiveSession(engine, LiveConfig(fps=FPS, window_s=60, max_lag_s=1e9,
+                                             options=VideoOptions(min_pixels=28 * 28)))
+    t0 = time.perf_counter()
+    for i in range(0, len(data), chunk):
+        session.feed(data[i:i + chunk])
+    session.end_of_stream()
+    session.wait_ingested()
+    wall = time.perf_counter() - t0
+    pairs = session.stats.pairs_prefilled
+    session.close()
+    return pairs * 2 / FPS / wall
+
+
+def _mmm(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    v = sorted(x * scale for x in values)
+    return f"{fmt.format(statistics.median(v))} ({fmt.format(v[0])}-{fmt.format(v[-1])})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="models/live/target", help="a target with real-time positions")
+    parser.add_argument("--points", default="10,60,600", help="stream seconds at which a question is asked")
+    parser.add_argument("--windows", default="60,600", help="session windows in seconds, comma-separated")
+    parser.add_argument("--reps", type=int, default=5, help="fresh streams per window")
+    parser.add_argument("--seed", type=int, default=7100, help="first stream seed")
+    parser.add_argument("--ts-seconds", type=int, default=60, help="stream seconds fed as MPEG-TS chunks")
+    parser.add_argument("--size", type=int, default=84, help="frame side in px (84: the live world's)")
+    parser.add_argument("--out", help="write the table into this BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    points = [float(p) for p in args.points.split(",")]
+    windows = [float(w) for w in args.windows.split(",")]
+    target = TargetModel.from_pretrained(args.target)
+    engine = Engine(target, spec=SpecConfig(method="none"))
+    load = os.getloadavg()
+    rows, rtf = [], []
+    for window in windows:
+        runs = [run_stream(engine, args.seed + r, window, points, args.size) for r in range(args.reps)]
+        rtf += [run["ingest_rtf"] for run in runs]
+        base = [run[points[0]]["live"] for run in runs]
+        for p in points:
+            live = [run[p]["live"] for run in runs]
+            full = [run[p]["reprefill"] for run in runs]
+            rows.append(f"| {window:.0f} s | {p:.0f} s | {runs[0][p]['tokens']} | {_mmm(live, 1e3)} | "
+                        f"{_mmm([a / b for a, b in zip(live, base)], fmt='{:.2f}')} | {_mmm(full, 1e3)} | "
+                        f"{_mmm([b / a for a, b in zip(live, full)], fmt='{:.1f}')} |")
+            print(rows[-1], flush=True)
+    ts = [ts_rtf(engine, args.seed + 100 + r, args.ts_seconds) for r in range(min(args.reps, 3))]
+    load_after = os.getloadavg()
+    body = (
+        f"Target `{args.target}`, {args.reps} fresh streams per window (seeds {args.seed}+), {args.size} px frames "
+        f"at 2 fps ({(args.size // 28) ** 2} visual tokens a pair, a pair a second), greedy, 8 new tokens; time to first token as median "
+        f"(min-max) over the streams. Machine: {os.cpu_count()} CPU cores, no GPU; load average "
+        f"{load[0]:.2f} before, {load_after[0]:.2f} after.\n\n"
+        "| window | stream so far | visual tokens held | live TTFT ms | vs at the first point | "
+        "re-prefill TTFT ms | re-prefill / live |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) +
+        f"\n\nIngest real-time factor (stream seconds per wall second, whole streams, raw frames): {_mmm(rtf)}; "
+        f"MPEG-TS chunks through the session's decoder ({args.ts_seconds} s of stream, libx264): {_mmm(ts)}.\n")
+    print(body)
+    if args.out:
+        write_section(args.out, "live", "Live sessions: time to first token over a stream's life, ingest rate",
+                      "python -m benchmarks.live " + " ".join(argv if argv is not None else sys.argv[1:]), body)
+
+
+if __name__ == "__main__":
+    main()
