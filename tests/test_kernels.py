@@ -319,3 +319,48 @@ def test_static_decode_step_matches_forward_entries(qwen_target, backend):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(logits, draft.logits(want), atol=1e-4, rtol=1e-4)
             hidden = want
+
+
+def _verify_kernels() -> list[str]:
+    return ["split"] + (["triton"] if HAS_TRITON else [])
+
+
+@pytest.mark.parametrize("kernel", ["split", "triton"])
+def test_target_tree_verify_with_each_verify_kernel(qwen_target, small_video, kernel):
+    """The target's own verify step (a batch of a decode, a chain and a draft tree, ragged)
+    through each verify kernel == through ragged SDPA; then the engine's tree decoding with
+    the kernel == HF greedy."""
+    if kernel == "triton" and not HAS_TRITON:
+        pytest.skip(str(TRITON_SKIP))
+    from sparrow.models.target import TargetState
+    from sparrow.models.kv_cache import new_kv_cache
+    from sparrow.spec.tree import DraftTree
+
+    target = qwen_target
+    spec = SpecConfig(num_draft_tokens=3, tree_width=2, tree_branch=2, tree_budget=6)
+    engine = Engine(target, tiny_draft(target, seed=1), spec)
+    inputs = engine.prepare(small_video, "What happens?")
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.zeros(4, 1), parents=torch.tensor([-1, -1, 0, 1]))
+    tokens = [torch.tensor([3]), torch.tensor([3, 4, 5, 6]), torch.tensor([3, 5, 6, 7, 8])]
+
+    def run(name: str):
+        target.verify_attention = name
+        states = []
+        for _ in tokens:
+            pre = target.prefill(inputs, inputs["input_ids"].shape[1] + 16)
+            states.append(pre.state)
+        logits, _ = target.verify(states, tokens, trees=[None, None, tree])
+        return logits
+
+    try:
+        ref = run("sdpa")
+        got = run(kernel)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        reference = _hf_greedy(target, engine, small_video, "What happens?", 12)
+        out = engine.generate(small_video, "What happens?", SamplingParams(max_new_tokens=12))
+        assert out.token_ids == reference and out.metrics.draft_tokens > 0
+    finally:
+        target.verify_attention = "sdpa"
+    with pytest.raises(ValueError, match="unknown verify attention"):
+        target.verify_attention = "no_such_kernel"

@@ -19,11 +19,33 @@ mask (`{"full_attention": batch}`, which transformers passes through untouched),
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
+
+# Verify attention for one request's new tokens over its cache (a chain or a draft tree):
+# "sdpa" (ragged_attention below) or a kernel of sparrow.kernels with the verify contract of
+# kernels/reference.py, imported by name on first use. "split": flash-decoding in torch;
+# "triton": the split-KV Triton kernel (CUDA; on CPU only under TRITON_INTERPRET=1, for tests).
+VERIFY_KERNELS: dict[str, tuple[str, str]] = {
+    "split": ("sparrow.kernels.split_kv", "verify_attention_split"),
+    "triton": ("sparrow.kernels.triton_attention", "verify_attention_triton"),
+}
+VerifyFn = Callable[..., torch.Tensor]
+
+
+def verify_kernel(name: str) -> VerifyFn | None:
+    """The verify kernel called `name` (None: "sdpa", the ragged SDPA path)."""
+    if name == "sdpa":
+        return None
+    if name not in VERIFY_KERNELS:
+        raise ValueError(f"unknown verify attention {name!r}; choose from {['sdpa', *VERIFY_KERNELS]}")
+    module, fn = VERIFY_KERNELS[name]
+    return getattr(importlib.import_module(module), fn)
 
 
 @dataclass(slots=True)
@@ -35,9 +57,10 @@ class RaggedSegment:
 
 
 class RaggedBatch(Cache):
-    def __init__(self, segments: list[RaggedSegment]):
+    def __init__(self, segments: list[RaggedSegment], kernel: VerifyFn | None = None):
         super().__init__(layers=[])
         self.segments = segments
+        self.kernel = kernel           # a verify kernel (VERIFY_KERNELS), or None: ragged SDPA
         self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -54,8 +77,17 @@ class RaggedBatch(Cache):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """query (1, Hq, N_total, D) -> (1, N_total, Hq, Dv): each request's rows over its keys."""
         views = self._views.pop(module.layer_idx)
-        out = [ragged_attention(query[:, :, seg.start:seg.end], k, v, scaling, seg.tree_mask)
-               for seg, (k, v) in zip(self.segments, views)]
+        kernel = self.kernel
+        if kernel is not None and scaling is not None and abs(scaling * query.shape[-1] ** 0.5 - 1) > 1e-6:
+            kernel = None              # the kernels' contract is softmax scale 1/sqrt(D)
+        if kernel is None:
+            out = [ragged_attention(query[:, :, seg.start:seg.end], k, v, scaling, seg.tree_mask)
+                   for seg, (k, v) in zip(self.segments, views)]
+        else:
+            out = [kernel(query[:, :, seg.start:seg.end], k, v,
+                          torch.tensor([k.shape[2] - (seg.end - seg.start)], device=query.device),
+                          seg.tree_mask.to(query.device) if seg.tree_mask is not None else None).to(query.dtype)
+                   for seg, (k, v) in zip(self.segments, views)]
         return torch.cat(out, dim=2).transpose(1, 2).contiguous()
 
     def as_mask(self) -> dict[str, "RaggedBatch"]:

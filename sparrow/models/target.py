@@ -25,7 +25,7 @@ from ..video import ProcessedVideo, VideoProcessor, processor_for, processor_fro
 from . import gqa
 from .families import FAMILIES, Family
 from .kv_cache import new_kv_cache
-from .ragged import RaggedBatch, RaggedSegment
+from .ragged import RaggedBatch, RaggedSegment, verify_kernel
 from .placement import check_device_map, parse_device, parse_dtype
 
 
@@ -360,6 +360,19 @@ class TargetModel:
         self.text_config = hf.config.get_text_config()
         self.video_token_id = family.video_token_id(hf.config)
         self.eos_token_ids = _eos_ids(hf, tokenizer)
+        self._verify_attention, self._verify_kernel = "sdpa", None
+
+    @property
+    def verify_attention(self) -> str:
+        """How decode/verify steps attend over the cache: "sdpa" (ragged SDPA, the default),
+        "split" (flash-decoding in torch) or "triton" (the split-KV Triton kernel, for GPUs),
+        each tested against the others (tests/test_kernels.py). Prefill always uses SDPA."""
+        return self._verify_attention
+
+    @verify_attention.setter
+    def verify_attention(self, name: str) -> None:
+        self._verify_kernel = verify_kernel(name)
+        self._verify_attention = name
 
     # ----- loading ---------------------------------------------------------------------
     @classmethod
@@ -508,7 +521,7 @@ class TargetModel:
                 segments.append(RaggedSegment(state.kv, row, row + n, tree.attention_mask()))
                 positions.append(self.family.text_positions(state.length + depth, state.rope_delta, state.time_shift))
             row += n
-        batch = RaggedBatch(segments)
+        batch = RaggedBatch(segments, self._verify_kernel)
         ids = torch.cat([t.view(-1) for t in tokens]).view(1, row).to(self.device)
         out = self.hf(input_ids=ids, position_ids=torch.cat(positions, dim=-1).to(self.device),
                       past_key_values=batch, attention_mask=batch.as_mask(), use_cache=True,
