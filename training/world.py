@@ -167,10 +167,13 @@ def world_words() -> list[str]:
     return sorted(words)
 
 
-def world_tokenizer() -> PreTrainedTokenizerFast:
+def world_tokenizer(extra_words: tuple[str, ...] | list[str] = ()) -> PreTrainedTokenizerFast:
     """Word-level: one id per world word, lower-cased, split on spaces and punctuation; the
-    Qwen2-VL special tokens are single ids and the chat template is Qwen2-VL's."""
-    vocab = {t: i for i, t in enumerate((*QWEN_VL_SPECIAL_TOKENS, "<unk>", *world_words()))}
+    Qwen2-VL special tokens are single ids and the chat template is Qwen2-VL's. `extra_words`
+    (another task's, e.g. the live world's) get ids too; without them the vocabulary is the
+    world's, as the committed world target saved it."""
+    words = sorted(set(world_words()) | set(extra_words))
+    vocab = {t: i for i, t in enumerate((*QWEN_VL_SPECIAL_TOKENS, "<unk>", *words))}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])

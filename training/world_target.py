@@ -207,8 +207,9 @@ def world_target_config(tok, c: WorldTargetConfig) -> Qwen2_5_VLConfig:
                             vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False)
 
 
-def new_world_target(c: WorldTargetConfig) -> TargetModel:
-    tok = world_tokenizer()
+def new_world_target(c: WorldTargetConfig, tokenizer=None) -> TargetModel:
+    """A fresh target for config `c`, with the world's tokenizer unless one is given."""
+    tok = tokenizer if tokenizer is not None else world_tokenizer()
     config = world_target_config(tok, c)
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
@@ -444,7 +445,7 @@ class Stage:
     short: bool = False            # videos of at most short_tokens visual tokens only
 
     @staticmethod
-    def parse(spec: str, start: int, c: WorldTargetConfig) -> "Stage":
+    def parse(spec: str, start: int, c: WorldTargetConfig, known: tuple[str, ...] = QUESTION_KINDS) -> "Stage":
         try:
             head, steps, *flags = spec.split(":")
             kinds, share = ("", "0") if head == "mix" and not flags else head.split("@")   # mixed steps only
@@ -455,16 +456,17 @@ class Stage:
         except ValueError:
             raise ValueError(f"stage {spec!r}: expected KINDS@SHARE:STEPS, KINDS@SHARE:STEPS:short "
                              "or mix:STEPS") from None
-        unknown = set(stage.kinds) - set(QUESTION_KINDS)
+        unknown = set(stage.kinds) - set(known)
         if unknown or not 0 <= stage.share <= 1 or stage.steps <= 0:
-            raise ValueError(f"stage {spec!r}: kinds among {QUESTION_KINDS}, share in [0, 1], steps > 0")
+            raise ValueError(f"stage {spec!r}: kinds among {known}, share in [0, 1], steps > 0")
         return stage
 
 
-def training_stages(c: WorldTargetConfig) -> list[Stage]:
+def training_stages(c: WorldTargetConfig, known: tuple[str, ...] = QUESTION_KINDS) -> list[Stage]:
+    """The first stage (c.steps) and c.stages after it; `known`: the question kinds a stage may name."""
     stages = [Stage(0, c.steps, c.lr, c.warmup)] if c.steps else []
     for spec in c.stages:
-        stages.append(Stage.parse(spec, sum(s.steps for s in stages), c))
+        stages.append(Stage.parse(spec, sum(s.steps for s in stages), c, known))
     return stages
 
 
@@ -500,10 +502,60 @@ def step_turns(c: WorldTargetConfig, stage: Stage, step: int, events: list[dict]
     return world_turns(events, rng, c.max_turns, caption_prob, kinds)
 
 
+class WorldData:
+    """What train_world_target trains on: the world's videos (pooled, or fresh with pool=0)
+    and questions. Another task (training/live_target.py) supplies its own object with the
+    same four members and reuses the loop, the stages and the loss."""
+
+    kinds = QUESTION_KINDS                 # the question kinds a stage may name
+
+    def __init__(self, c: WorldTargetConfig):
+        self.c = c
+        self.pool: list[PooledVideo] | None = None
+        self.same_length: list[list[int]] | None = None
+        self.short: list[int] | None = None
+
+    def prepare(self, target: TargetModel, stages: list[Stage], log: Callable[[str], None]) -> None:
+        """Render and encode what training reads (the pool), before the first step."""
+        c = self.c
+        self.pool = video_pool(target, c, log) if c.pool else None
+        self.same_length = length_groups(self.pool) if self.pool is not None and c.length_batches else None
+        self.short = ([i for i, v in enumerate(self.pool) if v.embeds.shape[0] <= c.short_tokens]
+                      if self.pool is not None else None)
+        if self.short is not None and not self.short and any(s.short for s in stages):
+            raise ValueError(f"no pooled video has at most short_tokens={c.short_tokens} visual tokens")
+
+    def loss(self, target: TargetModel, stage: Stage, step: int, focus: bool, rng: random.Random) -> torch.Tensor:
+        """One step's batch, drawn with `rng`, and its loss."""
+        c, pool = self.c, self.pool
+        if pool is not None:
+            videos = pool_batch(pool, self.same_length, rng, c.batch, self.short if focus and stage.short else None)
+            is_short = videos[0].embeds.shape[0] <= c.short_tokens
+            chats = [step_turns(c, stage, step, v.events, rng, focus, is_short) for v in videos]
+            return pooled_loss(target, videos, chats, c.loss_weighting)
+        world = (WorldVideo(num_frames=min(c.frames), size=min(c.sizes)) if focus and stage.short
+                 else training_world(c, rng))   # one shape per batch
+        videos, chats = [], []
+        for b in range(c.batch):
+            video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + step) * 64 + b)
+            videos.append(video)
+            chats.append(step_turns(c, stage, step, events, rng, focus, video.num_visual_tokens <= c.short_tokens))
+        return conversation_loss(target, *conversation_batch(target, videos, chats), c.loss_weighting)
+
+    def heldout(self, target: TargetModel) -> dict:
+        """The periodic check: per-kind accuracy on c.eval_videos held-out videos."""
+        c = self.c
+        return world_accuracy(target, WorldVideo(num_frames=c.frames[0]), list(range(EVAL_SEED, EVAL_SEED + c.eval_videos)),
+                              c.kinds)
+
+
 def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None = None,
-                       target: TargetModel | None = None, out: str | Path | None = None) -> tuple[TargetModel, list[dict]]:
-    """Deterministic under c.seed: the videos of step i come from seeds derived from (c.seed, i)."""
+                       target: TargetModel | None = None, out: str | Path | None = None,
+                       data: WorldData | None = None) -> tuple[TargetModel, list[dict]]:
+    """Deterministic under c.seed: the videos of step i come from seeds derived from (c.seed, i).
+    `data`: what to train on (default: the world, WorldData(c))."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    data = data if data is not None else WorldData(c)
     target = target or new_world_target(c)
     hf = target.hf.train()
     # Trained jointly from scratch, the vision tower collapses: before the LM can read it, the
@@ -518,35 +570,17 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
         groups.append({"params": vision, "lr": c.lr * c.vision_lr_scale})
     else:
         hf.model.visual.requires_grad_(False)
-    pool = video_pool(target, c, log) if c.pool else None
-    same_length = length_groups(pool) if pool is not None and c.length_batches else None
+    stages = training_stages(c, data.kinds)
+    data.prepare(target, stages, log)
     opt = torch.optim.AdamW(groups, lr=c.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    stages = training_stages(c)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(c, stages, s))
     total = sum(s.steps for s in stages)
-    short = [i for i, v in enumerate(pool) if v.embeds.shape[0] <= c.short_tokens] if pool is not None else None
-    if short is not None and not short and any(s.short for s in stages):
-        raise ValueError(f"no pooled video has at most short_tokens={c.short_tokens} visual tokens")
     history, t0, run = [], time.perf_counter(), 0.0
     for step in range(total):
         rng = random.Random(c.seed * 1_000_003 + step)
         stage = stage_at(stages, step)
         focus = focus_step(stage, rng)
-        if pool is not None:
-            videos = pool_batch(pool, same_length, rng, c.batch, short if focus and stage.short else None)
-            is_short = videos[0].embeds.shape[0] <= c.short_tokens
-            chats = [step_turns(c, stage, step, v.events, rng, focus, is_short) for v in videos]
-            loss = pooled_loss(target, videos, chats, c.loss_weighting)
-        else:
-            world = (WorldVideo(num_frames=min(c.frames), size=min(c.sizes)) if focus and stage.short
-                     else training_world(c, rng))   # one shape per batch
-            videos, chats = [], []
-            for b in range(c.batch):
-                video, events = world_sample(target, world, seed=(c.seed * 1_000_003 + step) * 64 + b)
-                videos.append(video)
-                chats.append(step_turns(c, stage, step, events, rng, focus,
-                                        video.num_visual_tokens <= c.short_tokens))
-            loss = conversation_loss(target, *conversation_batch(target, videos, chats), c.loss_weighting)
+        loss = data.loss(target, stage, step, focus, rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
@@ -559,8 +593,7 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
                 f"{time.perf_counter() - t0:.0f}s")
         if c.eval_every and (step + 1) % c.eval_every == 0:
             hf.eval()
-            acc = world_accuracy(target, WorldVideo(num_frames=c.frames[0]), list(range(EVAL_SEED, EVAL_SEED + c.eval_videos)),
-                                 c.kinds)
+            acc = data.heldout(target)
             hf.train()
             history.append({"step": step + 1, "heldout": acc})
             kinds_acc = " ".join(f"{k} {v:.2f}" for k, v in acc["per_kind"].items())

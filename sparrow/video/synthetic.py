@@ -223,17 +223,26 @@ def _render(actors: list[_Actor], frame: int, w: int, h: int) -> np.ndarray:
         if not actor.appear <= frame < actor.disappear:
             continue
         cx, cy = actor.center(frame)
-        r = actor.radius
-        ry = actor.half_height or r if actor.shape == "rectangle" else r
-        x0, x1 = max(0, int(cx - r)), min(w, int(cx + r) + 1)
-        y0, y1 = max(0, int(cy - ry)), min(h, int(cy + ry) + 1)
-        box = canvas[y0:y1, x0:x1]  # view into the canvas
-        if actor.shape == "circle":
-            ys, xs = np.ogrid[y0:y1, x0:x1]
-            box[(xs - cx) ** 2 + (ys - cy) ** 2 <= r * r] = PALETTE[actor.color_at(frame)]
-        else:
-            box[:] = PALETTE[actor.color_at(frame)]
+        draw_shape(canvas, actor.shape, cx, cy, actor.radius, actor.half_height, PALETTE[actor.color_at(frame)])
     return canvas
+
+
+def draw_shape(canvas: np.ndarray, shape: str, cx: float, cy: float, radius: int, half_height: int,
+               rgb: tuple[int, int, int]) -> None:
+    """Paint one shape into a uint8 [h, w, 3] canvas in place: a circle of `radius`, or a
+    rectangle `radius` wide on each side and `half_height` (0: radius) tall on each side,
+    centred at (cx, cy) and clipped to the canvas."""
+    h, w = canvas.shape[:2]
+    r = radius
+    ry = half_height or r if shape == "rectangle" else r
+    x0, x1 = max(0, int(cx - r)), min(w, int(cx + r) + 1)
+    y0, y1 = max(0, int(cy - ry)), min(h, int(cy + ry) + 1)
+    box = canvas[y0:y1, x0:x1]  # view into the canvas
+    if shape == "circle":
+        ys, xs = np.ogrid[y0:y1, x0:x1]
+        box[(xs - cx) ** 2 + (ys - cy) ** 2 <= r * r] = rgb
+    else:
+        box[:] = rgb
 
 
 def _default_codec() -> str:
