@@ -58,6 +58,10 @@ class SpecConfig:
     step's k in [0, num_draft_tokens] from the batch size and measured acceptance and costs
     (scheduler.DraftPolicy); seeded sampling and a request's explicit k keep k fixed.
     tree_width/tree_branch/tree_budget: the shape of the draft tree (see the fields).
+    adaptive_tree: each step, greedy requests' trees (chains too) are cut to the nodes worth
+    their verify cost: the step's measured verify cost per token against each node's chance
+    of acceptance (its path's draft probability, calibrated by what was accepted), shared
+    across the batch (scheduler.TreeTrim). Off by default; sampled requests keep their trees.
     window/anchors/glimpse: the draft's text-anchored window attention sees at most
     `anchors` prompt text tokens + the last `window` tokens + `glimpse` bridge-layer visual
     states, whatever the length of the video.
@@ -73,6 +77,7 @@ class SpecConfig:
     method: str = "sparrow"
     num_draft_tokens: int = 4
     adaptive_k: bool = False
+    adaptive_tree: bool = False
     # Draft trees (EAGLE-2 style, dynamic): num_draft_tokens is the depth; each level expands
     # the tree_width most probable nodes (by cumulative draft probability) with tree_branch
     # children each, up to tree_budget nodes (0: no cap). width = branch = 1 is a chain.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -226,6 +227,67 @@ class DraftPolicy:
             self.draft.add(draft_positions, draft_s)
 
 
+class TreeTrim:
+    """Cut each step's greedy draft trees to the nodes worth verifying, from measured costs.
+
+    A step's verify time is a + b * (tokens verified) (DraftPolicy's fit, on this device: on
+    a CPU at 25k cached tokens b is a large share of a decode step, on a GPU near zero). A
+    node is accepted with about its path's draft probability exp(score) times a calibration
+    c (accepted / predicted so far). Nodes are taken across the whole batch in order of that
+    gain while a node's gain per second of verify cost beats the step's tokens per second so
+    far, so a batch gives each request fewer nodes, a long cache (large b) fewer than a
+    short one, and a GPU keeps the whole tree. Until the fit has two distinct step sizes,
+    trees are cut to 1/1, 1/2 and 1/4 of their size in turn (explore). Greedy output does not
+    depend on the tree, so this is lossless; sampled requests are never cut.
+    """
+
+    EXPLORE_EVERY = 50
+
+    def __init__(self):
+        self.predicted, self.accepted = 1.0, 1.0          # decayed sums (a weak prior of c = 1)
+        self._steps = itertools.count()
+
+    @property
+    def calibration(self) -> float:
+        return min(2.0, max(0.1, self.accepted / self.predicted))
+
+    def cut(self, batch: list[Request], proposals: list, fit: tuple[float, float] | None) -> list:
+        step = next(self._steps)
+        cuttable = [i for i, (r, p) in enumerate(zip(batch, proposals))
+                    if p is not None and p.scores is not None and r.sampling.greedy and p.size > 1]
+        if not cuttable:
+            return proposals
+        out = list(proposals)
+        if fit is None or step % self.EXPLORE_EVERY == 0:
+            shift = step % 3
+            for i in cuttable:
+                out[i] = proposals[i].best(max(1, proposals[i].size >> shift))
+            return out
+        a, b = fit
+        c = self.calibration
+        fixed = sum(p.size for i, p in enumerate(proposals) if p is not None and i not in cuttable)
+        cost = a + b * (len(batch) + fixed)
+        tokens = float(len(batch))
+        candidates = sorted(((c * math.exp(float(s)), i, j) for i in cuttable
+                             for j, s in enumerate(proposals[i].scores.tolist())), key=lambda t: (-t[0], t[1], t[2]))
+        keep = {i: 0 for i in cuttable}
+        for gain, i, _ in candidates:
+            if b > 0 and gain * cost <= b * tokens:       # gain / b <= tokens / cost: it would slow the step
+                break
+            keep[i] += 1
+            tokens += gain
+            cost += b
+        for i in cuttable:
+            out[i] = proposals[i].best(keep[i]) if keep[i] > 0 else None
+        return out
+
+    def record(self, proposal, num_accepted: int) -> None:
+        if proposal is None or proposal.scores is None:
+            return
+        self.predicted = 0.98 * self.predicted + float(proposal.scores.exp().sum())
+        self.accepted = 0.98 * self.accepted + num_accepted
+
+
 def _expected_tokens(alpha: float, k: int) -> float:
     """Tokens one verify step emits with k drafts at per-token acceptance alpha (incl. the bonus)."""
     if k <= 0:
@@ -239,6 +301,7 @@ class Scheduler:
         self.engine, self.config = engine, config
         spec = engine.spec
         self.policy = DraftPolicy(spec.num_draft_tokens if engine.proposer is not None else 0, spec.adaptive_k)
+        self.trim = TreeTrim() if spec.adaptive_tree and engine.proposer is not None else None
         self.arena: KVArena | None = None
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -451,12 +514,18 @@ class Scheduler:
         t0 = time.perf_counter()
         self._catch_up([r for r, k in zip(batch, ks) if k > 0])
         proposals = self._propose(batch, ks)
+        if self.trim is not None:
+            proposals = self.trim.cut(batch, proposals, self.policy.verify.fit())
         t1 = time.perf_counter()
         results = self._verify_and_accept(batch, proposals)
         t2 = time.perf_counter()
         self._commit(batch, ks, results)
         t3 = time.perf_counter()
-        self.policy.record(sum(k + 1 for k in ks), t2 - t1, max(ks), (t1 - t0) + (t3 - t2))
+        verified = sum(1 + (p.size if p is not None else 0) for p in proposals)
+        self.policy.record(verified, t2 - t1, max(ks), (t1 - t0) + (t3 - t2))
+        if self.trim is not None:
+            for proposal, result in zip(proposals, results):
+                self.trim.record(proposal, result.accept.num_accepted)
         for request, k, proposal, result in zip(batch, ks, proposals, results):
             m = request.metrics
             m.draft_seconds += (t1 - t0) + (t3 - t2)

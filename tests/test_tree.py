@@ -196,3 +196,56 @@ def test_a_step_shares_its_node_budget_across_the_batch(qwen_target, large_video
     gens = [engine.stream(large_video, PROMPT, SamplingParams(max_new_tokens=40)) for _ in range(4)]
     assert [[t for d in g for t in d.token_ids] for g in gens] == [expected] * 4
     assert max(n for n, _ in sizes) >= 3 and all(size <= 8 // n for n, size in sizes)
+
+
+def test_best_nodes_keep_their_ancestors():
+    #        root
+    #       /    \
+    #      0      1
+    #     / \      \
+    #    2   3      4
+    tree = DraftTree(torch.tensor([10, 11, 12, 13, 14]), None, torch.tensor([-1, -1, 0, 0, 1]),
+                     torch.arange(5), scores=torch.tensor([-0.1, -0.5, -0.2, -1.5, -0.6]))
+    best = tree.best(3)                        # nodes 0, 2, 1 by score, kept in index order
+    assert best.tokens.tolist() == [10, 11, 12] and best.parent_list() == [-1, -1, 0]
+    assert tree.best(2).is_chain and tree.best(2).tokens.tolist() == [10, 12]      # a single path: a chain
+    assert tree.best(9) is tree
+    chain = DraftTree(torch.tensor([5, 6, 7]), None, scores=torch.tensor([-0.1, -0.3, -0.9]))
+    assert chain.best(2).tokens.tolist() == [5, 6] and chain.best(2).is_chain
+
+
+def test_tree_trim_follows_the_measured_verify_cost():
+    from sparrow.scheduler import Request, TreeTrim
+
+    def request(greedy=True):
+        return Request(0, None, "q", SamplingParams(temperature=0.0 if greedy else 1.0), None, None, None, print)
+
+    sure, unsure = math.log(0.95), math.log(0.05)
+    def tree():
+        return DraftTree(torch.tensor([1, 2, 3, 4]), None, torch.tensor([-1, 0, -1, 2]), torch.arange(4),
+                         scores=torch.tensor([sure, 2 * sure, unsure, 2 * unsure]))
+    trim = TreeTrim()
+    next(trim._steps)                                       # past the first (exploring) step
+    batch = [request(), request(), request(greedy=False)]
+    cheap = trim.cut(batch, [tree(), tree(), tree()], fit=(0.010, 0.0))        # a GPU: extra tokens are free
+    assert [p.size for p in cheap] == [4, 4, 4]
+    costly = trim.cut(batch, [tree(), tree(), tree()], fit=(0.010, 0.004))     # 25k on a CPU: 40% of a step a token
+    assert [p.size for p in costly[:2]] == [2, 2] and costly[2].size == 4       # the likely path only; sampled: whole
+    assert costly[0].tokens.tolist() == [1, 2]
+    hopeless = trim.cut(batch[:1], [tree()], fit=(0.010, 0.500))
+    assert hopeless == [None]                                                  # plain decoding beats any draft here
+
+
+def test_adaptive_tree_greedy_equals_hf_generate(any_target, large_video):
+    target = any_target
+    spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2, adaptive_tree=True)
+    engine = Engine(target, tiny_draft(target, seed=4), spec)
+    expected = hf_greedy(target, engine, large_video, PROMPT, 40)
+    sizes = []
+    real = engine.scheduler.trim.cut
+    engine.scheduler.trim.cut = lambda b, p, fit: [sizes.append(x.size if x is not None else 0) or x
+                                                   for x in real(b, p, fit)]
+    gens = [engine.stream(large_video, PROMPT, SamplingParams(max_new_tokens=40)) for _ in range(2)]
+    assert [[t for d in g for t in d.token_ids] for g in gens] == [expected] * 2
+    full = spec.max_tree_nodes(4)
+    assert min(sizes) < full                       # trees were cut (explored, then by cost)

@@ -288,6 +288,7 @@ class _TreeGrowth:
         self.draw: list[int] = []
         self.probs: list[torch.Tensor] = []
         self.parent_hidden: list[torch.Tensor] = []    # the parent's draft output, fed with the node
+        self.scores: list[float] = []                  # cumulative draft log-probability of each node
         self.spec_index: dict[int, int] = {}           # node -> its entry after `committed` in the draft cache
         self.ancestors: dict[int, list[int]] = {-1: []}
         self.budget = min(spec.max_tree_nodes(request.k), request.budget or 1 << 30)
@@ -316,6 +317,7 @@ class _TreeGrowth:
             self.draw.append(row if row is not None else index)
             self.parent_hidden.append(node.hidden)
             self.ancestors[index] = self.ancestors[node.index] + [index]
+            self.scores.append(node.score + score)
             children.append(_Node(index, None, node.score + score))
         return children
 
@@ -339,11 +341,12 @@ class _TreeGrowth:
     def tree(self) -> Proposal:
         tokens = torch.tensor(self.tokens, dtype=torch.long)
         probs = torch.stack(self.probs) if self.probs else None
+        scores = torch.tensor(self.scores, dtype=torch.float32)
         if all(p == i - 1 for i, p in enumerate(self.parents)):
             # A chain (width 1 or a single path): row i of probs is node i's distribution.
-            return Proposal(tokens, probs)
+            return Proposal(tokens, probs, scores=scores)
         return Proposal(tokens, probs, torch.tensor(self.parents, dtype=torch.long),
-                        torch.tensor(self.draw, dtype=torch.long))
+                        torch.tensor(self.draw, dtype=torch.long), scores=scores)
 
 
 def _sparrow(target, draft, spec: SpecConfig) -> SparrowProposer:

@@ -27,6 +27,7 @@ class DraftTree:
     probs: torch.Tensor | None = None       # (M, V) draft distributions, None for a deterministic draft
     parents: torch.Tensor | None = None     # (N,) long, -1 = the root; None: a chain
     draw: torch.Tensor | None = None        # (N,) long rows of probs; None: row i for node i (a chain)
+    scores: torch.Tensor | None = None      # (N,) cumulative draft log-probability of each node's path
     _children: list[list[int]] | None = field(default=None, repr=False)
 
     @property
@@ -77,6 +78,33 @@ class DraftTree:
                 mask[row] = mask[p + 1]
             mask[row, row] = True
         return mask
+
+    def best(self, n: int) -> "DraftTree":
+        """The n nodes with the highest scores (ties: the earlier node), re-indexed in their
+        order. A node's score is at most its parent's and parents come first, so the set holds
+        every kept node's ancestors: it is a tree. A chain keeps its first n. Only for trees
+        whose nodes were chosen deterministically (T=0): dropping sampled siblings by their
+        values would bias the sampling acceptance."""
+        if n >= self.size:
+            return self
+        if self.parents is None:
+            return DraftTree(self.tokens[:n], self.probs[:n] if self.probs is not None else None,
+                             scores=self.scores[:n] if self.scores is not None else None)
+        if self.scores is None:
+            raise ValueError("a tree without scores cannot be cut to its best nodes")
+        order = sorted(range(self.size), key=lambda i: (-float(self.scores[i]), i))[:n]
+        keep = sorted(order)
+        new = {old: i for i, old in enumerate(keep)}
+        parents = [int(self.parents[i]) for i in keep]
+        if any(p >= 0 and p not in new for p in parents):
+            raise ValueError("the best nodes do not hold their ancestors (scores must not rise along a path)")
+        idx = torch.tensor(keep, dtype=torch.long)
+        parents_t = torch.tensor([new[p] if p >= 0 else -1 for p in parents], dtype=torch.long)
+        tokens, scores = self.tokens[idx], self.scores[idx]
+        if all(int(p) == i - 1 for i, p in enumerate(parents_t.tolist())) and self.probs is None:
+            return DraftTree(tokens, None, scores=scores)                 # a single path: a chain
+        draw = self.draw[idx] if self.draw is not None else idx
+        return DraftTree(tokens, self.probs, parents_t, draw, scores=scores)
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, probs: torch.Tensor | None = None) -> "DraftTree":
