@@ -49,16 +49,14 @@ FPS = 2.0
 def live_stream(seed: int, size: int = 84):
     """(render(first, count) -> uint8 frames at FPS) for a live-world stream of this seed
     (frames of another side than the world's: moving squares, for timing only)."""
-    try:
-        from sparrow.video.live_world import LiveWorld          # the live world, where present
-    except ImportError:
-        LiveWorld = None
-    if LiveWorld is not None and size == 84:
-        world = LiveWorld(seed=seed)
+    if size == 84:
+        from sparrow.video.live_world import LiveStream
+
+        world = LiveStream(seed=seed)
         step = max(1, int(round(world.fps / FPS)))
 
         def render(first: int, count: int) -> np.ndarray:
-            return world.frames(first * step, (first + count) * step)[::step]
+            return world.frames(first * step, (first + count) * step, step)
         return render
     from sparrow.tiny import synthetic_frames
 
@@ -135,6 +133,93 @@ def ts_rtf(engine: Engine, seed: int, seconds: int) -> float:
     return pairs * 2 / FPS / wall
 
 
+STANDING = {            # kind -> question ({c}: the colour a presence question names)
+    "colour_now": "what colour is the shape now ?",
+    "what_now": "what is in view now ?",
+    "present_now": "is a {c} shape in view ?",
+}
+
+
+def _truth(kind: str, view, colour: str) -> str:
+    if kind == "colour_now":
+        return view.color if view else "none"
+    if kind == "what_now":
+        return view.text if view else "nothing"
+    return "yes" if view is not None and view.color == colour else "no"
+
+
+def standing_accuracy(engine: Engine, seed: int, seconds: float, window_s: float, every_s: float,
+                      colours: tuple[str, ...] = ("red", "blue")) -> list[dict]:
+    """One live-world stream played into a session (as fast as it ingests) with the standing
+    questions asked every `every_s` seconds of stream; each answer checked against what is in
+    view in the session's newest sampled frame. The window (window_s) is evicted and
+    re-positioned as the stream goes on, so most answers come after eviction.
+    Returns one row per answer: kind, end_s, answer, truth, evicted (pairs gone by then)."""
+    import threading
+
+    from sparrow.video.live_world import LiveStream
+
+    stream = LiveStream(seed=seed)
+    done, lock = [], threading.Lock()
+
+    def on_event(event):
+        if event.kind in ("done", "error"):
+            with lock:
+                done.append(event)
+
+    session = LiveSession(engine, LiveConfig(fps=FPS, window_s=window_s, max_lag_s=1e9,
+                                             options=VideoOptions(min_pixels=28 * 28)), on_event=on_event)
+    asked = {}
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    for kind, question in STANDING.items():
+        for colour in (colours if "{c}" in question else ("",)):
+            qid = session.add_standing(question.format(c=colour), every_s, greedy)
+            asked[qid] = (kind, colour)
+    per_push = int(stream.fps)                   # a second of stream frames a push
+    evicted_at = []
+    for second in range(int(seconds)):
+        first = second * per_push
+        session.push_frames(stream.frames(first, first + per_push), stream.times(first, first + per_push))
+        session.wait_ingested()
+        evicted_at.append((session.stats.window_end_s, session.stats.pairs_evicted))
+    want = len(asked) * int(seconds // every_s)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with lock:
+            if len(done) >= want:
+                break
+        time.sleep(0.05)
+    session.close()
+    rows = []
+    for event in done:
+        kind, colour = asked[event.question_id]
+        if event.kind == "error":
+            rows.append(dict(kind=kind, end_s=event.end_s, answer=f"error: {event.error}", truth="", evicted=0))
+            continue
+        last_frame = stream.frame_at(event.end_s - 1.0 / FPS)        # the newest sampled frame
+        truth = _truth(kind, stream.view(last_frame), colour)
+        evicted = max((n for end, n in evicted_at if end <= event.end_s + 1e-9), default=0)
+        rows.append(dict(kind=kind, end_s=event.end_s, answer=event.output.text.strip(), truth=truth, evicted=evicted))
+    return rows
+
+
+def _accuracy_table(rows: list[dict], args) -> str:
+    def acc(sel: list[dict]) -> str:
+        return f"{sum(r['answer'] == r['truth'] for r in sel) / len(sel):.3f} ({len(sel)})" if sel else "-"
+
+    lines = []
+    for kind in [*STANDING, "all"]:
+        sel = [r for r in rows if kind in ("all", r["kind"])]
+        yes = [r for r in sel if r["truth"] == "yes"]
+        lines.append(f"| {kind} | {acc(sel)} | {acc([r for r in sel if r['evicted'] == 0])} | "
+                     f"{acc([r for r in sel if r['evicted'] > 0])} | {acc(yes) if kind == 'present_now' else ''} |")
+    return (f"\nStanding questions on the live world ({args.accuracy_streams} streams of {args.accuracy_seconds:.0f} s, "
+            f"seeds {args.seed + 200}+, window {args.accuracy_window:.0f} s, every {args.every:.0f} s of stream; "
+            f"presence asks about red and blue; truth: what is in view in the session's newest sampled frame). "
+            f"Accuracy (answers):\n\n| question | all | before any eviction | after eviction | "
+            f"presence, truth yes |\n|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+
+
 def _mmm(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     v = sorted(x * scale for x in values)
     return f"{fmt.format(statistics.median(v))} ({fmt.format(v[0])}-{fmt.format(v[-1])})"
@@ -149,6 +234,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=7100, help="first stream seed")
     parser.add_argument("--ts-seconds", type=int, default=60, help="stream seconds fed as MPEG-TS chunks")
     parser.add_argument("--size", type=int, default=84, help="frame side in px (84: the live world's)")
+    parser.add_argument("--accuracy-streams", type=int, default=5, help="live-world streams for standing-question accuracy")
+    parser.add_argument("--accuracy-seconds", type=float, default=300, help="stream seconds each")
+    parser.add_argument("--accuracy-window", type=float, default=16, help="the session window for accuracy, seconds")
+    parser.add_argument("--every", type=float, default=5, help="standing questions every N stream seconds")
     parser.add_argument("--out", help="write the table into this BENCHMARKS.md")
     args = parser.parse_args(argv)
     points = [float(p) for p in args.points.split(",")]
@@ -169,6 +258,13 @@ def main(argv: list[str] | None = None) -> None:
                         f"{_mmm([b / a for a, b in zip(live, full)], fmt='{:.1f}')} |")
             print(rows[-1], flush=True)
     ts = [ts_rtf(engine, args.seed + 100 + r, args.ts_seconds) for r in range(min(args.reps, 3))]
+    accuracy = ""
+    if args.accuracy_streams > 0 and args.size == 84:
+        rows_acc = [row for r in range(args.accuracy_streams)
+                    for row in standing_accuracy(engine, args.seed + 200 + r, args.accuracy_seconds,
+                                                 args.accuracy_window, args.every)]
+        accuracy = _accuracy_table(rows_acc, args)
+        print(accuracy)
     load_after = os.getloadavg()
     body = (
         f"Target `{args.target}`, {args.reps} fresh streams per window (seeds {args.seed}+), {args.size} px frames "
@@ -178,7 +274,8 @@ def main(argv: list[str] | None = None) -> None:
         "| window | stream so far | visual tokens held | live TTFT ms | vs at the first point | "
         "re-prefill TTFT ms | re-prefill / live |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) +
         f"\n\nIngest real-time factor (stream seconds per wall second, whole streams, raw frames): {_mmm(rtf)}; "
-        f"MPEG-TS chunks through the session's decoder ({args.ts_seconds} s of stream, libx264): {_mmm(ts)}.\n")
+        f"MPEG-TS chunks through the session's decoder ({args.ts_seconds} s of stream, libx264): {_mmm(ts)}.\n"
+        + accuracy)
     print(body)
     if args.out:
         write_section(args.out, "live", "Live sessions: time to first token over a stream's life, ingest rate",

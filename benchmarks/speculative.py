@@ -80,6 +80,7 @@ METHODS = {m.name: m for m in (
     Method("sparrow", "Sparrow"),
     Method("sparrow-glimpse", "Sparrow + glimpse"),
     Method("sparrow-tree", "Sparrow tree"),
+    Method("sparrow-tree-auto", "Sparrow tree, cut by cost"),   # opt-in: SpecConfig.adaptive_tree
     Method("sparrow-adaptive", "Sparrow, adaptive k"),      # the concurrency benchmark's; opt-in here
     Method("ablation-none", "none", ablation=True),
     Method("ablation-window", "window", ablation=True),
@@ -103,7 +104,7 @@ class BenchConfig:
     window: int = 16   # the world drafts are trained with window 16, anchors 32 (training/world_data.py)
     anchors: int = 32
     tree: tuple[int, int, int] = (4, 2, 16)   # sparrow-tree: width, branch, node budget (depth: k)
-    methods: tuple[str, ...] = tuple(m for m in METHODS if m != "sparrow-adaptive")
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m not in ("sparrow-adaptive", "sparrow-tree-auto"))
     seed: int = BENCH_SEED
     warmup_tokens: int = 8           # one untimed request per method first (0: none)
 
@@ -163,10 +164,11 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache)
     if name == "sparrow":
         return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0), prefix_cache=cache)
-    if name == "sparrow-tree":
+    if name in ("sparrow-tree", "sparrow-tree-auto"):
         width, branch, budget = cfg.tree
         return Engine(target, models.draft("world/draft"),
-                      _spec(cfg, glimpse=0, tree_width=width, tree_branch=branch, tree_budget=budget), prefix_cache=cache)
+                      _spec(cfg, glimpse=0, tree_width=width, tree_branch=branch, tree_budget=budget,
+                            adaptive_tree=name == "sparrow-tree-auto"), prefix_cache=cache)
     if name == "sparrow-adaptive":       # k chosen per step from measured costs and acceptance (scheduler.DraftPolicy)
         return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0, adaptive_k=True), prefix_cache=cache)
     if name == "sparrow-glimpse":
