@@ -76,7 +76,8 @@ from sparrow.state_cache import open_cache  # noqa: E402
 from sparrow.training.world import CAPTION_PROMPTS, LADDER  # noqa: E402
 from sparrow.video import ProcessedVideo, prepare_video  # noqa: E402
 
-METHODS = {"plain": "plain", "sparrow": "Sparrow", "sparrow-adaptive": "Sparrow, adaptive k", "sparrow-tree": "Sparrow tree"}
+METHODS = {"plain": "plain", "sparrow": "Sparrow", "sparrow-adaptive": "Sparrow, adaptive k", "sparrow-tree": "Sparrow tree",
+           "sparrow-tree-auto": "Sparrow tree, cut by cost"}
 PATHS = {"in-process": "in-process", "grpc": "gRPC"}
 SEED = 3 * 10**9                 # world videos: training < 1e9, world eval 4e9, speculative 2e9
 TINY_LENGTHS = ((84, 8), (112, 8))    # 36 and 64 visual tokens with the world-style processor
@@ -257,7 +258,8 @@ def run_benchmark(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) ->
     measures, summaries, the prefill scenario and identity mismatches. JSON-serialisable."""
     load_before, machine = os.getloadavg(), sb.machine()
     models = sb.Models(cfg.models)
-    spec_cfg = sb.BenchConfig(models=cfg.models, k=cfg.k, methods=("plain", "sparrow", "sparrow-adaptive", "sparrow-tree"),
+    spec_cfg = sb.BenchConfig(models=cfg.models, k=cfg.k, methods=("plain", "sparrow", "sparrow-adaptive", "sparrow-tree",
+                                                                   "sparrow-tree-auto"),
                               tree=cfg.tree)
     # An engine per method and path, each with its own prefix cache, as separate deployments would be.
     caches = [PrefixCache(max_bytes=64 << 30, max_entries=cfg.videos_per_rep + 8) for _ in range(2 * len(cfg.methods))]
