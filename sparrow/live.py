@@ -313,8 +313,18 @@ class LiveSession:
             start_s, end_s = self._pairs[0].start_s, self._pairs[-1].end_s
             question_id = question_id or f"q{next(self._ids)}"
             gen = Generation()
+            put = sink or gen._events.put
+
+            def deliver(item: Any) -> None:
+                put(item)
+                if not isinstance(item, TokenDelta):
+                    # The answer's last item, handed on first: whoever sees running_answers
+                    # reach 0 has been given every answer's last item.
+                    with self._lock:
+                        self._answers.discard(gen)
+
             gen.request = self.engine.submit(None, question, sampling, prefix=entry,
-                                             num_draft_tokens=self._draft_k, sink=sink or gen._events.put)
+                                             num_draft_tokens=self._draft_k, sink=deliver)
             self._answers.add(gen)
         return LiveAnswer(question_id, question, start_s, end_s, gen)
 
@@ -358,6 +368,12 @@ class LiveSession:
             return 0
         return sum(layer.k_buf.numel() * layer.k_buf.element_size() * 2 for layer in self._kv.layers
                    if layer.is_initialized)
+
+    @property
+    def running_answers(self) -> int:
+        """Answers (asked and standing) the engine is still producing."""
+        with self._lock:
+            return len(self._answers)
 
     @property
     def error(self) -> BaseException | None:
