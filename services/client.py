@@ -7,17 +7,29 @@
     result = client.generate("What happens?", video_id=video_id)   # all at once
     client.generate("Which way?", video_id=video_id,                # a follow-up: the video's prefill is reused
                     history=[("user", "What happens?"), ("assistant", result.text)])
+
+    with client.live(fps=2, window_s=30, standing=[("red", "Is a red shape in view?", 5.0)]) as live:
+        live.opened()                                     # LiveOpened (the session's window, its limits)
+        live.send_chunk(ts_bytes)                         # MPEG-TS / fragmented MP4, or send_frames(rgb, times)
+        live.ask("What just happened?", question_id="q1", max_new_tokens=32)
+        live.close()                                      # no more messages: drain, final stats, OK
+        for response in live:                             # LiveChunk / LiveDone / LiveEvent / LiveStats
+            ...
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import queue
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .protos import pb, pb_grpc
@@ -120,6 +132,25 @@ class SparrowClient:
             raise RuntimeError("the stream ended without a completion")
         return GenerateResult(request_id, token_ids, "".join(text), done)
 
+    # ----- live sessions -----------------------------------------------------------------------
+    def live(self, *, fps: float | None = None, window_s: float | None = None, evict_s: float | None = None,
+             max_lag_s: float | None = None, min_pixels: int | None = None, max_pixels: int | None = None,
+             standing: Sequence[tuple[str, str, float]] = (), stats_every_s: float | None = None,
+             url: str = "", timeout: float | None = None, standing_sampling: dict | None = None) -> "LiveStream":
+        """Open a live session (the Live RPC). None: the server's default. standing: questions
+        asked every N seconds of stream, as (question_id, text, every_s); url: the server
+        reads the video itself (under its URL allowlists) instead of the client sending it.
+        Use as a context manager: leaving the block before the server has ended the stream
+        cancels it (the server frees the session at once)."""
+        given = dict(fps=fps, window_s=window_s, evict_s=evict_s, max_lag_s=max_lag_s, min_pixels=min_pixels,
+                     max_pixels=max_pixels, stats_every_s=stats_every_s)
+        opening = pb.LiveOpen(**{k: v for k, v in given.items() if v is not None}, url=url, standing=[
+            pb.StandingQuestion(question_id=qid, text=text, every_s=every_s,
+                                sampling=pb.SamplingParams(**(standing_sampling or {})))
+            for qid, text, every_s in standing])
+        metadata = self.metadata + ((("sparrow-timeout-ms", str(int(timeout * 1000))),) if timeout else ())
+        return LiveStream(self, opening, timeout, metadata)
+
     def abort(self, request_id: str, timeout: float | None = 10.0) -> bool:
         return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata).found
 
@@ -151,6 +182,114 @@ class GenerateStream:
             self.client.abort(self.request_id, timeout=5.0)
         except grpc.RpcError:
             pass                   # the server may be gone; the cancel stands
+
+
+class LiveStream:
+    """One live session: send_* / ask / add_standing / remove_standing / end queue messages
+    (thread-safe); iterate for the server's LiveResponse messages after the LiveOpened
+    (`opened()`). `close()` half-closes: the server ingests what it got, finishes running
+    answers, sends a final LiveStats and ends the stream OK. `cancel()` ends it at once."""
+
+    _CLOSE = object()
+
+    def __init__(self, client: SparrowClient, opening: pb.LiveOpen, timeout: float | None, metadata: tuple):
+        self.client = client
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox.put(pb.LiveRequest(open=opening))
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._opened: pb.LiveOpened | None = None
+        self._finished = False
+        self.call = client.stub.Live(self._requests(), timeout=timeout, metadata=metadata)
+
+    def _requests(self) -> Iterator[pb.LiveRequest]:
+        while (message := self._outbox.get()) is not self._CLOSE:
+            yield message
+
+    def _send(self, message: pb.LiveRequest) -> None:
+        with self._lock:
+            if self._closed:
+                raise ValueError("the live stream is closed for sending")
+            self._outbox.put(message)
+
+    # ----- sending -------------------------------------------------------------------------------
+    def send_chunk(self, data: bytes) -> None:
+        """Container bytes (MPEG-TS or fragmented MP4), in order; split into messages under
+        the message size limit."""
+        step = max(1, self.client.max_message_bytes // 2)
+        for i in range(0, len(data), step):
+            self._send(pb.LiveRequest(media=pb.MediaChunk(data=bytes(data[i:i + step]))))
+
+    def send_frames(self, frames: np.ndarray, timestamps: Sequence[float]) -> None:
+        """RGB frames uint8 [T, H, W, 3] at stream times (seconds, increasing)."""
+        frames = np.ascontiguousarray(frames, dtype=np.uint8)
+        if frames.ndim != 4 or frames.shape[-1] != 3 or len(timestamps) != frames.shape[0]:
+            raise ValueError(f"frames must be [T, H, W, 3] with T timestamps, got {frames.shape} and {len(timestamps)}")
+        per_message = max(1, (self.client.max_message_bytes // 2) // max(1, frames[0].nbytes if len(frames) else 1))
+        _, height, width, _ = frames.shape
+        for i in range(0, frames.shape[0], per_message):
+            part = frames[i:i + per_message]
+            self._send(pb.LiveRequest(frames=pb.RawFrames(width=width, height=height, count=part.shape[0],
+                                                          rgb=part.tobytes(),
+                                                          timestamps=list(timestamps[i:i + per_message]))))
+
+    def ask(self, text: str, question_id: str = "", **sampling) -> str:
+        """Ask about the window as it is when the server gets this; returns the question's id
+        (answers and events carry it). sampling: the fields of pb.SamplingParams."""
+        question_id = question_id or f"c{next(self._ids)}"
+        self._send(pb.LiveRequest(question=pb.LiveQuestion(question_id=question_id, text=text,
+                                                           sampling=pb.SamplingParams(**sampling))))
+        return question_id
+
+    def add_standing(self, text: str, every_s: float, question_id: str = "", **sampling) -> str:
+        question_id = question_id or f"cs{next(self._ids)}"
+        self._send(pb.LiveRequest(add_standing=pb.StandingQuestion(
+            question_id=question_id, text=text, every_s=every_s, sampling=pb.SamplingParams(**sampling))))
+        return question_id
+
+    def remove_standing(self, question_id: str) -> None:
+        self._send(pb.LiveRequest(remove_standing=pb.RemoveStanding(question_id=question_id)))
+
+    def end(self) -> None:
+        """No more video (questions may still come)."""
+        self._send(pb.LiveRequest(end=pb.EndOfStream()))
+
+    def close(self) -> None:
+        """Half-close: nothing more will be sent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._outbox.put(self._CLOSE)
+
+    def cancel(self) -> None:
+        self.close()
+        self.call.cancel()
+
+    # ----- receiving -----------------------------------------------------------------------------
+    def opened(self) -> pb.LiveOpened:
+        """The server's LiveOpened (waits for it; a refused open raises grpc.RpcError)."""
+        if self._opened is None:
+            first = next(self.call)
+            if not first.HasField("opened"):
+                raise RuntimeError(f"the live stream began with {first.WhichOneof('kind')}, not opened")
+            self._opened = first.opened
+        return self._opened
+
+    def __iter__(self) -> Iterator[pb.LiveResponse]:
+        self.opened()
+        for response in self.call:
+            yield response
+        self._finished = True
+
+    def __enter__(self) -> "LiveStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._finished:
+            self.cancel()
+        else:
+            self.close()
 
 
 def _file_chunks(path: Path, size: int):

@@ -33,6 +33,11 @@ class NotReady(SparrowError):
     """The service is starting or draining."""
 
 
+class LiveUnsupported(SparrowError):
+    """A live session asked of a server whose target cannot take one (its video positions are
+    not real time): no option of the request can change that (FAILED_PRECONDITION)."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(code, details) for an exception. Order matters: some errors are several things at
     once (VideoTooLarge is a bad video and a budget; SourceNotAllowed is a bad argument)."""
@@ -53,6 +58,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, message
     if isinstance(exc, NotReady):
         return grpc.StatusCode.UNAVAILABLE, message
+    if isinstance(exc, LiveUnsupported):
+        return grpc.StatusCode.FAILED_PRECONDITION, message
     return grpc.StatusCode.INTERNAL, f"internal error: {message}"
 
 

@@ -3,6 +3,7 @@
     Recorder.record_request(SpecMetrics, ttft_s, ...)   one finished request -> every metric
     Recorder.running()                                  a request in flight (the running gauge)
     observe_stream(service.generate(...))               both, around a host's response stream
+    Recorder.live_session() -> update(LiveStats), end   a live session's share of the live_* metrics
         -> PrometheusSink   prometheus_client on a registry of its own; `/metrics` over HTTP
                             (start_metrics_server) for the embedded server
         -> RaySink          ray.serve.metrics, exported by each Ray node's metrics agent
@@ -47,6 +48,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LAG_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                  20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -94,6 +96,20 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("prefix_cache_hits", "counter", "Prompt tokens whose prefill was reused from the prefix cache."),
     MetricSpec("prefix_cache_hit_rate", "gauge",
                "Fraction of prompt tokens reused from the prefix cache since this process started."),
+    # live sessions (the Live RPC)
+    MetricSpec("live_sessions_active", "gauge", "Live sessions open on this server or replica."),
+    MetricSpec("live_sessions_ended", "counter",
+               "Live sessions ended, by how: ok (half-closed), cancelled, or the status code that ended them.",
+               labels=("model_name", "reason")),
+    MetricSpec("live_frames_ingested", "counter",
+               "Frames live sessions received (decoded from their media or sent raw), before sampling at their fps."),
+    MetricSpec("live_frames_dropped", "counter",
+               "Frames sampled by live sessions but never prefilled: ingest fell behind real time."),
+    MetricSpec("live_pairs_prefilled", "counter", "Frame pairs prefilled into live sessions' windows."),
+    MetricSpec("live_ingest_lag_seconds", "histogram",
+               "How far a live session's window trails its newest frame (observed about once a second per session).",
+               buckets=LAG_BUCKETS),
+    MetricSpec("live_kv_bytes", "gauge", "KV cache bytes held by the live sessions of this server or replica."),
 )
 SPECS = {spec.name: spec for spec in METRICS}
 
@@ -183,6 +199,8 @@ class Recorder:
         self._running = 0
         self._cache_queries = 0
         self._cache_hits = 0
+        self._live_kv: dict[int, int] = {}          # session -> its KV bytes (the gauge is their sum)
+        self._live_ids = 0
 
     def record_request(self, metrics: SpecMetrics, ttft_s: float | None, *, finish_reason: str = "stop",
                        e2e_s: float | None = None) -> None:
@@ -230,6 +248,54 @@ class Recorder:
         with self._lock:       # set under the lock, or two requests ending together may leave 1
             self._running += delta
             self.sink.set("num_requests_running", self._running, self.labels)
+
+    def live_session(self) -> "LiveSessionMetrics":
+        """A live session opened: counted active until its `end`."""
+        with self._lock:
+            self._live_ids += 1
+            key = self._live_ids
+            self._live_kv[key] = 0
+            self._set_live_gauges()
+        return LiveSessionMetrics(self, key)
+
+    def _set_live_gauges(self) -> None:
+        """Lock held. Gauges are set, not incremented (Ray's Gauge can only be set)."""
+        self.sink.set("live_sessions_active", len(self._live_kv), self.labels)
+        self.sink.set("live_kv_bytes", sum(self._live_kv.values()), self.labels)
+
+
+class LiveSessionMetrics:
+    """One live session's share of the live metrics: `update` with its sparrow.live.LiveStats
+    (counters advance by what changed since the last update), `end` once."""
+
+    def __init__(self, recorder: Recorder, key: int):
+        self.recorder, self.key = recorder, key
+        self._seen = {"frames_received": 0, "frames_dropped": 0, "pairs_prefilled": 0}
+        self._ended = False
+
+    def update(self, stats) -> None:
+        r, labels = self.recorder, self.recorder.labels
+        for field, metric in (("frames_received", "live_frames_ingested"), ("frames_dropped", "live_frames_dropped"),
+                              ("pairs_prefilled", "live_pairs_prefilled")):
+            value = getattr(stats, field)
+            r.sink.inc(metric, value - self._seen[field], labels)
+            self._seen[field] = value
+        if stats.window_pairs:
+            r.sink.observe("live_ingest_lag_seconds", stats.lag_s, labels)
+        with r._lock:
+            if not self._ended:
+                r._live_kv[self.key] = stats.kv_bytes
+                r._set_live_gauges()
+
+    def end(self, reason: str) -> None:
+        r = self.recorder
+        with r._lock:
+            if self._ended:
+                return
+            self._ended = True
+            r._live_kv.pop(self.key, None)
+            r._set_live_gauges()
+        r.sink.inc("live_sessions_ended", 1, {**r.labels, "reason": reason})
 
 
 # ----- the process-wide recorder ------------------------------------------------------------------

@@ -79,6 +79,21 @@ class TargetDeployment:
             _set_status(grpc_context, exc)
             raise
 
+    async def Live(self, request_stream, grpc_context):
+        # A bidi stream is one call to this replica: the session and its KV cache stay here.
+        # Serve ends a cancelled client's request stream as if it had half-closed; the stream
+        # says which (gRPCInputStream.is_cancelled), so the session is closed, not drained.
+        try:
+            deadline = deadline_from_metadata(grpc_context.invocation_metadata())
+            stream = self.service.live_stream(request_stream, deadline, metrics=self.metrics.live_session,
+                                              cancelled=getattr(request_stream, "is_cancelled", None))
+            async with contextlib.aclosing(stream) as responses:
+                async for response in responses:
+                    yield response
+        except Exception as exc:
+            _set_status(grpc_context, exc)
+            raise
+
     async def UploadVideo(self, request_stream, grpc_context):
         try:
             return await self.service.upload_video(decoded_stream(request_stream))
@@ -110,6 +125,7 @@ class TargetDeployment:
         return {"replica": ray.get_runtime_context().get_actor_name() or "",
                 "videos": len(engine.prefix_cache) if engine.prefix_cache is not None else 0,
                 "requests": len(self.service.live), "threads": self.service.runner.active,
+                "live_sessions": len(self.service.live_sessions),
                 "last_released": self.service.last_released,        # time.monotonic(), same clock host-wide
                 "draft_failovers": getattr(proposer, "failovers", 0),
                 "draft_fallbacks": getattr(proposer, "fallbacks", 0), "draft_rebuilds": getattr(proposer, "rebuilds", 0),

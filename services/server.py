@@ -50,7 +50,7 @@ def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
 class GrpcSparrow(pb_grpc.SparrowServicer):
     """sparrow.v1.Sparrow on grpc.aio. A client cancel or deadline cancels the handler's
     task; the CancelledError passes through (it is no Exception) and closes the service's
-    generator, which aborts the generation."""
+    generator, which aborts the generation (Live: closes the session, freeing its KV)."""
 
     def __init__(self, service: SparrowService):
         self.service = service
@@ -60,6 +60,16 @@ class GrpcSparrow(pb_grpc.SparrowServicer):
             check_decoded(request)
             deadline = request_deadline(context)
             async with contextlib.aclosing(prom.observe_stream(self.service.generate(request, deadline))) as responses:
+                async for response in responses:
+                    yield response
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+            await abort_with_status(context, exc)
+
+    async def Live(self, request_iterator, context):
+        try:
+            stream = self.service.live_stream(request_iterator, request_deadline(context),
+                                              metrics=prom.get_recorder().live_session)
+            async with contextlib.aclosing(stream) as responses:
                 async for response in responses:
                     yield response
         except Exception as exc:  # noqa: BLE001 - every error becomes a status code

@@ -64,6 +64,13 @@ class ServiceConfig:
     decode_timeout_s: float = 300.0
     video_ttl_s: float = 3600.0            # how long uploads stay in the state cache
     abort_poll_s: float = 0.2              # shared cache: how often a request looks for an Abort sent elsewhere
+    # Live sessions (the Live RPC, services/live.py). A session passing a limit ends with
+    # RESOURCE_EXHAUSTED; one asking for more is refused at open.
+    max_live_sessions: int = 4             # open at once per server (replica); 0: no live sessions
+    max_live_session_s: float = 4 * 3600.0  # wall seconds a session may stay open
+    max_live_bytes: int = 16 << 30         # media and raw frame bytes a session may send
+    max_live_window_s: float = 600.0       # the longest window a session may keep
+    live_stats_every_s: float = 5.0        # default wall seconds between LiveStats messages
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
@@ -73,6 +80,14 @@ class ServiceConfig:
             raise ValueError("limits must be >= 1")
         if self.max_history_turns < 0:
             raise ValueError("max_history_turns must be >= 0 (0: no conversations)")
+        if self.max_live_sessions < 0:
+            raise ValueError("max_live_sessions must be >= 0 (0: no live sessions)")
+        if self.max_live_bytes < 1:
+            raise ValueError("max_live_bytes must be >= 1")
+        for name in ("max_live_session_s", "max_live_window_s", "live_stats_every_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +114,8 @@ class SparrowService:
         self.policy = SourcePolicy(self.config.media_root, self.config.allowed_url_schemes,
                                    self.config.allowed_url_hosts)
         self.live: dict[str, RunningRequest | None] = {}     # None: admitted, still preparing
+        self.live_sessions: dict[str, object] = {}            # Live streams open: id -> services.live.LiveCall
+        self._live_refusal: list[str | None] = []             # why the target cannot go live; computed once
         self.last_released = 0.0
         self.ready = True
 
@@ -179,7 +196,7 @@ class SparrowService:
     # ----- request -> job -----------------------------------------------------------------------
     async def _job(self, request: pb.GenerateRequest) -> _Job:
         prompt = self._prompt(request)
-        sampling = self._sampling(request.sampling)
+        sampling = self.sampling_params(request.sampling)
         options = self._video_options(request.video_options)
         draft_tokens = self._draft_tokens(request.spec)
         # Last: the source may hold an open file, released by the job's close().
@@ -210,7 +227,7 @@ class SparrowService:
             return request.prompt
         return with_history([Message(m.role, m.text) for m in request.history], request.prompt)
 
-    def _sampling(self, s: pb.SamplingParams) -> SamplingParams:
+    def sampling_params(self, s: pb.SamplingParams) -> SamplingParams:
         cfg = self.config
         max_new = s.max_new_tokens or cfg.default_max_new_tokens
         if max_new > cfg.max_new_tokens:
@@ -298,6 +315,36 @@ class SparrowService:
             return (lambda: url), None, _nothing, _nothing
         raise InvalidRequest("the request names no video (set video_id, path, url or data)")
 
+    # ----- Live ----------------------------------------------------------------------------------
+    def live_stream(self, requests: AsyncIterator[pb.LiveRequest], deadline: float | None = None, *,
+                    metrics=None, cancelled: Callable[[], bool] | None = None) -> AsyncIterator[pb.LiveResponse]:
+        """One Live call's response stream (services/live.py). metrics: a zero-argument callable
+        giving the session's LiveMetrics (prom.Recorder.live_session); cancelled: tells, once
+        the request stream has ended, whether the client cancelled rather than half-closed
+        (Ray Serve ends both alike)."""
+        from .live import LiveCall      # services.live builds on this module
+
+        return LiveCall(self, deadline, metrics=metrics, cancelled=cancelled).run(requests)
+
+    def live_refusal(self) -> str | None:
+        """Why this server's target cannot take a live session, or None (asked once)."""
+        if not self._live_refusal:
+            from .live import live_refusal
+
+            self._live_refusal.append(live_refusal(self.engine))
+        return self._live_refusal[0]
+
+    def admit_live(self, call) -> None:
+        # No await between the check and the insert: atomic on the event loop.
+        if len(self.live_sessions) >= self.config.max_live_sessions:
+            raise ResourceExhausted(f"{len(self.live_sessions)} live sessions open, the limit of this server "
+                                    f"({self.config.max_live_sessions}); retry later")
+        self.live_sessions[call.session_id] = call
+
+    def release_live(self, call) -> None:
+        self.live_sessions.pop(call.session_id, None)
+        self.last_released = time.monotonic()
+
     # ----- the other calls -----------------------------------------------------------------------
     async def upload_video(self, chunks: AsyncIterator[pb.VideoChunk]) -> pb.VideoRef:
         cfg, digest, parts, size, claimed = self.config, hashlib.sha256(), [], 0, None
@@ -342,7 +389,8 @@ class SparrowService:
             num_draft_tokens=engine.spec.num_draft_tokens if speculative else 0,
             draft_placement=self.draft_placement if speculative else "none", host=self.host,
             max_new_tokens=cfg.max_new_tokens, max_visual_tokens=cfg.max_visual_tokens,
-            max_video_bytes=cfg.max_video_bytes, max_message_bytes=cfg.max_message_bytes)
+            max_video_bytes=cfg.max_video_bytes, max_message_bytes=cfg.max_message_bytes,
+            live_sessions=self.live_refusal() is None, max_live_sessions=cfg.max_live_sessions)
 
     def close(self) -> None:
         self.ready = False

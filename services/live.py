@@ -1,0 +1,494 @@
+"""The Live RPC: one live video session per bidirectional stream (sparrow.v1.Sparrow/Live).
+
+    client messages --reader task--> LiveSession (sparrow/live.py): feed, push_frames, ask,
+                                     add_standing, remove_standing, end_of_stream
+    answers and session events (engine, decoder and URL threads) --+
+    stats and limits (a ticker task, timers) -----------------------+--> one asyncio queue
+                                                                          --> the response stream
+
+The session's KV cache lives in this process and cannot move: on Ray Serve a stream is one
+call to one replica, on Kubernetes one HTTP/2 stream to one pod, so a session stays where it
+opened. It ends when the client half-closes (what it sent is ingested, running answers
+finish, a final LiveStats, then OK), when it cancels or goes away (the session is closed at
+once: KV freed, answers aborted), when it passes a limit (RESOURCE_EXHAUSTED) or when its
+deadline passes (DEADLINE_EXCEEDED). Anything else a client gets wrong (a corrupt chunk, a
+question before the first frame, a bad option on a question) is an event on the stream with
+its status code, and the session goes on.
+
+Every question that starts ends with exactly one LiveDone (finish reason ERROR when it
+failed on the way); one refused before it started gets a LiveEvent with its id instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import av
+import numpy as np
+
+from sparrow.engine import Engine, GenerationOutput, TokenDelta
+from sparrow.errors import InvalidRequest, NoVideoStream, ResourceExhausted, SparrowError, VideoUnreadable
+from sparrow.live import LiveConfig, LiveEvent, LiveSession, LiveStats
+from sparrow.video import SourcePolicy, VideoOptions
+from sparrow.video.sources import Deadline, open_media
+
+from .errors import DeadlineExceeded, LiveUnsupported, NotReady, status_for
+from .protos import pb
+from .servicer import ServiceConfig, SparrowService, completion
+from .wire import Undecodable
+
+log = logging.getLogger(__name__)
+
+STATS_TICK_S = 1.0          # how often a session's metrics are updated (and stats sent, when due)
+MAX_ID_CHARS = 128
+_END = object()             # the response queue's last item: the stream ends OK
+
+
+class SessionLimit(ResourceExhausted):
+    """A running session passed one of the service's limits: the stream ends with it."""
+
+
+class LiveMetrics(Protocol):
+    """One session's share of the live metrics (services.prom.LiveSessionMetrics)."""
+
+    def update(self, stats: LiveStats) -> None: ...
+
+    def end(self, reason: str) -> None: ...
+
+
+def live_refusal(engine: Engine) -> str | None:
+    """Why this engine's target cannot take a live session (the library's words), or None."""
+    try:
+        LiveSession(engine).close()
+    except InvalidRequest as exc:
+        return str(exc)
+    return None
+
+
+def live_config(opening: pb.LiveOpen, cfg: ServiceConfig) -> LiveConfig:
+    """The session's LiveConfig from its LiveOpen, within the service's limits. The window's
+    visual tokens are bounded by max_visual_tokens: each frame pair may spend its share of
+    them (the processor shrinks frames that would spend more)."""
+    defaults = LiveConfig()
+    given = {name: getattr(opening, name) for name in ("fps", "window_s", "evict_s", "max_lag_s")
+             if opening.HasField(name)}
+    for name in ("min_pixels", "max_pixels"):
+        if opening.HasField(name) and getattr(opening, name) > cfg.max_frame_pixels:
+            raise InvalidRequest(f"{name} {getattr(opening, name)} is over the {cfg.max_frame_pixels} pixels "
+                                 "a frame may have here")
+    window_s = given.get("window_s", defaults.window_s)
+    if isinstance(window_s, float) and math.isfinite(window_s) and window_s > cfg.max_live_window_s:
+        raise ResourceExhausted(f"window_s {window_s:g} is over the limit of {cfg.max_live_window_s:g} s")
+    probe = LiveConfig(**given)                      # InvalidRequest for a bad number
+    share = cfg.max_visual_tokens // probe.window_pairs
+    if share < 1:
+        raise ResourceExhausted(f"a window of {probe.window_pairs} frame pairs ({window_s:g} s at {probe.fps:g} fps) "
+                                f"cannot fit the {cfg.max_visual_tokens} visual tokens a session may hold; "
+                                "use a shorter window or a lower fps")
+    pixels = {name: getattr(opening, name) for name in ("min_pixels", "max_pixels") if opening.HasField(name)}
+    options = VideoOptions(**pixels, max_visual_tokens=share, max_frame_pixels=cfg.max_frame_pixels)
+    return LiveConfig(**given, options=options)
+
+
+def stats_message(stats: LiveStats, *, bytes_received: int, session_s: float, final: bool = False) -> pb.LiveStats:
+    return pb.LiveStats(
+        frames_received=stats.frames_received, frames_sampled=stats.frames_sampled,
+        frames_dropped=stats.frames_dropped, pairs_prefilled=stats.pairs_prefilled,
+        pairs_evicted=stats.pairs_evicted, window_pairs=stats.window_pairs, visual_tokens=stats.visual_tokens,
+        tokens_per_pair=stats.visual_tokens // stats.window_pairs if stats.window_pairs else 0,
+        kv_bytes=stats.kv_bytes, window_start_s=stats.window_start_s, window_end_s=stats.window_end_s,
+        newest_s=stats.newest_s, lag_s=stats.lag_s, ingest_seconds=stats.ingest_seconds,
+        bytes_received=bytes_received, session_seconds=session_s, final=final)
+
+
+def error_event(exc: BaseException, question_id: str = "") -> pb.LiveEvent:
+    code, message = status_for(exc)
+    return pb.LiveEvent(kind=pb.LIVE_EVENT_KIND_ERROR, code=code.value[0], message=message, question_id=question_id)
+
+
+class LiveCall:
+    """One Live stream: admits the session, runs it, and turns everything it does into
+    LiveResponse messages. `run(requests)` is the response stream; closing it closes the session."""
+
+    def __init__(self, service: SparrowService, deadline: float | None = None, *,
+                 metrics: Callable[[], LiveMetrics] | None = None, cancelled: Callable[[], bool] | None = None):
+        self.service, self.cfg = service, service.config
+        self.deadline = deadline
+        self.new_metrics = metrics
+        self.cancelled = cancelled or (lambda: False)
+        self.session_id = uuid.uuid4().hex
+        self.session: LiveSession | None = None
+        self.loop = asyncio.get_running_loop()
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.opened_at = time.monotonic()
+        self.bytes_received = 0
+        self._ids = itertools.count(1)
+        self._asked: dict[str, tuple[float, float] | None] = {}   # running asked questions -> their range, once known
+        self._early: dict[str, list] = {}                        # their items that came before the range
+        self._feeder: UrlFeeder | None = None
+        self._bytes_lock = threading.Lock()
+
+    # ----- the stream ----------------------------------------------------------------------------
+    async def run(self, requests) -> AsyncIterator[pb.LiveResponse]:
+        requests = aiter(requests)
+        opening = await self._opening(requests)
+        engine, cfg = self.service.engine, self.cfg
+        config = live_config(opening, cfg)
+        stats_every = opening.stats_every_s if opening.HasField("stats_every_s") else cfg.live_stats_every_s
+        if not (math.isfinite(stats_every) and (stats_every == 0 or stats_every >= 0.1)):
+            raise InvalidRequest(f"stats_every_s must be 0 (only the final stats) or >= 0.1, got {stats_every}")
+        url = self.service.policy.resolve(opening.url) if opening.url else None   # SourceNotAllowed: PERMISSION_DENIED
+        self.service.admit_live(self)
+        metrics, reason = None, "error"
+        tasks: list[asyncio.Task] = []
+        try:
+            self.session = await asyncio.to_thread(LiveSession, engine, config, on_event=self._from_thread_event)
+            standing_ids = [await self._add_standing(q, at_open=True) for q in opening.standing]
+            metrics = self.new_metrics() if self.new_metrics else None
+            yield pb.LiveResponse(opened=pb.LiveOpened(
+                session_id=self.session_id, fps=config.fps, window_s=config.window_s,
+                evict_s=config.evict_pairs * config.pair_s, max_lag_s=config.max_lag_s, pair_s=config.pair_s,
+                window_pairs=config.window_pairs, max_visual_tokens=config.options.max_visual_tokens * config.window_pairs,
+                standing_ids=standing_ids, max_duration_s=cfg.max_live_session_s, max_bytes=cfg.max_live_bytes,
+                spec_method=engine.spec.method if engine.proposer is not None else "none"))
+            if url is not None:
+                self._feeder = UrlFeeder(self.session, url, self._url_options(), self.service.policy,
+                                         on_error=lambda exc: self._post(self._feeder_failed, exc),
+                                         count_bytes=self._count_bytes)
+            tasks = [asyncio.create_task(self._read(requests)), asyncio.create_task(self._tick(stats_every, metrics)),
+                     asyncio.create_task(self._expire())]
+            while True:
+                item = await self.out.get()
+                if item is _END:
+                    reason = "ok"
+                    return
+                if isinstance(item, asyncio.CancelledError):
+                    raise item
+                if isinstance(item, BaseException):
+                    reason = status_for(item)[0].name.lower()
+                    raise item
+                yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            reason = "cancelled"
+            raise
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.shield(self._close())
+            if metrics is not None:
+                metrics.end(reason)
+            self.service.release_live(self)
+
+    async def _opening(self, requests) -> pb.LiveOpen:
+        first = await anext(requests, None)      # read first: a request stream never read warns at exit
+        if not self.service.ready:
+            raise NotReady("the service is not ready")
+        refusal = self.service.live_refusal()
+        if refusal is not None:
+            raise LiveUnsupported(refusal)
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise DeadlineExceeded("the session's deadline passed")
+        if isinstance(first, Undecodable):
+            raise first.error()
+        if first is None or first.WhichOneof("kind") != "open":
+            raise InvalidRequest("a live session's first message must be `open` (LiveOpen)")
+        return first.open
+
+    async def _close(self) -> None:
+        if self._feeder is not None:
+            self._feeder.stop()
+        if self.session is not None:
+            await asyncio.to_thread(self.session.close)      # frees the KV now, aborts running answers
+
+    # ----- client messages -----------------------------------------------------------------------
+    async def _read(self, requests) -> None:
+        try:
+            async for request in requests:
+                await self._handle(request)
+            if self.cancelled():             # Ray Serve ends a cancelled client's stream as if half-closed
+                self.out.put_nowait(asyncio.CancelledError())
+                return
+            await self._drain()
+            stats = await asyncio.to_thread(lambda: self.session.stats)
+            self.out.put_nowait(pb.LiveResponse(stats=stats_message(
+                stats, bytes_received=self.bytes_received, session_s=time.monotonic() - self.opened_at, final=True)))
+            self.out.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - ends the stream with its status
+            self.out.put_nowait(exc)
+
+    async def _handle(self, request) -> None:
+        if isinstance(request, Undecodable):
+            self._emit_error(request.error())
+            return
+        kind, question_id = request.WhichOneof("kind"), ""
+        try:
+            if kind == "media":
+                await self._media(request.media.data)
+            elif kind == "frames":
+                await self._frames(request.frames)
+            elif kind == "question":
+                question_id = request.question.question_id
+                await self._ask(request.question)
+            elif kind == "add_standing":
+                question_id = request.add_standing.question_id
+                await self._add_standing(request.add_standing)
+            elif kind == "remove_standing":
+                question_id = request.remove_standing.question_id
+                if not self.session.remove_standing(question_id):
+                    raise InvalidRequest(f"no standing question {question_id!r}")
+            elif kind == "end":
+                await asyncio.to_thread(self.session.end_of_stream)
+            elif kind == "open":
+                raise InvalidRequest("the session is open already: `open` comes once, first")
+            else:
+                raise InvalidRequest("an empty LiveRequest: set one of its fields")
+        except SessionLimit:
+            raise
+        except SparrowError as exc:          # the client's mistake: said on the stream, the session goes on
+            self._emit_error(exc, question_id)
+
+    async def _media(self, data: bytes) -> None:
+        if self._feeder is not None:
+            raise InvalidRequest("this session reads its video from its URL: it takes no media")
+        self._count_bytes(len(data))
+        await asyncio.to_thread(self.session.feed, data)   # VideoUnreadable: a chunk that is not MPEG-TS
+
+    async def _frames(self, f: pb.RawFrames) -> None:
+        if self._feeder is not None:
+            raise InvalidRequest("this session reads its video from its URL: it takes no frames")
+        self._count_bytes(len(f.rgb))
+        if not (f.count and f.width and f.height):
+            raise InvalidRequest("raw frames need count, width and height > 0")
+        if f.width * f.height > self.cfg.max_frame_pixels:
+            raise InvalidRequest(f"frames of {f.width}x{f.height} are over the {self.cfg.max_frame_pixels} "
+                                 "pixels a frame may have here")
+        if len(f.rgb) != f.count * f.height * f.width * 3:
+            raise InvalidRequest(f"{len(f.rgb)} bytes of rgb for {f.count} frames of {f.width}x{f.height} "
+                                 f"(need count * height * width * 3 = {f.count * f.height * f.width * 3})")
+        if len(f.timestamps) != f.count:
+            raise InvalidRequest(f"{len(f.timestamps)} timestamps for {f.count} frames")
+        frames = np.frombuffer(f.rgb, dtype=np.uint8).reshape(f.count, f.height, f.width, 3)
+        await asyncio.to_thread(self.session.push_frames, frames, list(f.timestamps))
+
+    async def _ask(self, q: pb.LiveQuestion) -> None:
+        question_id = q.question_id or self._fresh_id("q")
+        self._check_question(question_id, q.text)
+        if question_id in self._asked:
+            raise InvalidRequest(f"question {question_id!r} is still being answered; give each question its own id")
+        sampling = self.service.sampling_params(q.sampling)
+        self._asked[question_id], self._early[question_id] = None, []
+        sink = lambda item: self._post(self._answer_item, question_id, item)   # noqa: E731 - engine threads
+        try:
+            answer = await asyncio.to_thread(self.session.ask, q.text, sampling, question_id=question_id, sink=sink)
+        except BaseException:
+            del self._asked[question_id], self._early[question_id]
+            raise
+        self._asked[question_id] = (answer.start_s, answer.end_s)
+        for item in self._early.pop(question_id):
+            self._answer_item(question_id, item)
+
+    async def _add_standing(self, q: pb.StandingQuestion, at_open: bool = False) -> str:
+        question_id = q.question_id or self._fresh_id("s")
+        self._check_question(question_id, q.text)
+        sampling = self.service.sampling_params(q.sampling)
+        return await asyncio.to_thread(self.session.add_standing, q.text, q.every_s, sampling, question_id)
+
+    def _check_question(self, question_id: str, text: str) -> None:
+        if len(question_id) > MAX_ID_CHARS:
+            raise InvalidRequest(f"question_id is longer than {MAX_ID_CHARS} characters")
+        if len(text) > self.cfg.max_prompt_chars:
+            raise ResourceExhausted(f"question is {len(text)} characters, over the limit of {self.cfg.max_prompt_chars}")
+
+    def _fresh_id(self, prefix: str) -> str:
+        while True:
+            candidate = f"{prefix}{next(self._ids)}"
+            if candidate not in self._asked:
+                return candidate
+
+    def _count_bytes(self, n: int) -> None:
+        """From the loop or the URL thread."""
+        with self._bytes_lock:
+            self.bytes_received += n
+            total = self.bytes_received
+        if total > self.cfg.max_live_bytes:
+            raise SessionLimit(f"the session sent {total} bytes of video, over the limit of {self.cfg.max_live_bytes}")
+
+    def _url_options(self) -> VideoOptions:
+        cfg = self.cfg
+        return VideoOptions(max_bytes=cfg.max_live_bytes, max_duration_s=cfg.max_live_session_s,
+                            timeout_s=cfg.max_live_session_s, max_frame_pixels=cfg.max_frame_pixels)
+
+    # ----- the end --------------------------------------------------------------------------------
+    async def _drain(self) -> None:
+        """After the client half-closed: no more video; everything sent is ingested and every
+        running answer (asked or standing) has sent its last message."""
+        session = self.session
+        if self._feeder is not None:
+            self._feeder.stop()
+            await asyncio.to_thread(self._feeder.join)
+        await asyncio.to_thread(session.end_of_stream)
+        await asyncio.to_thread(session.wait_ingested)
+        # An ingest task already running when wait_ingested looked has left the session's
+        # queue; the scheduler runs tasks in order, so once this one has run, that one has
+        # finished too (and asked the standing questions it made due).
+        await asyncio.wrap_future(self.service.engine.scheduler.call_soon(_nothing))
+        # Read off the loop: the answers' last items, posted before the count dropped, are
+        # then ahead of this coroutine on the loop.
+        while await asyncio.to_thread(lambda: session.running_answers):
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0)
+
+    async def _tick(self, stats_every: float, metrics: LiveMetrics | None) -> None:
+        """Metrics every STATS_TICK_S; a LiveStats message every stats_every (0: none)."""
+        tick = min(STATS_TICK_S, stats_every) if stats_every else STATS_TICK_S
+        next_stats = time.monotonic() + stats_every if stats_every else math.inf
+        while True:
+            await asyncio.sleep(tick)
+            stats = await asyncio.to_thread(lambda: self.session.stats)
+            if metrics is not None:
+                metrics.update(stats)
+            now = time.monotonic()
+            if now >= next_stats:
+                next_stats += stats_every * max(1, math.ceil((now - next_stats) / stats_every))
+                self.out.put_nowait(pb.LiveResponse(stats=stats_message(
+                    stats, bytes_received=self.bytes_received, session_s=now - self.opened_at)))
+
+    async def _expire(self) -> None:
+        """The session's duration limit, or the client's deadline if it comes first."""
+        limit_at = self.opened_at + self.cfg.max_live_session_s
+        if self.deadline is not None and self.deadline < limit_at:
+            await asyncio.sleep(max(0.0, self.deadline - time.monotonic()))
+            self.out.put_nowait(DeadlineExceeded("the session's deadline passed"))
+        else:
+            await asyncio.sleep(max(0.0, limit_at - time.monotonic()))
+            self.out.put_nowait(SessionLimit(f"the session has been open {self.cfg.max_live_session_s:g} s, "
+                                             "the limit of this server"))
+
+    # ----- what the session reports (engine, decoder and URL threads) -----------------------------
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:          # the loop is gone: nobody is listening any more
+            pass
+
+    def _from_thread_event(self, event: LiveEvent) -> None:
+        self._post(self._session_event, event)
+
+    def _session_event(self, event: LiveEvent) -> None:
+        kind, qid = event.kind, event.question_id or ""
+        if kind == "delta":
+            self._send_chunk(qid, event.start_s, event.end_s, event.delta, standing=True)
+        elif kind == "done":
+            self._send_done(qid, event.start_s, event.end_s, event.output, standing=True)
+        elif kind == "error" and qid and event.end_s > 0:
+            # A standing answer that failed after it started (one refused at the start has no range).
+            self._send_done(qid, event.start_s, event.end_s, event.error, standing=True)
+        elif kind == "error":
+            self._emit_error(event.error, qid)
+        elif kind == "dropped":
+            self.out.put_nowait(pb.LiveResponse(event=pb.LiveEvent(
+                kind=pb.LIVE_EVENT_KIND_FRAMES_DROPPED, frames_dropped=event.dropped,
+                message=f"ingest fell behind real time: {event.dropped} frames dropped")))
+
+    def _answer_item(self, question_id: str, item) -> None:
+        """An asked question's TokenDelta, GenerationOutput or exception, on the loop."""
+        span = self._asked.get(question_id)
+        if span is None:
+            self._early[question_id].append(item)
+            return
+        if isinstance(item, TokenDelta):
+            self._send_chunk(question_id, *span, item, standing=False)
+        else:
+            del self._asked[question_id]
+            self._send_done(question_id, *span, item, standing=False)
+
+    def _send_chunk(self, qid: str, start_s: float, end_s: float, delta: TokenDelta, standing: bool) -> None:
+        self.out.put_nowait(pb.LiveResponse(chunk=pb.LiveChunk(
+            question_id=qid, start_s=start_s, end_s=end_s, token_ids=delta.token_ids, text=delta.text,
+            standing=standing)))
+
+    def _send_done(self, qid: str, start_s: float, end_s: float, result, standing: bool) -> None:
+        if isinstance(result, GenerationOutput):
+            done = completion(result)
+        else:
+            log.info("live answer %s failed: %s", qid, result)
+            done = pb.Completion(finish_reason=pb.FINISH_REASON_ERROR, error=str(result) or type(result).__name__)
+        self.out.put_nowait(pb.LiveResponse(done=pb.LiveDone(
+            question_id=qid, start_s=start_s, end_s=end_s, completion=done, standing=standing)))
+
+    def _emit_error(self, exc: BaseException, question_id: str = "") -> None:
+        event = error_event(exc, question_id)
+        log.info("live session %s: %s: %s", self.session_id, status_for(exc)[0].name, event.message)
+        self.out.put_nowait(pb.LiveResponse(event=event))
+
+    def _feeder_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, SessionLimit):
+            self.out.put_nowait(exc)
+        else:
+            self._emit_error(exc)
+
+
+def _nothing() -> None:
+    pass
+
+
+class UrlFeeder:
+    """A session's video read by the server from a URL (checked against the source policy),
+    decoded on a thread and pushed at the pace of its timestamps: a live source arrives at
+    real time anyway, a file behind a URL plays as it would live. Bytes count against the
+    session's limit (count_bytes raises SessionLimit)."""
+
+    def __init__(self, session: LiveSession, url: str, options: VideoOptions, policy: SourcePolicy, *,
+                 on_error: Callable[[BaseException], None], count_bytes: Callable[[int], None]):
+        self.session, self.url, self.options, self.policy = session, url, options, policy
+        self.on_error, self.count_bytes = on_error, count_bytes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sparrow-live-url", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            media = open_media(self.url, self.options, self.policy, Deadline(self.options.timeout_s))
+            with media.open() as container:
+                if not container.streams.video:
+                    raise NoVideoStream(f"{media.description} has no video stream")
+                stream = container.streams.video[0]
+                origin, started = None, time.monotonic()
+                for packet in container.demux(stream):
+                    if self._stop.is_set():
+                        return
+                    self.count_bytes(packet.size)
+                    for frame in packet.decode():
+                        if frame.pts is None:
+                            continue
+                        t = float(frame.pts * stream.time_base)
+                        origin = t if origin is None else origin
+                        if self._stop.wait(max(0.0, started + (t - origin) - time.monotonic())):
+                            return
+                        self.session.push_frames(frame.to_ndarray(format="rgb24")[None], [t - origin])
+            self.session.end_of_stream()
+        except av.error.FFmpegError as exc:
+            if not self._stop.is_set():
+                self.on_error(VideoUnreadable(f"{self.url} could not be read: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - reported on the session's stream
+            if not self._stop.is_set() and not self.session.closed:
+                self.on_error(exc)
+
+
+__all__ = ["LiveCall", "SessionLimit", "UrlFeeder", "live_config", "live_refusal", "stats_message"]
