@@ -126,6 +126,7 @@ class TargetDeployment:
                 "videos": len(engine.prefix_cache) if engine.prefix_cache is not None else 0,
                 "requests": len(self.service.live), "threads": self.service.runner.active,
                 "live_sessions": len(self.service.live_sessions),
+                "engine_requests": engine.scheduler.num_running,     # live answers included
                 "last_released": self.service.last_released,        # time.monotonic(), same clock host-wide
                 "draft_failovers": getattr(proposer, "failovers", 0),
                 "draft_fallbacks": getattr(proposer, "fallbacks", 0), "draft_rebuilds": getattr(proposer, "rebuilds", 0),

@@ -6,7 +6,9 @@ What must hold: the answer through the proxy equals engine.generate token for to
 seeded sample too: the generator state travels with every draft call); 8 concurrent streams
 are all right; cancel and Abort free the target's state within a second; a second question
 on the same video skips prefill; bad input gets its code and the app keeps serving; killing
-the draft replica that serves a stream does not change the answer; nor does stopping Redis.
+the draft replica that serves a stream does not change the answer; nor does stopping Redis;
+a live session (one bidi stream, one replica) answers as the library does and a client that
+leaves frees it at once.
 """
 
 from __future__ import annotations
@@ -319,3 +321,51 @@ def test_second_question_reaches_the_replica_holding_the_prefill(app, two_target
         videos[stats["replica"]] = stats["videos"]
     assert reused >= 19, f"only {reused} of 20 second questions reused the prefill"
     assert len(videos) == 2 and all(n > 0 for n in videos.values()), videos   # new videos spread over both
+
+
+# ----- live sessions -----------------------------------------------------------------------------------------
+def test_a_live_session_through_ray_answers_as_the_library_and_is_freed(app, client, reference_engine):
+    """A bidi stream is one call to one replica: the session lives there; its answer equals
+    the library's on the same stream; a client that goes away frees it."""
+    from test_service_live import OPEN, QUESTION, GREEDY, Reader, answers, library_answer, prefilled, ts_bytes
+
+    from sparrow.live import LiveSession
+    from sparrow.services.live import live_config
+    from sparrow.services.servicer import ServiceConfig
+    from sparrow.tiny import synthetic_frames
+
+    data = ts_bytes(synthetic_frames(16, 84, 112, seed=8))
+    with client.live(stats_every_s=0.1, **OPEN) as live:
+        live.opened()
+        live.send_chunk(data)              # one message: each costs an actor call from replica to proxy
+        live.end()
+        reader = Reader(live)
+        reader.until(prefilled(4))
+        assert app.stats()["live_sessions"] == 1
+        live.ask(QUESTION, question_id="q1", **GREEDY)
+        live.close()
+        reader.rest()
+    (span, tokens, done), = answers(reader.seen, "q1")
+    assert done.completion.metrics.draft_tokens > 0               # drafted through the remote draft
+    assert reader.seen[-1].stats.final and done.completion.finish_reason == pb.FINISH_REASON_LENGTH
+    session = LiveSession(reference_engine, live_config(pb.LiveOpen(**OPEN), ServiceConfig(max_new_tokens=2000)))
+    session.feed(data)
+    session.end_of_stream()
+    session.wait_ingested()
+    assert library_answer(reference_engine, session) == (span, tokens)
+    session.close()
+    assert app.stats()["live_sessions"] == 0
+    with client.live(stats_every_s=0.1, **OPEN) as live:          # leaves mid-answer without closing: cancelled
+        live.opened()
+        live.send_chunk(data)
+        live.end()
+        reader = Reader(live)
+        reader.until(prefilled(4))
+        live.ask(QUESTION, max_new_tokens=1900, ignore_eos=True)
+        reader.until(lambda r: r.HasField("chunk"))
+    gone = time.monotonic()
+    while app.stats()["live_sessions"] or app.stats()["engine_requests"]:
+        # Closed at once, not drained (the answer alone would take seconds): Serve ends a
+        # cancelled stream like a half-closed one, and the service asks it which it was.
+        assert time.monotonic() - gone < 1.0, f"the cancelled session was not freed at once: {app.stats()}"
+        time.sleep(0.02)
