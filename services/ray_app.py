@@ -212,9 +212,10 @@ def build_app(settings: AppSettings):
     if settings.draft is not None and settings.draft_placement == "remote":
         draft = DraftDeployment.options(**settings.draft_deployment).bind(settings)
     # Serve queues generations past a replica's limit (rather than the service refusing
-    # them), leaving headroom for Abort, uploads and health checks.
+    # them), leaving headroom for Abort, uploads and health checks. A live session is one
+    # request for its whole life.
     # Questions about one video go to the replica holding its prefill (routing.py).
-    target = {"max_ongoing_requests": settings.service.max_concurrent + 16,
+    target = {"max_ongoing_requests": settings.service.max_concurrent + settings.service.max_live_sessions + 16,
               "request_router_config": RequestRouterConfig(request_router_class=VIDEO_ROUTER),
               **settings.target_deployment}
     return TargetDeployment.options(**target).bind(settings, draft)

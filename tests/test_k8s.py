@@ -307,6 +307,9 @@ def test_configmap_settings_build_the_application(directory, tmp_path):
     target = deployments(config)["TargetDeployment"]
     assert target["autoscaling_config"]["target_ongoing_requests"] <= settings.service.max_concurrent \
         < target["max_ongoing_requests"], "scale out before replicas refuse work; keep headroom for Abort/health"
+    # A live session is one ongoing request for its whole life: generations and live sessions
+    # at their limits together still leave headroom.
+    assert settings.service.max_concurrent + settings.service.max_live_sessions < target["max_ongoing_requests"]
 
     redis = one(docs, "Service", "sparrow-redis")
     assert re.fullmatch(rf"redis://{redis['metadata']['name']}:{redis['spec']['ports'][0]['port']}/\d+", settings.cache)
