@@ -22,6 +22,7 @@ failed on the way); one refused before it started gets a LiveEvent with its id i
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
@@ -29,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import av
@@ -135,6 +137,9 @@ class LiveCall:
         self._early: dict[str, list] = {}                        # their items that came before the range
         self._feeder: UrlFeeder | None = None
         self._bytes_lock = threading.Lock()
+        # The session's blocking calls (a push waits out a pair's prefill, a drain waits for
+        # ingest) run on threads of its own, so sessions never starve the loop's shared executor.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sparrow-live")
 
     # ----- the stream ----------------------------------------------------------------------------
     async def run(self, requests) -> AsyncIterator[pb.LiveResponse]:
@@ -202,11 +207,16 @@ class LiveCall:
             raise InvalidRequest("a live session's first message must be `open` (LiveOpen)")
         return first.open
 
+    async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await self.loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
     async def _close(self) -> None:
         if self._feeder is not None:
             self._feeder.stop()
         if self.session is not None:
+            # On a fresh thread: the session's own may be blocked, and close() releases them.
             await asyncio.to_thread(self.session.close)      # frees the KV now, aborts running answers
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ----- client messages -----------------------------------------------------------------------
     async def _read(self, requests) -> None:
@@ -217,7 +227,7 @@ class LiveCall:
                 self.out.put_nowait(asyncio.CancelledError())
                 return
             await self._drain()
-            stats = await asyncio.to_thread(lambda: self.session.stats)
+            stats = await self._run(lambda: self.session.stats)
             self.out.put_nowait(pb.LiveResponse(stats=stats_message(
                 stats, bytes_received=self.bytes_received, session_s=time.monotonic() - self.opened_at, final=True)))
             self.out.put_nowait(_END)
@@ -247,7 +257,7 @@ class LiveCall:
                 if not self.session.remove_standing(question_id):
                     raise InvalidRequest(f"no standing question {question_id!r}")
             elif kind == "end":
-                await asyncio.to_thread(self.session.end_of_stream)
+                await self._run(self.session.end_of_stream)
             elif kind == "open":
                 raise InvalidRequest("the session is open already: `open` comes once, first")
             else:
@@ -261,7 +271,7 @@ class LiveCall:
         if self._feeder is not None:
             raise InvalidRequest("this session reads its video from its URL: it takes no media")
         self._count_bytes(len(data))
-        await asyncio.to_thread(self.session.feed, data)   # VideoUnreadable: a chunk that is not MPEG-TS
+        await self._run(self.session.feed, data)   # VideoUnreadable: a chunk that is not MPEG-TS
 
     async def _frames(self, f: pb.RawFrames) -> None:
         if self._feeder is not None:
@@ -278,7 +288,7 @@ class LiveCall:
         if len(f.timestamps) != f.count:
             raise InvalidRequest(f"{len(f.timestamps)} timestamps for {f.count} frames")
         frames = np.frombuffer(f.rgb, dtype=np.uint8).reshape(f.count, f.height, f.width, 3)
-        await asyncio.to_thread(self.session.push_frames, frames, list(f.timestamps))
+        await self._run(self.session.push_frames, frames, list(f.timestamps))
 
     async def _ask(self, q: pb.LiveQuestion) -> None:
         question_id = q.question_id or self._fresh_id("q")
@@ -289,7 +299,7 @@ class LiveCall:
         self._asked[question_id], self._early[question_id] = None, []
         sink = lambda item: self._post(self._answer_item, question_id, item)   # noqa: E731 - engine threads
         try:
-            answer = await asyncio.to_thread(self.session.ask, q.text, sampling, question_id=question_id, sink=sink)
+            answer = await self._run(self.session.ask, q.text, sampling, question_id=question_id, sink=sink)
         except BaseException:
             del self._asked[question_id], self._early[question_id]
             raise
@@ -301,7 +311,7 @@ class LiveCall:
         question_id = q.question_id or self._fresh_id("s")
         self._check_question(question_id, q.text)
         sampling = self.service.sampling_params(q.sampling)
-        return await asyncio.to_thread(self.session.add_standing, q.text, q.every_s, sampling, question_id)
+        return await self._run(self.session.add_standing, q.text, q.every_s, sampling, question_id)
 
     def _check_question(self, question_id: str, text: str) -> None:
         if len(question_id) > MAX_ID_CHARS:
@@ -335,16 +345,16 @@ class LiveCall:
         session = self.session
         if self._feeder is not None:
             self._feeder.stop()
-            await asyncio.to_thread(self._feeder.join)
-        await asyncio.to_thread(session.end_of_stream)
-        await asyncio.to_thread(session.wait_ingested)
+            await self._run(self._feeder.join)
+        await self._run(session.end_of_stream)
+        await self._run(session.wait_ingested)
         # An ingest task already running when wait_ingested looked has left the session's
         # queue; the scheduler runs tasks in order, so once this one has run, that one has
         # finished too (and asked the standing questions it made due).
         await asyncio.wrap_future(self.service.engine.scheduler.call_soon(_nothing))
         # Read off the loop: the answers' last items, posted before the count dropped, are
         # then ahead of this coroutine on the loop.
-        while await asyncio.to_thread(lambda: session.running_answers):
+        while await self._run(lambda: session.running_answers):
             await asyncio.sleep(0.02)
         await asyncio.sleep(0)
 
@@ -354,7 +364,7 @@ class LiveCall:
         next_stats = time.monotonic() + stats_every if stats_every else math.inf
         while True:
             await asyncio.sleep(tick)
-            stats = await asyncio.to_thread(lambda: self.session.stats)
+            stats = await self._run(lambda: self.session.stats)
             if metrics is not None:
                 metrics.update(stats)
             now = time.monotonic()

@@ -277,7 +277,7 @@ def _calls(server):
     return read()
 
 
-def test_limits_answer_resource_exhausted(tiny_model_dirs):
+def test_limits_answer_resource_exhausted_and_a_deadline_ends_the_session(tiny_model_dirs):
     limits = dict(max_live_sessions=1, max_live_session_s=1.5, max_live_bytes=40_000, max_live_window_s=30.0)
     with make_server(*tiny_model_dirs, **limits) as tight, SparrowClient(tight.address) as client:
         with client.live() as first:
@@ -300,6 +300,12 @@ def test_limits_answer_resource_exhausted(tiny_model_dirs):
         with client.live(window_s=60) as live:
             assert code_of(live.opened) == grpc.StatusCode.RESOURCE_EXHAUSTED
         wait_released(tight)
+        with client.live(timeout=0.5) as live:              # the client's deadline comes first
+            live.opened()
+            with pytest.raises(grpc.RpcError) as info:
+                Reader(live).rest()
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_released(tight)
 
 
 @pytest.mark.parametrize("options, words", [
@@ -316,10 +322,19 @@ def test_bad_open_options_are_invalid_argument(server, client, options, words):
     wait_released(server)
 
 
-def test_first_message_not_open_url_off_the_allowlist_and_a_target_that_cannot_go_live(server, client, tmp_path):
+def test_first_message_not_open_undecodable_url_off_the_allowlist_and_a_target_that_cannot_go_live(server, client, tmp_path):
     stub = pb_grpc.SparrowStub(client.channel)
     ask = pb.LiveRequest(question=pb.LiveQuestion(text=QUESTION))
     assert code_of(lambda: list(stub.Live(iter([ask])))) == grpc.StatusCode.INVALID_ARGUMENT
+    # A message gRPC cannot parse: first, the stream is refused; later, an event and the session goes on.
+    raw = client.channel.stream_stream("/sparrow.v1.Sparrow/Live", request_serializer=None,
+                                       response_deserializer=pb.LiveResponse.FromString)
+    junk = b"\x0a\xff\xff\xff\x0f"
+    assert code_of(lambda: list(raw(iter([junk])))) == grpc.StatusCode.INVALID_ARGUMENT
+    opening = pb.LiveRequest(open=pb.LiveOpen(**OPEN)).SerializeToString()
+    responses = list(raw(iter([opening, junk])))
+    assert [r.WhichOneof("kind") for r in responses] == ["opened", "event", "stats"]
+    assert responses[1].event.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "decoded" in responses[1].event.message
     with client.live(url="http://example.com/cam.ts") as live:
         assert code_of(live.opened) == grpc.StatusCode.PERMISSION_DENIED
     assert client.model_info().live_sessions
