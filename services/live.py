@@ -156,7 +156,7 @@ class LiveCall:
         tasks: list[asyncio.Task] = []
         try:
             self.session = await asyncio.to_thread(LiveSession, engine, config, on_event=self._from_thread_event)
-            standing_ids = [await self._add_standing(q, at_open=True) for q in opening.standing]
+            standing_ids = [await self._add_standing(q) for q in opening.standing]
             metrics = self.new_metrics() if self.new_metrics else None
             yield pb.LiveResponse(opened=pb.LiveOpened(
                 session_id=self.session_id, fps=config.fps, window_s=config.window_s,
@@ -254,7 +254,7 @@ class LiveCall:
                 await self._add_standing(request.add_standing)
             elif kind == "remove_standing":
                 question_id = request.remove_standing.question_id
-                if not self.session.remove_standing(question_id):
+                if not await self._run(self.session.remove_standing, question_id):
                     raise InvalidRequest(f"no standing question {question_id!r}")
             elif kind == "end":
                 await self._run(self.session.end_of_stream)
@@ -307,7 +307,7 @@ class LiveCall:
         for item in self._early.pop(question_id):
             self._answer_item(question_id, item)
 
-    async def _add_standing(self, q: pb.StandingQuestion, at_open: bool = False) -> str:
+    async def _add_standing(self, q: pb.StandingQuestion) -> str:
         question_id = q.question_id or self._fresh_id("s")
         self._check_question(question_id, q.text)
         sampling = self.service.sampling_params(q.sampling)
