@@ -140,6 +140,7 @@ class LiveCall:
         # The session's blocking calls (a push waits out a pair's prefill, a drain waits for
         # ingest) run on threads of its own, so sessions never starve the loop's shared executor.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sparrow-live")
+        self.end_reason = "error"         # how the stream ended: ok, cancelled, or a status code (metrics)
 
     # ----- the stream ----------------------------------------------------------------------------
     async def run(self, requests) -> AsyncIterator[pb.LiveResponse]:
@@ -152,7 +153,7 @@ class LiveCall:
             raise InvalidRequest(f"stats_every_s must be 0 (only the final stats) or >= 0.1, got {stats_every}")
         url = self.service.policy.resolve(opening.url) if opening.url else None   # SourceNotAllowed: PERMISSION_DENIED
         self.service.admit_live(self)
-        metrics, reason = None, "error"
+        metrics, self.end_reason = None, "error"
         tasks: list[asyncio.Task] = []
         try:
             self.session = await asyncio.to_thread(LiveSession, engine, config, on_event=self._from_thread_event)
@@ -173,24 +174,30 @@ class LiveCall:
             while True:
                 item = await self.out.get()
                 if item is _END:
-                    reason = "ok"
+                    self.end_reason = "ok"
                     return
                 if isinstance(item, asyncio.CancelledError):
                     raise item
                 if isinstance(item, BaseException):
-                    reason = status_for(item)[0].name.lower()
+                    self.end_reason = status_for(item)[0].name.lower()
                     raise item
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
-            reason = "cancelled"
+            self.end_reason = "cancelled"
             raise
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.shield(self._close())
-            if metrics is not None:
-                metrics.end(reason)
-            self.service.release_live(self)
+            # Released when the session is closed, even if this task is cancelled again while
+            # it waits (gRPC may cancel a handler twice around a deadline).
+            closing = asyncio.ensure_future(self._close())
+            closing.add_done_callback(lambda _: self._released(metrics))
+            await asyncio.shield(closing)
+
+    def _released(self, metrics: LiveMetrics | None) -> None:
+        if metrics is not None:
+            metrics.end(self.end_reason)
+        self.service.release_live(self)
 
     async def _opening(self, requests) -> pb.LiveOpen:
         first = await anext(requests, None)      # read first: a request stream never read warns at exit
