@@ -428,8 +428,10 @@ def _live(args: argparse.Namespace) -> int:
                         if stop.wait(max(0.0, start + at - time.monotonic())):
                             return
                         live.ask(text, question_id=f"q{i + 1}", **sampling)
-                    if args.duration is None or stop.wait(max(0.0, start + args.duration - time.monotonic())):
-                        stop.wait()       # the URL plays until Ctrl-C
+                    if args.duration is None:
+                        stop.wait()       # the URL plays until Ctrl-C (or the session ends)
+                    else:
+                        stop.wait(max(0.0, start + args.duration - time.monotonic()))
                 else:
                     asker.start()
                     played, left = play(args.source, live.send_chunk, speed=args.speed, duration_s=args.duration,

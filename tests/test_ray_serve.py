@@ -324,7 +324,7 @@ def test_second_question_reaches_the_replica_holding_the_prefill(app, two_target
 
 
 # ----- live sessions -----------------------------------------------------------------------------------------
-def test_a_live_session_through_ray_answers_as_the_library_and_is_freed(app, client, reference_engine):
+def test_a_live_session_through_ray_answers_as_the_library_and_is_freed(app, reference_engine):
     """A bidi stream is one call to one replica: the session lives there; its answer equals
     the library's on the same stream; a client that goes away frees it."""
     from test_service_live import OPEN, QUESTION, GREEDY, Reader, answers, library_answer, prefilled, ts_bytes
@@ -335,6 +335,7 @@ def test_a_live_session_through_ray_answers_as_the_library_and_is_freed(app, cli
     from sparrow.tiny import synthetic_frames
 
     data = ts_bytes(synthetic_frames(16, 84, 112, seed=8))
+    client = SparrowClient(app.address, metadata=(("application", "sparrow"),))     # another app may run beside it
     with client.live(stats_every_s=0.1, **OPEN) as live:
         live.opened()
         live.send_chunk(data)              # one message: each costs an actor call from replica to proxy
@@ -369,3 +370,4 @@ def test_a_live_session_through_ray_answers_as_the_library_and_is_freed(app, cli
         # cancelled stream like a half-closed one, and the service asks it which it was.
         assert time.monotonic() - gone < 1.0, f"the cancelled session was not freed at once: {app.stats()}"
         time.sleep(0.02)
+    client.close()
