@@ -170,6 +170,16 @@ def test_now_is_the_last_sampled_frame_and_the_window_is_its_changes():
             assert a == "no"
 
 
+def test_the_caption_tells_the_clip_from_its_first_frame_to_now():
+    from sparrow.training.live_world import Clip, live_caption
+
+    red, blue, green = View("circle", "red", 1), View("circle", "blue", 1), View("rectangle", "green", 2)
+    clip = Clip(tuple(range(8)), (red, red, blue, blue, None, None, green, green))
+    assert live_caption(clip) == ("a red circle is in view . the circle turns blue . the blue circle leaves . "
+                                  "a green rectangle appears . now a green rectangle is in view .")
+    assert live_caption(Clip((0, 1), (None, None))) == "nothing is in view . now nothing is in view ."
+
+
 def test_live_tokenizer_knows_every_question_and_keeps_the_world_vocabulary():
     from sparrow.training.live_world import LIVE_QUESTIONS, live_tokenizer
     from sparrow.training.world import world_tokenizer
@@ -177,7 +187,11 @@ def test_live_tokenizer_knows_every_question_and_keeps_the_world_vocabulary():
     tok, world = live_tokenizer(), world_tokenizer()
     assert set(world.get_vocab()) < set(tok.get_vocab())
     unk = tok.convert_tokens_to_ids("<unk>")
-    for qs in LIVE_QUESTIONS.values():
+    from sparrow.training.live_world import LIVE_CAPTION_PROMPTS, Clip, live_caption
+
+    stream = LiveStream(seed=3)
+    story = live_caption(Clip.of(stream, stream.session_frames(0, 60)))
+    for qs in (*LIVE_QUESTIONS.values(), LIVE_CAPTION_PROMPTS, (story,)):
         for q in qs:
             text = q.format(c="magenta") + " red circle nothing none yes no"
             ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -241,6 +255,26 @@ def test_a_pooled_clip_is_the_clip_through_the_tower():
     assert len({v.embeds.shape[0] for v, _ in batch}) == 1 and batch[0][0].embeds.shape[0] <= 6 * 9
     with torch.no_grad():
         assert torch.isfinite(data.loss(target, stages[1], 1, True, random.Random(0)))
+
+
+def test_train_live_target_command_trains_saves_and_reports(tmp_path, capsys):
+    from sparrow.models import TargetModel
+    from sparrow.services.cli import main
+
+    out = tmp_path / "live"
+    code = main(["world", "train-live-target", "--out", str(out), "--steps", "2", "--stages", "present_now@1:1",
+                 "--layers", "1", "--batch", "2", "--pool", "2", "--stream-s", "40", "--pairs", "1,3",
+                 "--eval-every", "0", "--final-eval-streams", "1", "--final-eval-pairs", "2,3"])
+    assert code == 1                                         # two steps answer nothing right
+    report = json.loads((out / "live_target.json").read_text())
+    assert report["config"]["temporal_positions"] is None and report["config"]["stages"] == ["present_now@1:1"]
+    assert report["accuracy"]["clips"] == 2 and set(report["accuracy"]["per_pairs"]) == {"2", "3"}
+    target = TargetModel.from_pretrained(out)
+    assert target.processor.temporal_positions is None
+    with pytest.raises(SystemExit):
+        main(["world", "train-live-target", "--help"])
+    text = capsys.readouterr().out
+    assert "--pairs" in text and "--ramp-steps" in text and "--frames" not in text   # the world's video options are not offered
 
 
 # ----- the committed live target ---------------------------------------------------------------------

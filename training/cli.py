@@ -4,6 +4,7 @@
     sparrow world make-data    --out DIR [--videos N]          synthetic videos + JSONL manifest
     sparrow world train-target --out DIR [--steps N]           tiny Qwen2.5-VL from scratch
     sparrow world tune-target  --target DIR --out DIR          its later stages (presence, direction)
+    sparrow world train-live-target --out DIR                  a target for live streams (real time, "now")
     sparrow world train-draft  --target DIR --out DIR          the train-draft path on world data
     sparrow world eval         --target DIR [--draft DIR]      accuracy by video length, held-out tau
     sparrow world demo         [--seed N]                      the committed pair on a fresh video
@@ -103,6 +104,18 @@ def _cmd_world_train_target(args: argparse.Namespace) -> int:
     return 0 if report["accuracy"]["accuracy"] >= 0.9 else 1
 
 
+def _cmd_world_train_live_target(args: argparse.Namespace) -> int:
+    from .live_target import LiveTargetConfig, train_live_target_cli
+    from .live_world import STANDING_KINDS
+
+    c = _config(LiveTargetConfig, args)
+    report = train_live_target_cli(c, args.out, eval_streams=args.final_eval_streams, eval_pairs=args.final_eval_pairs,
+                                   init=args.target, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps({k: v for k, v in report.items() if k != "heldout_during_training"}, indent=2))
+    per_kind = report["accuracy"]["per_kind"]
+    return 0 if all(per_kind.get(k, 0.0) >= 0.9 for k in STANDING_KINDS if k in c.kinds) else 1
+
+
 def _cmd_world_train_draft(args: argparse.Namespace) -> int:
     from .world_data import world_draft_config, make_world_data
 
@@ -173,6 +186,7 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     from sparrow.progress import verbose_option
 
     from .config import TRAIN_HELP, TrainConfig
+    from .live_target import LIVE_TARGET_HELP, LIVE_UNUSED, LiveTargetConfig
     from .world_target import TUNE, WORLD_TARGET_HELP, WorldTargetConfig
 
     parents = [common if common is not None else verbose_option()]
@@ -210,6 +224,18 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--final-eval-videos", type=int, default=40, help="fresh short videos for the final accuracy")
     _add_config_options(p, WorldTargetConfig, WORLD_TARGET_HELP, preset=TUNE)
     p.set_defaults(func=_cmd_world_train_target)
+
+    p = wsub.add_parser("train-live-target", parents=parents,
+                        help="train a tiny Qwen2.5-VL on the live world: real-time positions, questions about now")
+    p.add_argument("--out", required=True, help="where the target goes (save_pretrained form, with live_target.json)")
+    p.add_argument("--target", help="a live target to continue from (default: a fresh one)")
+    p.add_argument("--final-eval-streams", type=int, default=40,
+                   help="held-out streams for the final accuracy (one clip of each --final-eval-pairs length)")
+    p.add_argument("--final-eval-pairs", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1, 4, 8, 16, 24, 32),
+                   help="clip lengths in frame pairs (seconds) of the final accuracy, comma-separated "
+                        "(default 1,4,8,16,24,32)")
+    _add_config_options(p, LiveTargetConfig, LIVE_TARGET_HELP, skip=LIVE_UNUSED)
+    p.set_defaults(func=_cmd_world_train_live_target)
 
     p = wsub.add_parser("train-draft", parents=parents, help="train the world draft through the train-draft path")
     p.add_argument("--target", required=True, help="the world target the draft is for")

@@ -36,7 +36,8 @@ from sparrow.prefix_cache import PrefixCache
 from sparrow.video import VideoOptions, load_frames
 from sparrow.video.live_world import LiveStream
 
-from .live_world import LIVE_KINDS, STANDING_KINDS, Clip, clip_frames, live_questions, live_tokenizer
+from .live_world import (LIVE_CAPTION_PROMPTS, LIVE_KINDS, STANDING_KINDS, Clip, clip_frames, live_caption,
+                         live_questions, live_tokenizer)
 from .world_target import (EVAL_SEED, WORLD_TARGET_HELP, PooledVideo, Stage, WorldTargetConfig, lm_parameters,
                            new_world_target, pooled_loss, train_world_target)
 
@@ -48,6 +49,7 @@ class LiveTargetConfig(WorldTargetConfig):
     temporal_positions: int | None = None      # real time: a stream cannot be a fraction of itself
     mrope_section: tuple[int, ...] = (8, 4, 4)
     kinds: tuple[str, ...] = LIVE_KINDS
+    caption_prob: float = 0.3                  # share of chats that ask for the clip's story (live_caption)
     steps: int = 3000
     batch: int = 12
     stages: tuple[str, ...] = ("present_now@1:600", "mix:600")
@@ -55,6 +57,9 @@ class LiveTargetConfig(WorldTargetConfig):
     pool: int = 160                            # pooled stream stretches
     stream_s: int = 120                        # seconds of each (a frame pair a second at 2 fps)
     pairs: tuple[int, ...] = (1, 32)           # clip lengths in frame pairs (= seconds at 2 fps), min and max
+    # Curriculum: the longest clip grows from pairs[0] to pairs[1] over the first ramp_steps
+    # steps (a step's length is drawn uniformly up to it).
+    ramp_steps: int = 0
     short_tokens: int = 8 * 9                  # a ":short" stage's clips: at most 8 pairs of 3x3 tokens
     eval_every: int = 500
     eval_videos: int = 8                       # held-out streams per periodic check (3 clip lengths each)
@@ -63,20 +68,23 @@ class LiveTargetConfig(WorldTargetConfig):
 
 
 # Fields of WorldTargetConfig that the live world does not read (not offered on its command line).
-LIVE_UNUSED = ("frames", "sizes", "long_frames", "long_prob", "max_turns", "caption_prob", "warm_steps", "warm_kinds",
-               "short_only_kinds", "stage_caption_prob", "length_batches", "loss_weighting")
+LIVE_UNUSED = ("frames", "sizes", "long_frames", "long_prob", "max_turns", "warm_steps", "warm_kinds",
+               "short_only_kinds", "length_batches", "loss_weighting")
 
 LIVE_TARGET_HELP = {
     **WORLD_TARGET_HELP,
-    "temporal_positions": "temporal rope positions every clip spans (none: real time, as a live stream needs)",
+    "temporal_positions": "temporal rope positions every clip spans (unset: real time, as a live stream needs)",
     "kinds": f"question kinds trained on, comma-separated, among {','.join(LIVE_KINDS)} (repeat one to weigh it more)",
     "stages": "later stages, comma-separated KINDS@SHARE:STEPS[:short] or mix:STEPS items (:short: clips of at "
               "most short_tokens visual tokens)",
     "short_tokens": "most visual tokens of a :short stage's clips (9 a frame pair)",
+    "caption_prob": "share of chats (focus steps aside) that ask for the clip's story, first frame to now",
+    "stage_caption_prob": "caption share of the later stages' mixed steps (default: caption_prob)",
     "eval_videos": "held-out streams per periodic accuracy check (clips of 4, 16 and 32 pairs each)",
     "pool": "stream stretches encoded once (their clips are drawn with fresh questions)",
     "stream_s": "seconds of each pooled stretch (one frame pair a second)",
     "pairs": "shortest and longest training clip, in frame pairs (seconds), comma-separated",
+    "ramp_steps": "steps over which the longest training clip grows from the shortest to the longest (0: no ramp)",
 }
 
 
@@ -157,9 +165,12 @@ class LiveData:
     def prepare(self, target: TargetModel, stages: list[Stage], log: Callable[[str], None]) -> None:
         self.pool = stream_pool(target, self.c, log)
 
-    def clips(self, rng: random.Random, short: bool = False) -> list[tuple[PooledVideo, Clip]]:
+    def clips(self, rng: random.Random, short: bool = False, step: int | None = None) -> list[tuple[PooledVideo, Clip]]:
+        """A batch of clips of one length (uniform up to the longest the step allows)."""
         c = self.c
         longest = c.pairs[1]
+        if step is not None and step < c.ramp_steps:
+            longest = c.pairs[0] + (c.pairs[1] - c.pairs[0]) * step // c.ramp_steps
         if short:
             longest = max(c.pairs[0], min(longest, c.short_tokens // self.pool[0].per_pair))
         pairs = rng.randint(c.pairs[0], longest)
@@ -170,9 +181,13 @@ class LiveData:
         return out
 
     def loss(self, target: TargetModel, stage: Stage, step: int, focus: bool, rng: random.Random) -> torch.Tensor:
-        batch = self.clips(rng, short=focus and stage.short)
-        kinds = stage.kinds if focus else self.c.kinds
-        chats = [[_one_question(clip, rng, kinds)] for _, clip in batch]
+        batch = self.clips(rng, short=focus and stage.short, step=step)
+        c = self.c
+        kinds = stage.kinds if focus else c.kinds
+        captions = 0.0 if focus else c.caption_prob if stage.start == 0 or c.stage_caption_prob is None \
+            else c.stage_caption_prob
+        chats = [[(rng.choice(LIVE_CAPTION_PROMPTS), live_caption(clip)) if rng.random() < captions
+                  else _one_question(clip, rng, kinds)] for _, clip in batch]
         return pooled_loss(target, [v for v, _ in batch], chats, self.c.loss_weighting)
 
     def heldout(self, target: TargetModel) -> dict:

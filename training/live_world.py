@@ -37,6 +37,9 @@ LIVE_QUESTIONS = {
 LIVE_KINDS = tuple(LIVE_QUESTIONS)
 STANDING_KINDS = ("colour_now", "what_now", "present_now")
 NOTHING, NONE = "nothing", "none"
+# The clip's story, first frame to now (see live_caption): many answer tokens a clip, which is
+# what taught the world target to read colours (one-word answers alone did not, in either world).
+LIVE_CAPTION_PROMPTS = ("what happens ?", "describe the clip .", "tell me what happens .")
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,26 @@ class Clip:
         return {v.color for v in self.views if v is not None}
 
 
+def live_caption(clip: Clip) -> str:
+    """What the clip's sampled frames show, in order: what is in view in the first frame, each
+    change between consecutive frames, and what is in view now:
+    "a red circle is in view . the circle turns blue . the blue circle leaves . a green
+    rectangle appears . now a green rectangle is in view ." """
+    def in_view(v: View | None) -> str:
+        return f"a {v.text} is in view ." if v else "nothing is in view ."
+
+    parts = [in_view(clip.views[0])]
+    for a, b in clip._changes():
+        if a is not None and (b is None or b.episode != a.episode):
+            parts.append(f"the {a.text} leaves .")
+        if b is not None and (a is None or a.episode != b.episode):
+            parts.append(f"a {b.text} appears .")
+        elif a is not None and b is not None and a.color != b.color:
+            parts.append(f"the {b.shape} turns {b.color} .")
+    parts.append("now " + in_view(clip.now))
+    return " ".join(parts)
+
+
 def answer(kind: str, clip: Clip) -> str:
     now = clip.now
     if kind == "colour_now":
@@ -125,8 +148,8 @@ def _presence(clip: Clip, rng: random.Random) -> list[tuple[str, str, str]]:
 
 
 def live_words() -> list[str]:
-    words = {NOTHING, NONE, "yes", "no"}
-    for texts in LIVE_QUESTIONS.values():
+    words = {NOTHING, NONE, "yes", "no", "leaves", "is", "in", "view", "now", "appears", "turns"}
+    for texts in (*LIVE_QUESTIONS.values(), LIVE_CAPTION_PROMPTS):
         for text in texts:
             words |= set(text.replace("{c}", "").split())
     return sorted(words)
