@@ -288,14 +288,16 @@ class LiveSession:
             decoder.drain(timeout)
         while True:
             with self._lock:
-                futures = [f for _, f in self._waiting]
+                futures = [f for _, f in self._waiting if not f.done()]
             if not futures:
                 return
             for f in futures:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
                 try:
                     f.result(timeout=left)
-                except Exception:  # noqa: BLE001 - reported through events; here only the waiting ends
+                except Exception:  # noqa: BLE001 - reported through events, or a timeout: checked above
                     pass
 
     # ----- questions ---------------------------------------------------------------------------------
@@ -468,12 +470,16 @@ class LiveSession:
         """More than max_lag_s of pairs waiting: cancel the oldest not yet started. Lock held."""
         limit = max(1, int(self.config.max_lag_s / self.config.pair_s))
         dropped = 0
-        while len(self._waiting) > limit:
-            pair, future = self._waiting[0]
-            if not future.cancel():
-                break
-            self._waiting.popleft()
-            dropped += 2
+        over = len(self._waiting) - limit
+        if over > 0:
+            kept: deque = deque()
+            for pair, future in self._waiting:       # the oldest first; one already running stays
+                if over > 0 and future.cancel():
+                    over -= 1
+                    dropped += 2
+                else:
+                    kept.append((pair, future))
+            self._waiting = kept
         if dropped:
             self._counts["dropped"] += dropped
             self._emit(LiveEvent("dropped", dropped=dropped))
@@ -516,6 +522,8 @@ class LiveSession:
                 return
             if self._waiting and self._waiting[0][0] is pair:
                 self._waiting.popleft()
+            else:
+                self._waiting = deque(entry for entry in self._waiting if entry[0] is not pair)
             t0 = time.perf_counter()
             try:
                 self._evict()                 # room for this pair first: the cache never grows
@@ -698,7 +706,7 @@ class LiveDecoder:
     `on_frames`; a decode failure goes to `on_error` and ends this media."""
 
     def __init__(self, on_frames: Callable[[np.ndarray, np.ndarray], None],
-                 on_error: Callable[[BaseException], None], offset: float = 0.0, batch: int = 4):
+                 on_error: Callable[[BaseException], None], offset: float = 0.0, batch: int = 1):
         self._pipe = _Pipe()
         self._on_frames, self._on_error = on_frames, on_error
         self._offset, self._batch = offset, batch
@@ -743,7 +751,7 @@ class LiveDecoder:
         frames, times = [], []
         origin = None
         try:
-            with av.open(self._pipe, mode="r", options={"probesize": "65536", "analyzeduration": "0"}) as container:
+            with av.open(self._pipe, mode="r", options={"probesize": "4096", "analyzeduration": "0"}) as container:
                 if not container.streams.video:
                     raise VideoUnreadable("the live media has no video stream")
                 stream = container.streams.video[0]
@@ -762,8 +770,14 @@ class LiveDecoder:
                     with self._progress:
                         self._progress.notify_all()
             self._flush(frames, times)
+        except _SinkError as exc:             # the session refused the frames: its own error, as is
+            if not self._aborted:
+                self._on_error(exc.error)
         except (av.error.FFmpegError, VideoUnreadable, ValueError) as exc:
-            self._flush(frames, times)
+            try:
+                self._flush(frames, times)
+            except _SinkError:
+                pass
             if not self._aborted:
                 error = exc if isinstance(exc, VideoUnreadable) else VideoUnreadable(
                     f"the live media could not be decoded: {exc}")
@@ -778,9 +792,19 @@ class LiveDecoder:
 
     def _flush(self, frames: list, times: list) -> None:
         if frames:
-            self._on_frames(np.stack(frames), np.array(times))
+            batch, stamps = np.stack(frames), np.array(times)
             frames.clear()
             times.clear()
+            try:
+                self._on_frames(batch, stamps)
+            except Exception as exc:  # noqa: BLE001 - told apart from a decode failure above
+                raise _SinkError(exc) from exc
+
+
+class _SinkError(Exception):
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 __all__ = ["LiveConfig", "LiveSession", "LiveAnswer", "LiveEvent", "LiveStats", "LiveDecoder"]
