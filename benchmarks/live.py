@@ -149,12 +149,16 @@ def _truth(kind: str, view, colour: str) -> str:
 
 
 def standing_accuracy(engine: Engine, seed: int, seconds: float, window_s: float, every_s: float,
-                      colours: tuple[str, ...] = ("red", "blue")) -> list[dict]:
+                      colours: tuple[str, ...] = ("red", "blue"), one_shot: bool = False,
+                      evict_mode: str = "shift") -> list[dict]:
     """One live-world stream played into a session (as fast as it ingests) with the standing
     questions asked every `every_s` seconds of stream; each answer checked against what is in
     view in the session's newest sampled frame. The window (window_s) is evicted and
     re-positioned as the stream goes on, so most answers come after eviction.
-    Returns one row per answer: kind, end_s, answer, truth, evicted (pairs gone by then)."""
+    Returns one row per answer: kind, end_s, answer, truth, evicted (pairs gone by then);
+    with one_shot, also the answer to the same question about the same window's frames
+    prefilled at once as a fresh request ("one_shot"): what eviction's approximation (kept
+    pairs prefilled beside evicted ones) is measured against."""
     import threading
 
     from sparrow.video.live_world import LiveStream
@@ -167,9 +171,10 @@ def standing_accuracy(engine: Engine, seed: int, seconds: float, window_s: float
             with lock:
                 done.append(event)
 
-    session = LiveSession(engine, LiveConfig(fps=FPS, window_s=window_s, max_lag_s=1e9,
+    session = LiveSession(engine, LiveConfig(fps=FPS, window_s=window_s, max_lag_s=1e9, evict_mode=evict_mode,
                                              options=VideoOptions(min_pixels=28 * 28)), on_event=on_event)
     asked = {}
+    t_ingest = 0.0
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
     for kind, question in STANDING.items():
         for colour in (colours if "{c}" in question else ("",)):
@@ -179,8 +184,11 @@ def standing_accuracy(engine: Engine, seed: int, seconds: float, window_s: float
     evicted_at = []
     for second in range(int(seconds)):
         first = second * per_push
-        session.push_frames(stream.frames(first, first + per_push), stream.times(first, first + per_push))
+        frames, times = stream.frames(first, first + per_push), stream.times(first, first + per_push)
+        t0 = time.perf_counter()
+        session.push_frames(frames, times)
         session.wait_ingested()
+        t_ingest += time.perf_counter() - t0
         evicted_at.append((session.stats.window_end_s, session.stats.pairs_evicted))
     want = len(asked) * int(seconds // every_s)
     deadline = time.monotonic() + 120
@@ -190,6 +198,8 @@ def standing_accuracy(engine: Engine, seed: int, seconds: float, window_s: float
                 break
         time.sleep(0.05)
     session.close()
+    questions = {qid: STANDING[kind].format(c=colour) for qid, (kind, colour) in asked.items()}
+    options = VideoOptions(min_pixels=28 * 28)
     rows = []
     for event in done:
         kind, colour = asked[event.question_id]
@@ -199,25 +209,40 @@ def standing_accuracy(engine: Engine, seed: int, seconds: float, window_s: float
         last_frame = stream.frame_at(event.end_s - 1.0 / FPS)        # the newest sampled frame
         truth = _truth(kind, stream.view(last_frame), colour)
         evicted = max((n for end, n in evicted_at if end <= event.end_s + 1e-9), default=0)
-        rows.append(dict(kind=kind, end_s=event.end_s, answer=event.output.text.strip(), truth=truth, evicted=evicted))
+        row = dict(kind=kind, end_s=event.end_s, answer=event.output.text.strip(), truth=truth, evicted=evicted,
+                   mode=evict_mode, ingest_rtf=seconds / t_ingest)
+        if one_shot:
+            times = np.arange(event.start_s, event.end_s - 1e-9, 1.0 / FPS)       # the window's sampled frames
+            frames = np.stack([stream.frame(stream.frame_at(t)) for t in times])
+            clip = Frames(frames, times - times[0], FPS, options)
+            row["one_shot"] = engine.generate(clip, questions[event.question_id], greedy, options).text.strip()
+        rows.append(row)
     return rows
 
 
 def _accuracy_table(rows: list[dict], args) -> str:
-    def acc(sel: list[dict]) -> str:
-        return f"{sum(r['answer'] == r['truth'] for r in sel) / len(sel):.3f} ({len(sel)})" if sel else "-"
+    def acc(sel: list[dict], key: str = "truth") -> str:
+        return f"{sum(r['answer'] == r[key] for r in sel) / len(sel):.3f} ({len(sel)})" if sel else "-"
 
     lines = []
-    for kind in [*STANDING, "all"]:
-        sel = [r for r in rows if kind in ("all", r["kind"])]
-        yes = [r for r in sel if r["truth"] == "yes"]
-        lines.append(f"| {kind} | {acc(sel)} | {acc([r for r in sel if r['evicted'] == 0])} | "
-                     f"{acc([r for r in sel if r['evicted'] > 0])} | {acc(yes) if kind == 'present_now' else ''} |")
-    return (f"\nStanding questions on the live world ({args.accuracy_streams} streams of {args.accuracy_seconds:.0f} s, "
-            f"seeds {args.seed + 200}+, window {args.accuracy_window:.0f} s, every {args.every:.0f} s of stream; "
-            f"presence asks about red and blue; truth: what is in view in the session's newest sampled frame). "
-            f"Accuracy (answers):\n\n| question | all | before any eviction | after eviction | "
-            f"presence, truth yes |\n|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+    for mode in ("shift", "refresh"):
+        for kind in [*STANDING, "all"]:
+            sel = [r for r in rows if r["mode"] == mode and kind in ("all", r["kind"])]
+            before = [r for r in sel if r["evicted"] == 0]
+            after = [r for r in sel if r["evicted"] > 0]
+            rtf = sorted({r["ingest_rtf"] for r in sel})
+            lines.append(f"| {mode} | {kind} | {acc(sel)} | {acc(before)} | {acc(after)} | {acc(after, 'one_shot')} | "
+                         f"{acc([r for r in after if r['truth'] == 'yes']) if kind == 'present_now' else ''} | "
+                         f"{statistics.median(rtf):.0f} |")
+    return (f"\nStanding questions on the live world ({args.accuracy_streams} streams of {args.accuracy_seconds:.0f} s "
+            f"per eviction mode, seeds {args.seed + 200}+, window {args.accuracy_window:.0f} s evicted in steps of "
+            f"{args.accuracy_window / 8:g} s, every {args.every:.0f} s of stream; presence asks about red and blue; "
+            f"truth: what is in view in the session's newest sampled frame). Accuracy (answers); 'same as one-shot': "
+            f"the answer equals the one to the same question about the same window's frames prefilled at once "
+            f"(what eviction approximates); ingest: stream seconds per wall second, answers running beside it:\n\n"
+            f"| eviction | question | all | before any eviction | after eviction | after eviction: same as one-shot | "
+            f"presence after eviction, truth yes | ingest x real time |\n|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(lines) + "\n")
 
 
 def _mmm(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
@@ -260,9 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     ts = [ts_rtf(engine, args.seed + 100 + r, args.ts_seconds) for r in range(min(args.reps, 3))]
     accuracy = ""
     if args.accuracy_streams > 0 and args.size == 84:
-        rows_acc = [row for r in range(args.accuracy_streams)
+        rows_acc = [row for mode in ("shift", "refresh") for r in range(args.accuracy_streams)
                     for row in standing_accuracy(engine, args.seed + 200 + r, args.accuracy_seconds,
-                                                 args.accuracy_window, args.every)]
+                                                 args.accuracy_window, args.every, one_shot=True, evict_mode=mode)]
         accuracy = _accuracy_table(rows_acc, args)
         print(accuracy)
     load_after = os.getloadavg()

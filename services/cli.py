@@ -402,6 +402,7 @@ def _live(args: argparse.Namespace) -> int:
     printer = _LivePrinter(json_lines=args.json, stats=args.stats_every is not None)
     with SparrowClient(args.server, metadata=metadata) as client:
         live = client.live(fps=args.fps, window_s=args.window, evict_s=args.evict, max_lag_s=args.max_lag,
+                           evict_mode=args.evict_mode,
                            min_pixels=args.min_pixels, max_pixels=args.max_pixels, url=url, timeout=args.timeout,
                            stats_every_s=stats_every, standing_sampling=sampling,
                            standing=[(f"s{i + 1}", text, every) for i, (every, text) in enumerate(standing)])
@@ -602,6 +603,9 @@ def _add_live(sub, common) -> None:
     p.add_argument("--fps", type=float, help="frames sampled per second of stream (default: the server's, 2)")
     p.add_argument("--evict", type=float, help="the oldest frames leave the window in steps of this many seconds "
                                                "(default: window / 8)")
+    p.add_argument("--evict-mode", choices=("shift", "refresh"), default="",
+                   help="shift: evicted frames leave and the kept ones are re-positioned (default); "
+                        "refresh: the kept frames are prefilled again after each eviction step (exact, costlier)")
     p.add_argument("--max-lag", type=float, help="seconds ingest may fall behind before frames are dropped "
                                                  "(default: the server's, 10)")
     p.add_argument("--min-pixels", type=int, help="smallest frame size in pixels the model sees")

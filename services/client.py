@@ -136,15 +136,17 @@ class SparrowClient:
     def live(self, *, fps: float | None = None, window_s: float | None = None, evict_s: float | None = None,
              max_lag_s: float | None = None, min_pixels: int | None = None, max_pixels: int | None = None,
              standing: Sequence[tuple[str, str, float]] = (), stats_every_s: float | None = None,
-             url: str = "", timeout: float | None = None, standing_sampling: dict | None = None) -> "LiveStream":
+             url: str = "", timeout: float | None = None, standing_sampling: dict | None = None,
+             evict_mode: str = "") -> "LiveStream":
         """Open a live session (the Live RPC). None: the server's default. standing: questions
         asked every N seconds of stream, as (question_id, text, every_s); url: the server
-        reads the video itself (under its URL allowlists) instead of the client sending it.
+        reads the video itself (under its URL allowlists) instead of the client sending it;
+        evict_mode: "shift" (default) or "refresh" (sparrow.live.LiveConfig).
         Use as a context manager: leaving the block before the server has ended the stream
         cancels it (the server frees the session at once)."""
         given = dict(fps=fps, window_s=window_s, evict_s=evict_s, max_lag_s=max_lag_s, min_pixels=min_pixels,
                      max_pixels=max_pixels, stats_every_s=stats_every_s)
-        opening = pb.LiveOpen(**{k: v for k, v in given.items() if v is not None}, url=url, standing=[
+        opening = pb.LiveOpen(**{k: v for k, v in given.items() if v is not None}, url=url, evict_mode=evict_mode, standing=[
             pb.StandingQuestion(question_id=qid, text=text, every_s=every_s,
                                 sampling=pb.SamplingParams(**(standing_sampling or {})))
             for qid, text, every_s in standing])

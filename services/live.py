@@ -89,12 +89,14 @@ def live_config(opening: pb.LiveOpen, cfg: ServiceConfig) -> LiveConfig:
     window_s = given.get("window_s", defaults.window_s)
     if isinstance(window_s, float) and math.isfinite(window_s) and window_s > cfg.max_live_window_s:
         raise ResourceExhausted(f"window_s {window_s:g} is over the limit of {cfg.max_live_window_s:g} s")
-    probe = LiveConfig(**given)                      # InvalidRequest for a bad number
+    probe = LiveConfig(**given, evict_mode=opening.evict_mode or "shift")   # InvalidRequest for a bad value
     share = cfg.max_visual_tokens // probe.window_pairs
     if share < 1:
         raise ResourceExhausted(f"a window of {probe.window_pairs} frame pairs ({window_s:g} s at {probe.fps:g} fps) "
                                 f"cannot fit the {cfg.max_visual_tokens} visual tokens a session may hold; "
                                 "use a shorter window or a lower fps")
+    if opening.evict_mode:
+        given["evict_mode"] = opening.evict_mode
     pixels = {name: getattr(opening, name) for name in ("min_pixels", "max_pixels") if opening.HasField(name)}
     options = VideoOptions(**pixels, max_visual_tokens=share, max_frame_pixels=cfg.max_frame_pixels)
     return LiveConfig(**given, options=options)

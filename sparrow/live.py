@@ -69,6 +69,11 @@ class LiveConfig:
                     each step moves the kept cache entries once and re-prefills the short
                     text before the video
     max_lag_s       ingest more than this far behind the newest frame drops the oldest waiting pairs
+    evict_mode      "shift": evicted pairs leave the cache, the kept ones stay as prefilled and the
+                    window is re-positioned (cheap; kept pairs' deeper layers saw evicted ones);
+                    "refresh": the kept pairs are prefilled again from their visual tokens (kept
+                    for it) after each eviction step: exactly a one-shot clip of the window, at a
+                    window prefill per evict_s (BENCHMARKS.md "Live sessions" measures both)
     options         pixel bounds of a frame (min/max_pixels); the frame size is fixed by the first frame
     """
 
@@ -76,6 +81,7 @@ class LiveConfig:
     window_s: float = 30.0
     evict_s: float | None = None
     max_lag_s: float = 10.0
+    evict_mode: str = "shift"
     options: VideoOptions = field(default_factory=VideoOptions)
 
     def __post_init__(self) -> None:
@@ -85,6 +91,8 @@ class LiveConfig:
                 raise InvalidRequest(f"{name} must be a number > 0, got {value!r}")
         if self.evict_s is not None and not (math.isfinite(self.evict_s) and self.evict_s > 0):
             raise InvalidRequest(f"evict_s must be > 0, got {self.evict_s!r}")
+        if self.evict_mode not in ("shift", "refresh"):
+            raise InvalidRequest(f"evict_mode must be 'shift' or 'refresh', got {self.evict_mode!r}")
         if self.window_pairs < 1:
             raise InvalidRequest(f"a window of {self.window_s} s at {self.fps} fps holds no frame pair")
 
@@ -110,6 +118,7 @@ class _Pair:
     frames: np.ndarray | None        # uint8 [2, H, W, 3] until prefilled
     bridge: torch.Tensor | None = None        # (tpp, H) bridge-layer states
     visual_features: torch.Tensor | None = None   # (tpp, F*H) features at t-1 of its tokens
+    embeds: torch.Tensor | None = None            # (tpp, H) its visual tokens ("refresh" only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +222,9 @@ class LiveSession:
         self._pairs: deque[_Pair] = deque()                          # prefilled, in the window
         self._last_row: torch.Tensor | None = None                   # features at the newest position
         self._prefix_features = self._prefix_bridge = None
-        self._shift = 0
+        self._shift = 0             # "shift": temporal positions the window was moved by
+        self._origin = 0            # "refresh": the pair index at temporal position 0
+        self._prefix_last = None    # features at the last text position before the video
         self._standing: dict[str, _Standing] = {}
         self._answers: set[Generation] = set()
         self._decoder: LiveDecoder | None = None
@@ -512,6 +523,7 @@ class LiveSession:
             if needs.feature_layers:
                 feats = torch.cat([hs[i][0] for i in needs.feature_layers], dim=-1)
                 self._prefix_features, self._last_row = feats[:-1], feats[-1]
+                self._prefix_last = feats[-1]
             if needs.bridge_layer is not None:
                 self._prefix_bridge = hs[needs.bridge_layer][0][1:]
 
@@ -544,7 +556,7 @@ class LiveSession:
             self._ask_standing(q)
 
     def _prefill_pair(self, pair: _Pair) -> None:
-        target, processor, needs = self.engine.target, self.engine.target.processor, self.needs
+        target, processor = self.engine.target, self.engine.target.processor
         frames = Frames(pair.frames, np.array([pair.start_s, pair.start_s + self.config.pair_s / 2]),
                         self.config.fps, self.config.options)
         video = processor.process(frames)
@@ -556,27 +568,41 @@ class LiveSession:
                                                  "video_grid_thw": grid.to(target.device)})
         if embeds.shape[0] != self._tpp:
             raise InvalidRequest(f"the vision tower made {embeds.shape[0]} tokens for a pair, expected {self._tpp}")
+        pair.frames = None
+        if self.config.evict_mode == "refresh":
+            pair.embeds = embeds.to(hf.dtype)             # kept for the window's re-prefill after eviction
+        self._run_pairs([pair], [embeds.to(hf.dtype)])
+
+    def _run_pairs(self, pairs: list[_Pair], embeds: list[torch.Tensor]) -> None:
+        """The language model over these pairs' visual tokens, on top of the session cache, at
+        their real-time positions counted from pair self._origin; the rows the draft reads."""
+        target, processor, needs = self.engine.target, self.engine.target.processor, self.needs
         merge = processor.merge_size
         rows, cols = self._grid[0] // merge, self._grid[1] // merge
         s, device = self._s, target.device
-        t_pos = s + int(pair.index * self._interval)
         h = torch.arange(rows, device=device).view(rows, 1).expand(rows, cols) + s
         w = torch.arange(cols, device=device).view(1, cols).expand(rows, cols) + s
-        pos = torch.stack([torch.full_like(h, t_pos), h, w]).view(3, 1, rows * cols)
-        out = hf(inputs_embeds=embeds.to(hf.dtype)[None], position_ids=pos, past_key_values=self._kv,
-                 use_cache=True, output_hidden_states=needs.hidden, logits_to_keep=1)
-        pair.frames = None
+        pos = torch.cat([torch.stack([torch.full_like(h, s + int((p.index - self._origin) * self._interval)), h, w])
+                         .view(3, 1, rows * cols) for p in pairs], dim=-1)
+        out = target.hf(inputs_embeds=torch.cat(embeds)[None], position_ids=pos, past_key_values=self._kv,
+                        use_cache=True, output_hidden_states=needs.hidden, logits_to_keep=1)
+        tpp = self._tpp
         if needs.feature_layers:
             feats = torch.cat([out.hidden_states[i][0] for i in needs.feature_layers], dim=-1)
             if needs.visual_features:
-                pair.visual_features = torch.cat([self._last_row[None], feats[:-1]])
+                shifted = torch.cat([self._last_row[None], feats[:-1]])
+                for j, p in enumerate(pairs):
+                    p.visual_features = shifted[j * tpp:(j + 1) * tpp]
             self._last_row = feats[-1]
         if needs.bridge_layer is not None:
-            pair.bridge = out.hidden_states[needs.bridge_layer][0]
+            bridge = out.hidden_states[needs.bridge_layer][0]
+            for j, p in enumerate(pairs):
+                p.bridge = bridge[j * tpp:(j + 1) * tpp]
 
     def _evict(self) -> None:
-        """No room for one more pair: drop the oldest evict_pairs pairs, move the rest down,
-        re-position. Lock held."""
+        """No room for one more pair: drop the oldest evict_pairs pairs. "shift": move the rest
+        down and re-position (the text before the video, re-prefilled D later in time);
+        "refresh": prefill the kept pairs again from their visual tokens, from time 0. Lock held."""
         cfg = self.config
         if len(self._pairs) < cfg.window_pairs:
             return
@@ -585,6 +611,15 @@ class LiveSession:
             self._pairs.popleft()
         self._counts["evicted"] += n
         s, gone = self._s, n * self._tpp
+        if cfg.evict_mode == "refresh":
+            for layer in self._kv.layers:
+                layer.crop(-(layer.length - s))
+            self._last_row = self._prefix_last
+            if self._pairs:
+                self._origin = self._pairs[0].index
+                kept = list(self._pairs)
+                self._run_pairs(kept, [p.embeds for p in kept])
+            return
         for layer in self._kv.layers:
             end = layer.length
             for buf in (layer.k_buf, layer.v_buf):

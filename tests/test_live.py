@@ -115,6 +115,25 @@ def test_window_evicts_and_repositions_exactly_on_one_layer():
     engine.close()
 
 
+def test_refresh_eviction_is_exactly_the_one_shot_window(engine):
+    """evict_mode="refresh" prefills the kept pairs again after each eviction step: the window
+    then answers exactly as a one-shot clip of its frames, whatever the depth of the model."""
+    frames, times = frames_at(26, seed=12)
+    session = LiveSession(engine, LiveConfig(window_s=5.0, evict_s=2.0, max_lag_s=100, options=OPTIONS,
+                                             evict_mode="refresh"))
+    for i in range(0, 26, 2):
+        session.push_frames(frames[i:i + 2], times[i:i + 2])
+        session.wait_ingested(60)
+        kept = session.stats.window_pairs
+        if session.stats.pairs_evicted and i % 6 == 0:
+            end = i + 2
+            assert ask(session)[1] == one_shot(engine, frames[end - 2 * kept:end])
+    assert session.stats.pairs_evicted > 0 and session.stats.time_shift == 0
+    with pytest.raises(InvalidRequest, match="evict_mode"):
+        LiveConfig(evict_mode="drop")
+    session.close()
+
+
 def test_standing_questions_fire_on_stream_time(engine):
     events, lock = [], threading.Lock()
 
@@ -249,3 +268,4 @@ def test_targets_that_cannot_be_appended_to_are_refused():
     fixed.processor = type(fixed.processor)(**{**fixed.processor.__dict__, "temporal_positions": 8})
     with pytest.raises(InvalidRequest, match="temporal positions"):
         LiveSession(Engine(fixed, spec=SpecConfig(method="none")))
+

@@ -312,7 +312,7 @@ def test_limits_answer_resource_exhausted_and_a_deadline_ends_the_session(tiny_m
     (dict(fps=0.0), "fps"), (dict(window_s=-1.0), "window_s"), (dict(evict_s=-2.0), "evict_s"),
     (dict(window_s=0.5), "no frame pair"), (dict(min_pixels=100_000, max_pixels=1000), "min_pixels"),
     (dict(max_pixels=1 << 30), "max_pixels"), (dict(stats_every_s=-1.0), "stats_every_s"),
-    (dict(standing=[("s", "q ?", 0.0)]), "every_s"),
+    (dict(standing=[("s", "q ?", 0.0)]), "every_s"), (dict(evict_mode="drop"), "evict_mode"),
 ])
 def test_bad_open_options_are_invalid_argument(server, client, options, words):
     with client.live(**options) as live:
