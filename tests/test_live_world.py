@@ -296,3 +296,45 @@ def test_committed_live_target_keeps_real_time_and_answers_fresh_streams():
     assert report["questions"] >= 40
     assert report["standing"] >= 0.85, report
     assert min(report["per_kind"].values()) >= 0.75, report
+
+
+def test_training_puts_answers_where_the_engine_decodes_them():
+    """After a long real-time clip the engine decodes the answer past the clip's last temporal
+    position (HF's rope delta), not right after the question; training does the same, so its
+    teacher-forced greedy answer is the engine's, token for token."""
+    import torch
+
+    from sparrow.config import SamplingParams, SpecConfig
+    from sparrow.engine import Engine
+    from sparrow.training.live_target import LiveData, LiveTargetConfig, new_live_target
+    from sparrow.training.world_target import pooled_logits
+
+    c = LiveTargetConfig(pool=1, stream_s=40, layers=2, seed=3)
+    target = new_live_target(c)
+    data = LiveData(c)
+    data.prepare(target, [], log=lambda line: None)
+    stream = LiveStream(seed=c.seed * 1_000_003)
+    frames = load_frames(stream.encode_ts(data.pool[0].clip.frames[0] - 1, data.pool[0].clip.frames[-1] + 1),
+                         VideoOptions(fps=2.0))
+    engine = Engine(target, spec=SpecConfig(method="none"))
+    same = differ = 0
+    for first, pairs in ((0, 24), (3, 20), (10, 12)):
+        video, _ = data.pool[0].sub(first, pairs)
+        for q in ("what is in view now ?", "did a shape leave ?"):
+            got = engine.generate(frames.frames[2 * first:2 * (first + pairs)], q,
+                                  SamplingParams(max_new_tokens=5), VideoOptions(fps=2.0))
+            answer = target.tokenizer.decode(got.token_ids, skip_special_tokens=True).strip()
+            if not answer or len(got.token_ids) < 2:
+                continue
+            want = target.tokenizer(answer, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logits, _, _ = pooled_logits(target, [video], [[(q, answer)]], decode=True)
+                contiguous, _, _ = pooled_logits(target, [video], [[(q, answer)]], decode=False)
+            forced = logits.argmax(-1)[:len(want)].tolist()
+            assert forced == want == got.token_ids[:len(want)], (pairs, q, forced, want)
+            same += 1
+            # the first answer token is predicted in the prompt, the later ones see the jump
+            assert torch.allclose(logits[0], contiguous[0], atol=1e-5)
+            differ += not torch.allclose(logits[1:], contiguous[1:], atol=1e-3)
+    engine.close()
+    assert same >= 3 and differ == same

@@ -339,9 +339,32 @@ def answer_loss(logits: torch.Tensor, ids: torch.Tensor, pick: torch.Tensor, wei
     return (losses / per_chat[rows]).sum() / (per_chat > 0).sum()
 
 
-def conversation_loss(target: TargetModel, inputs: dict, learn: torch.Tensor, weighting: str = "token") -> torch.Tensor:
-    """Cross-entropy over the learned tokens of the batch (answer_loss's weighting)."""
+def decode_positions(position_ids: torch.Tensor, learn: torch.Tensor) -> torch.Tensor:
+    """(3, B, T) positions with each row's answer (from its first learned token on) where the
+    engine decodes it: one past the prompt's largest position and on from there (HF's rope
+    delta), not one past the question. The two differ when a video's temporal positions run
+    past the text after it: transformers 5.24 starts that text at start + the frame grid's side,
+    so a real-time clip longer than a few seconds has its last frames "later" than its
+    question, and a target taught contiguous answers meets a jump at its second answer token
+    (live clips of 16-32 s answered "red circle" to "what colour is the shape now ?").
+    Single-turn chats: the engine prefills an earlier turn's answer contiguously."""
+    out = position_ids.clone()
+    for b in range(learn.shape[0]):
+        first = learn[b].nonzero()
+        if len(first):
+            at = int(first[0])
+            top = position_ids[:, b, :at].max()
+            out[:, b, at:] = top + 1 + torch.arange(learn.shape[1] - at, device=out.device)
+    return out
+
+
+def conversation_loss(target: TargetModel, inputs: dict, learn: torch.Tensor, weighting: str = "token",
+                      decode: bool = False) -> torch.Tensor:
+    """Cross-entropy over the learned tokens of the batch (answer_loss's weighting). decode:
+    answers at the engine's decode positions (decode_positions), else contiguous (HF's)."""
     position_ids, _ = target.family.prefill_positions(target.hf, inputs)
+    if decode:
+        position_ids = decode_positions(position_ids, learn)
     logits = target.hf(**inputs, position_ids=position_ids, use_cache=False).logits      # (B, T, V)
     pick = learn[:, 1:]                                    # token t+1 is predicted at position t
     return answer_loss(logits[:, :-1][pick], inputs["input_ids"], pick, weighting)
@@ -417,19 +440,28 @@ def pool_batch(pool: list[PooledVideo], same_length: list[list[int]] | None, rng
 
 
 def pooled_loss(target: TargetModel, videos: list[PooledVideo], chats: list[list[tuple[str, str]]],
-                weighting: str = "token") -> torch.Tensor:
+                weighting: str = "token", decode: bool = False) -> torch.Tensor:
     """conversation_loss for pooled videos: the language model on inputs_embeds with the
     video's tokens in place, positions from the same M-RoPE rule as inference."""
+    logits, ids, pick = pooled_logits(target, videos, chats, decode)
+    return answer_loss(logits, ids, pick, weighting)
+
+
+def pooled_logits(target: TargetModel, videos: list[PooledVideo], chats: list[list[tuple[str, str]]],
+                  decode: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits (N, V) predicting each learned token, input ids (B, T), pick (B, T-1)) for pooled_loss."""
     inputs, learn = chat_batch(target, [v.embeds.shape[0] for v in videos], [v.model_kwargs for v in videos], chats)
     ids, attention = inputs["input_ids"], inputs["attention_mask"]
     position_ids, _ = target.family.prefill_positions(target.hf, inputs)
+    if decode:
+        position_ids = decode_positions(position_ids, learn)
     embeds = target.hf.model.language_model.embed_tokens(ids)
     embeds = embeds.masked_scatter((ids == target.video_token_id)[..., None],
                                    torch.cat([v.embeds for v in videos]).to(embeds.dtype))
     hidden = target.hf.model.language_model(inputs_embeds=embeds, position_ids=position_ids,
                                             attention_mask=attention, use_cache=False).last_hidden_state
     pick = learn[:, 1:]
-    return answer_loss(target.lm_head()(hidden[:, :-1][pick]), ids, pick, weighting)
+    return target.lm_head()(hidden[:, :-1][pick]), ids, pick
 
 
 @dataclass(frozen=True, slots=True)
