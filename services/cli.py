@@ -160,7 +160,7 @@ def _settings(args: argparse.Namespace):
         target=_target_spec(args), draft=_draft_spec(args),
         draft_placement=args.draft_placement, spec=SpecConfig(num_draft_tokens=args.k), cache=args.cache,
         service=service, target_deployment=deployments.get("target", {}), draft_deployment=deployments.get("draft", {}),
-        dtype=args.dtype, device=args.device, device_map=args.device_map)
+        dtype=args.dtype, device=args.device, device_map=args.device_map, verify_attention=args.verify_attention)
 
 
 
@@ -270,6 +270,10 @@ def _add_serve(sub, common) -> None:
                    help="colocated: the draft runs in the target's process; remote (--ray only): a DraftDeployment")
     p.add_argument("--k", type=int, default=4, help="draft tokens per step (default 4)")
     add_placement_arguments(p, device_map=True)
+    from sparrow.models.ragged import VERIFY_KERNELS
+    p.add_argument("--verify-attention", choices=("auto", "sdpa", *VERIFY_KERNELS), default="auto",
+                   help="decode/verify attention over the cache: auto (Triton split-KV on CUDA, ragged SDPA on "
+                        "CPU), sdpa, split or triton")
     p.add_argument("--cache", default="memory", help="state cache: memory or redis://host:port/db")
     p.add_argument("--media-root", help="directory the server may read video paths from (default: no paths)")
     p.add_argument("--allow-url-scheme", action="append", default=[], help="http, https or rtsp (repeat)")

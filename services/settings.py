@@ -9,6 +9,7 @@ from sparrow.models.draft import DraftArchitecture
 from sparrow.scheduler import EngineConfig
 from sparrow.engine import Engine
 from sparrow.models.placement import check_placement
+from sparrow.models.ragged import VERIFY_KERNELS
 from sparrow.prefix_cache import PrefixCache
 from sparrow.spec.propose import SparrowProposer
 from sparrow.state_cache import StateCache, open_cache
@@ -17,6 +18,7 @@ from .models import load_draft, load_target
 from .servicer import ServiceConfig
 
 PLACEMENTS = ("colocated", "remote")
+VERIFY_ATTENTION = ("auto", "sdpa", *VERIFY_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,13 @@ class AppSettings:
     dtype: str = "float32"
     device: str = "cpu"
     device_map: str | None = None
+    # Decode/verify attention over the cache (TargetModel.verify_attention): auto (the Triton
+    # split-KV kernel on CUDA, ragged SDPA on CPU), sdpa, split or triton.
+    verify_attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.verify_attention not in VERIFY_ATTENTION:
+            raise ValueError(f"verify_attention must be one of {VERIFY_ATTENTION}, got {self.verify_attention!r}")
         if self.draft_placement not in PLACEMENTS:
             raise ValueError(f"draft_placement must be one of {PLACEMENTS}, got {self.draft_placement!r}")
         check_placement(self.dtype, self.device, self.device_map)
@@ -63,6 +70,7 @@ def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, Stat
     from .draft import RemoteDraftProposer
 
     target = load_target(settings.target, settings.dtype, settings.device, settings.device_map)
+    target.verify_attention = settings.verify_attention
     cache = open_cache(settings.cache)
     prefix = PrefixCache(settings.prefix_cache_bytes, settings.prefix_cache_entries)
     if settings.draft is None:

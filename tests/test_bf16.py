@@ -3,7 +3,14 @@ server loads them (from_pretrained with dtype=bfloat16). bf16 on CPU is the chea
 the GPU dtype: a verify forward over k+1 tokens and HF's one-token decode steps must still
 pick the same tokens, and sampling must still follow the target's distribution.
 
-SPARROW_TEST_DEVICE=cuda (or auto) runs them on a GPU: `make gpu-check` does."""
+SPARROW_TEST_DEVICE=cuda (or auto) runs them on a GPU: `make gpu-check` does. There the
+comparison with HF's one-token decoding is exact up to the first position where the two differ,
+and that position must be a bf16 tie: cuBLAS picks different kernels (and summation orders) for
+a 5-token verify and a 1-token decode step, so the target's own bf16 logits differ in their last
+bits between the two shapes, and HF's greedy with another batch shape would differ the same way.
+What the engine guarantees exactly is that each emitted token is the argmax of the target's
+logits in the verify pass; where HF's and ours part, the two tokens' HF logits must lie within
+a few bf16 steps of each other (a wrong token is not a near tie). On CPU the match is exact."""
 
 import os
 
@@ -32,10 +39,37 @@ def bf16_target(request, tmp_path_factory, qwen_target, llava_target):
     return target
 
 
-def hf_greedy(target, engine, video, prompt, max_new_tokens):
+def hf_greedy(target, engine, video, prompt, max_new_tokens, scores: list | None = None):
     inputs = engine.prepare(video, prompt)
-    out = target.hf.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    out = target.hf.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, output_scores=True,
+                             return_dict_in_generate=True)
+    if scores is not None:
+        scores.extend(out.scores)                      # the logits HF picked each token from
+    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# A near tie in bf16: within this many units of the last place of the largest logit.
+TIE_ULPS = 4
+
+
+def assert_target_greedy(target, engine, video, prompt, got: list[int], max_new_tokens: int) -> None:
+    """got == HF's greedy tokens; on CUDA, up to a first difference that is a bf16 tie (module doc)."""
+    scores: list[torch.Tensor] = []
+    want = hf_greedy(target, engine, video, prompt, max_new_tokens, scores)
+    if got == want or DEVICE.type != "cuda":
+        assert got == want
+        return
+    i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert i < len(got) and i < len(want), (got, want)          # one stopped early: not a tie
+    assert is_bf16_tie(scores[i][0], want[i], got[i]), (i, got[i], want[i], scores[i][0][[want[i], got[i]]])
+
+
+def is_bf16_tie(logits: torch.Tensor, best: int, other: int) -> bool:
+    """logits[other] is within TIE_ULPS bf16 steps (at the largest logit's scale) below logits[best]."""
+    logits = logits.float()
+    ulp = 2.0 ** (torch.floor(torch.log2(logits.abs().max())) - 7)      # bf16: 8 significant bits
+    gap = float(logits[best] - logits[other])
+    return 0 <= gap <= TIE_ULPS * float(ulp)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -46,7 +80,7 @@ def test_bf16_golden_random_draft(bf16_target, video_name, prompt, request):
     assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
     engine = Engine(bf16_target, draft, SPEC)
     out = engine.generate(video, prompt, SamplingParams(max_new_tokens=24))
-    assert out.token_ids == hf_greedy(bf16_target, engine, video, prompt, 24)
+    assert_target_greedy(bf16_target, engine, video, prompt, out.token_ids, 24)
     assert out.metrics.steps > 0 and out.metrics.draft_tokens > 0
 
 
@@ -99,3 +133,20 @@ def test_bf16_speculative_sampling_follows_the_target(qwen_target, tmp_path, sma
     observed = after.count(top) / len(after)
     sigma = (float(p[top]) * (1 - float(p[top])) / len(after)) ** 0.5
     assert abs(observed - float(p[top])) <= 4 * sigma + 1e-3, (observed, float(p[top]), len(after))
+
+
+def test_tie_rule_refuses_a_wrong_token(bf16_target, small_video):
+    """The CUDA comparison's tie rule: a token a bf16 step or two below the greedy one is a tie;
+    the target's least likely token, or one above the greedy (not its argmax), is not."""
+    engine = Engine(bf16_target, spec=SpecConfig(method="none"))
+    scores: list[torch.Tensor] = []
+    hf_greedy(bf16_target, engine, small_video, PROMPTS[0], 3, scores)
+    logits = scores[0][0].float().clone()
+    best, worst = int(logits.argmax()), int(logits.argmin())
+    assert is_bf16_tie(logits, best, best) and not is_bf16_tie(logits, best, worst)
+    ulp = 2.0 ** (torch.floor(torch.log2(logits.abs().max())) - 7)
+    near = (best + 1) % logits.numel()
+    logits[near] = logits[best] - 2 * ulp
+    assert is_bf16_tie(logits, best, near) and not is_bf16_tie(logits, near, best)
+    logits[near] = logits[best] - 8 * ulp
+    assert not is_bf16_tie(logits, best, near)

@@ -21,7 +21,9 @@ BF16 = dict(atol=3e-2, rtol=3e-2)
 
 
 def _cuda(*tensors, dtype=None):
-    return [t.cuda() if not t.is_floating_point() or dtype is None else t.to("cuda", dtype) for t in tensors]
+    """To CUDA (floating tensors to `dtype` when given); None (a chain's tree) stays None."""
+    return [None if t is None else t.cuda() if not t.is_floating_point() or dtype is None else t.to("cuda", dtype)
+            for t in tensors]
 
 
 @needs_cuda
@@ -66,7 +68,7 @@ def test_cuda_graph_draft_step_matches_forward_entries():
     assert step.graph is not None                                  # really captured
     pos, pinned = window_keys(2, 5, (20, 25))
     z = torch.randn(12, draft.config.hidden_size, generator=torch.Generator().manual_seed(1)).cuda()
-    kv = DraftKV.empty("cuda")
+    kv = draft.new_kv(16)
     with torch.inference_mode():
         hidden = draft.forward_entries(z, pos.cuda(), pinned.cuda(), kv, spec.window)[-1:]
         step.load(kv)

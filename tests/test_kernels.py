@@ -45,6 +45,24 @@ def _triton_unusable() -> str | None:
 
 TRITON_SKIP = _triton_unusable()
 HAS_TRITON = TRITON_SKIP is None
+# Where the Triton kernels run: compiled on a CUDA device when there is one (make gpu-check),
+# else on CPU tensors under the interpreter. Results come back to the CPU for comparison.
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _on(*tensors):
+    return [None if t is None else t.to(KERNEL_DEVICE) for t in tensors]
+
+
+def _kernel_target(cpu_target, backend: str):
+    """The target a test runs a Triton backend with: the session's CPU target, or on a CUDA
+    machine a copy of it on the GPU (compiled Triton needs CUDA tensors)."""
+    if backend != "triton" or KERNEL_DEVICE.type == "cpu":
+        return cpu_target
+    import copy
+    target = copy.deepcopy(cpu_target)
+    target.hf.to(KERNEL_DEVICE)
+    return target
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason=str(TRITON_SKIP))
 FP32 = dict(atol=2e-5, rtol=1e-4)
 
@@ -191,7 +209,8 @@ def test_bf16_reference_close_to_fp32():
 def test_triton_window_matches_reference(name, ragged):
     q, k, v, q_pos, k_pos, k_pinned, window = window_case(name, ragged=ragged)
     ref = window_attention_ref(q, k, v, q_pos, k_pos, k_pinned, window)
-    torch.testing.assert_close(_tri().window_attention_triton(q, k, v, q_pos, k_pos, k_pinned, window), ref, **FP32)
+    got = _tri().window_attention_triton(*_on(q, k, v, q_pos, k_pos, k_pinned), window)
+    torch.testing.assert_close(got.cpu(), ref, **FP32)
 
 
 @needs_triton
@@ -202,8 +221,8 @@ def test_triton_verify_matches_sdpa(seed):
     # one split writes directly; several go through the combine kernel; a grid sized by the
     # cache capacity (no host read of the lengths, as CUDA-graph capture needs) idles extra programs
     for splits, max_keys in ((1, None), (3, None), (4, k.shape[2])):
-        got = _tri().verify_attention_triton(q, k, v, prefix, tree, splits, max_keys=max_keys)
-        torch.testing.assert_close(got, ref, **FP32)
+        got = _tri().verify_attention_triton(*_on(q, k, v, prefix, tree), splits, max_keys=max_keys)
+        torch.testing.assert_close(got.cpu(), ref, **FP32)
 
 
 @needs_triton
@@ -211,7 +230,7 @@ def test_triton_registry_signature_with_explicit_mask():
     q, k, v, q_pos, k_pos, k_pinned, window = window_case("multi_query_gqa", batch=1)
     mask = window_mask(q_pos, k_pos, k_pinned, window)
     mask[1] = False                                              # a query that sees nothing: zeros
-    got = get_backend("triton")(q, k, v, mask)
+    got = get_backend("triton")(*_on(q, k, v, mask)).cpu()
     torch.testing.assert_close(got, attend(q, k, v, mask), **FP32)
     assert torch.equal(got[:, :, 1], torch.zeros_like(got[:, :, 1]))
 
@@ -221,9 +240,9 @@ def test_triton_bf16_inputs():
     """bf16 in, bf16 out (computed in fp32: the interpreter's bf16 tl.dot is wrong)."""
     q, k, v, prefix, tree = verify_case(4)
     ref = verify_attention_ref(q, k, v, prefix, tree)
-    got = _tri().verify_attention_triton(q.bfloat16(), k.bfloat16(), v.bfloat16(), prefix, tree, 2)
+    got = _tri().verify_attention_triton(*_on(q.bfloat16(), k.bfloat16(), v.bfloat16(), prefix, tree), 2)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.float().cpu(), ref, atol=3e-2, rtol=3e-2)
 
 
 # ----- FlexAttention (eager on CPU: compiling costs seconds per shape) ---------------------------
@@ -262,19 +281,19 @@ def _backends() -> list[str]:
 def test_draft_hidden_states_match_sdpa_with_every_backend(qwen_target):
     """Glimpse + anchors + window entries, then 3 drafted ones, through the real draft."""
     spec = SpecConfig(window=6, anchors=5, glimpse=2)
-    draft = tiny_draft(qwen_target, seed=0)
-    g = torch.Generator().manual_seed(0)
-    z = torch.randn(12, draft.config.hidden_size, generator=g)
     pos, pinned = window_keys(2, 5, (20, 25))                     # 12 context entries
     outs = {}
     for name in ["sdpa"] + _backends():
+        draft = tiny_draft(_kernel_target(qwen_target, name), seed=0)
+        dev = draft.fuse.weight.device
+        z = torch.randn(12, draft.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dev)
         draft.attention_backend, kv = name, draft.new_kv(16)
         with torch.inference_mode():
-            first = draft.forward_entries(z, pos, pinned, kv, spec.window)
-            steps = [draft.forward_entries(z[i:i + 1], torch.tensor([25 + i]), torch.zeros(1, dtype=torch.bool),
-                                           kv, spec.window) for i in range(3)]
-        outs[name] = torch.cat([first] + steps)
-    draft.attention_backend = "sdpa"
+            first = draft.forward_entries(z, pos.to(dev), pinned.to(dev), kv, spec.window)
+            steps = [draft.forward_entries(z[i:i + 1], torch.tensor([25 + i], device=dev),
+                                           torch.zeros(1, dtype=torch.bool, device=dev), kv, spec.window)
+                     for i in range(3)]
+        outs[name] = torch.cat([first] + steps).cpu()
     for name in _backends():
         torch.testing.assert_close(outs[name], outs["sdpa"], atol=1e-4, rtol=1e-4)
 
@@ -290,8 +309,9 @@ def test_engine_greedy_output_is_the_targets_with_every_backend(qwen_target, sma
     reference = None
     for name in ["sdpa"] + _backends():
         spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, glimpse=2)
-        engine = Engine(qwen_target, tiny_draft(qwen_target, DraftArchitecture(attention_backend=name), seed=1), spec)
-        reference = reference or _hf_greedy(qwen_target, engine, small_video, prompt, 12)
+        target = _kernel_target(qwen_target, name)
+        engine = Engine(target, tiny_draft(target, DraftArchitecture(attention_backend=name), seed=1), spec)
+        reference = reference or _hf_greedy(target, engine, small_video, prompt, 12)
         out = engine.generate(small_video, prompt, SamplingParams(max_new_tokens=12))
         assert out.token_ids == reference, name
         assert out.metrics.draft_tokens > 0
@@ -301,23 +321,26 @@ def test_engine_greedy_output_is_the_targets_with_every_backend(qwen_target, sma
 def test_static_decode_step_matches_forward_entries(qwen_target, backend):
     """The CUDA-graph-ready step (run eagerly here) computes what the draft computes."""
     spec = SpecConfig(window=6, anchors=5, glimpse=2)
-    draft = tiny_draft(qwen_target, DraftArchitecture(attention_backend=backend), seed=2)
+    draft = tiny_draft(_kernel_target(qwen_target, backend), DraftArchitecture(attention_backend=backend), seed=2)
+    dev = draft.fuse.weight.device
     from sparrow.models.draft_graph import DraftDecodeStep
     step = DraftDecodeStep(draft, capacity=24, window=spec.window)
-    assert step.graph is None                                     # no CUDA here: eager fallback
+    assert (step.graph is None) == (dev.type == "cpu")            # no CUDA: eager fallback; CUDA: captured
     pos, pinned = window_keys(2, 5, (20, 25))
-    z = torch.randn(12, draft.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    z = torch.randn(12, draft.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dev)
     kv = draft.new_kv(16)
+    tol = dict(atol=1e-5, rtol=1e-5) if dev.type == "cpu" else dict(atol=1e-4, rtol=1e-4)
     with torch.inference_mode():
-        hidden = draft.forward_entries(z, pos, pinned, kv, spec.window)[-1:]             # (1, H)
+        hidden = draft.forward_entries(z, pos.to(dev), pinned.to(dev), kv, spec.window)[-1:]             # (1, H)
         step.load(kv)
         for j in range(3):
-            token = torch.tensor([7 + j])
-            want = draft.forward_entries(draft.inputs_from_draft(token, hidden), torch.tensor([25 + j]),
-                                         torch.zeros(1, dtype=torch.bool), kv, spec.window)
+            token = torch.tensor([7 + j], device=dev)
+            want = draft.forward_entries(draft.inputs_from_draft(token, hidden), torch.tensor([25 + j], device=dev),
+                                         torch.zeros(1, dtype=torch.bool, device=dev), kv, spec.window)
             got, logits = step.step(token, hidden, 25 + j)
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(logits, draft.logits(want), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got, want, **tol)
+            torch.testing.assert_close(logits, draft.logits(want), atol=1e-4 if dev.type == "cpu" else 1e-3,
+                                       rtol=1e-4 if dev.type == "cpu" else 1e-3)
             hidden = want
 
 
@@ -336,12 +359,14 @@ def test_target_tree_verify_with_each_verify_kernel(qwen_target, small_video, ke
     from sparrow.models.kv_cache import new_kv_cache
     from sparrow.spec.tree import DraftTree
 
-    target = qwen_target
+    target = _kernel_target(qwen_target, kernel)
     spec = SpecConfig(num_draft_tokens=3, tree_width=2, tree_branch=2, tree_budget=6)
     engine = Engine(target, tiny_draft(target, seed=1), spec)
     inputs = engine.prepare(small_video, "What happens?")
-    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.zeros(4, 1), parents=torch.tensor([-1, -1, 0, 1]))
-    tokens = [torch.tensor([3]), torch.tensor([3, 4, 5, 6]), torch.tensor([3, 5, 6, 7, 8])]
+    dev = target.device
+    tree = DraftTree(torch.tensor([5, 6, 7, 8], device=dev), torch.zeros(4, 1, device=dev),
+                     parents=torch.tensor([-1, -1, 0, 1], device=dev))
+    tokens = [torch.tensor(t, device=dev) for t in ([3], [3, 4, 5, 6], [3, 5, 6, 7, 8])]
 
     def run(name: str):
         target.verify_attention = name
@@ -356,7 +381,7 @@ def test_target_tree_verify_with_each_verify_kernel(qwen_target, small_video, ke
         ref = run("sdpa")
         got = run(kernel)
         for a, b in zip(got, ref):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(a.cpu(), b.cpu(), atol=1e-4, rtol=1e-4)
         reference = _hf_greedy(target, engine, small_video, "What happens?", 12)
         out = engine.generate(small_video, "What happens?", SamplingParams(max_new_tokens=12))
         assert out.token_ids == reference and out.metrics.draft_tokens > 0

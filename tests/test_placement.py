@@ -27,6 +27,30 @@ def test_settings_file_round_trips_and_reaches_the_models(tmp_path):
     assert {p.device for p in engine.proposer.draft.parameters()} == {engine.target.device}
     inline = ray_entry.settings_from_args({"settings_file": str(path), "dtype": "float32"})   # inline args win
     assert build_engine(inline)[0].target.hf.dtype == torch.float32
+    assert engine.target.verify_attention == "auto" and engine.target.step_kernel() is None    # CPU: ragged SDPA
+    split = build_engine(ray_entry.settings_from_args({"settings_file": str(path), "verify_attention": "split"}))[0]
+    assert split.target.verify_attention == "split"
+    assert split.target.step_kernel().__name__ == "verify_attention_split"
+
+
+def test_verify_attention_auto_follows_the_device(qwen_target):
+    """"auto": ragged SDPA on CPU; the Triton kernel once the model is on CUDA (where triton is)."""
+    assert qwen_target.verify_attention == "auto"
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        import copy
+        target = copy.deepcopy(qwen_target)
+        target.hf.to("cuda")
+        assert target.step_kernel().__name__ == "verify_attention_triton"
+        target.hf.to("cpu")
+        assert target.step_kernel() is None
+    else:
+        assert qwen_target.step_kernel() is None
+    qwen_target.verify_attention = "split"
+    try:
+        assert qwen_target.step_kernel().__name__ == "verify_attention_split"
+    finally:
+        qwen_target.verify_attention = "auto"
+    assert qwen_target.step_kernel() is None or torch.cuda.is_available()
 
 
 def test_serve_flags_become_settings():
@@ -35,6 +59,10 @@ def test_serve_flags_become_settings():
     assert (settings.dtype, settings.device, settings.device_map) == ("bfloat16", "auto", "auto")
     defaults = _settings(build_parser().parse_args(["serve"]))
     assert (defaults.dtype, defaults.device, defaults.device_map) == ("float32", "cpu", None)
+    assert defaults.verify_attention == "auto"
+    assert _settings(build_parser().parse_args(["serve", "--verify-attention", "triton"])).verify_attention == "triton"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--verify-attention", "flash"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dtype", "float8"])
     for command in (["train-draft", "--target", "t", "--data", "d", "--out", "o"], ["world", "eval", "--target", "t"],
@@ -42,7 +70,8 @@ def test_serve_flags_become_settings():
         assert build_parser().parse_args([*command, "--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("bad", [dict(dtype="float8"), dict(device="gpu0"), dict(device_map="everywhere")])
+@pytest.mark.parametrize("bad", [dict(dtype="float8"), dict(device="gpu0"), dict(device_map="everywhere"),
+                                 dict(verify_attention="flash")])
 def test_bad_placement_settings_are_refused(bad):
     with pytest.raises((InvalidRequest, ValueError)):
         AppSettings(target="tiny:qwen2_5_vl", **bad)

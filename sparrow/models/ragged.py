@@ -20,6 +20,7 @@ mask (`{"full_attention": batch}`, which transformers passes through untouched),
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -62,6 +63,10 @@ class RaggedBatch(Cache):
         self.segments = segments
         self.kernel = kernel           # a verify kernel (VERIFY_KERNELS), or None: ragged SDPA
         self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Every layer sees the same prefix lengths: made on the device once per step, not per
+        # layer; and a kernel that takes max_keys gets it from the host (no device read back).
+        self._prefix: list[torch.Tensor] | None = None
+        self._max_keys = kernel is not None and "max_keys" in inspect.signature(kernel).parameters
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: (1, Hkv, N_total, D). Each request's rows go to its own cache."""
@@ -84,10 +89,14 @@ class RaggedBatch(Cache):
             out = [ragged_attention(query[:, :, seg.start:seg.end], k, v, scaling, seg.tree_mask)
                    for seg, (k, v) in zip(self.segments, views)]
         else:
-            out = [kernel(query[:, :, seg.start:seg.end], k, v,
-                          torch.tensor([k.shape[2] - (seg.end - seg.start)], device=query.device),
-                          seg.tree_mask.to(query.device) if seg.tree_mask is not None else None).to(query.dtype)
-                   for seg, (k, v) in zip(self.segments, views)]
+            if self._prefix is None:
+                self._prefix = [torch.tensor([k.shape[2] - (seg.end - seg.start)], device=query.device)
+                                for seg, (k, _) in zip(self.segments, views)]
+            extra = (lambda k: {"max_keys": k.shape[2]}) if self._max_keys else (lambda k: {})
+            out = [kernel(query[:, :, seg.start:seg.end], k, v, prefix,
+                          seg.tree_mask.to(query.device) if seg.tree_mask is not None else None, **extra(k)
+                          ).to(query.dtype)
+                   for seg, (k, v), prefix in zip(self.segments, views, self._prefix)]
         return torch.cat(out, dim=2).transpose(1, 2).contiguous()
 
     def as_mask(self) -> dict[str, "RaggedBatch"]:
