@@ -85,7 +85,7 @@ bench-kernels: setup
 GPU_CHECK_DEVICE ?= auto
 gpu-check: setup
 	SPARROW_TEST_DEVICE=$(GPU_CHECK_DEVICE) $(PY) -m pytest -q -rs tests/test_bf16.py tests/test_gpu.py tests/test_kernels.py
-	$(PY) -m benchmarks.gpu_check --out BENCHMARKS.md
+	$(PY) -m benchmarks.gpu_check --out BENCHMARKS.md --contexts 504,8064,25056 --sizes 1,2,5,13,32,64 --reps 10 --batch 8 --tree 2,2,12 --attention
 	@$(PY) -c "import torch; torch.cuda.is_available() or print('gpu-check: no CUDA here: ran bf16, kernel and draft-step tests on the CPU; skipped the compiled/CUDA-graph tests and the 7B step costs (listed above)')"
 
 clean:

@@ -87,10 +87,11 @@ class DraftProbs:
     rows hold at most ~top_k nonzeros: k x top_k x 8 bytes instead of k x V x 4. Writing the
     values into zeros gives back the identical tensor (zeros stay zeros, every other entry is
     the same float32), so acceptance and the seeded replay are exactly those of a colocated
-    draft. An untruncated distribution (plain temperature sampling) is dense in float32, and
-    goes dense: sending less for it needs either the rejected row fetched after verify or a
-    draft that samples from a compact distribution of its own, both changes to the engine's
-    step (BENCHMARKS.md, remote draft bytes).
+    draft. Plain temperature sampling gives a dense float32 softmax; the remote placement has
+    the draft draw from its own q cut to its most likely tokens instead (SpecConfig.draft_mass /
+    draft_max_candidates, services.settings.REMOTE_DRAFT_CUT), which acceptance then reads, so
+    its rows are sparse too and the output is still exactly the target's distribution
+    (BENCHMARKS.md, remote draft bytes).
     """
 
     shape: tuple[int, int]                # (k, V)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from sparrow.config import SpecConfig
@@ -19,6 +20,12 @@ from .servicer import ServiceConfig
 
 PLACEMENTS = ("colocated", "remote")
 VERIFY_ATTENTION = ("auto", "sdpa", *VERIFY_KERNELS)
+# A remote draft's sampled rounds send its q: a float32 softmax over the vocabulary has no zeros
+# (2.4 MB a round at k = 4 and 152k tokens). Unless the settings' spec already cuts the draft's
+# q (draft_mass / draft_max_candidates), the remote placement draws from q cut to its most likely
+# tokens: at most 4,096 of them holding 99.9% (~138 KB a round; the output distribution is the
+# target's either way, acceptance loses at most the cut mass: BENCHMARKS.md, remote draft bytes).
+REMOTE_DRAFT_CUT = dict(draft_mass=0.999, draft_max_candidates=4096)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,9 @@ class AppSettings:
         if self.draft_placement not in PLACEMENTS:
             raise ValueError(f"draft_placement must be one of {PLACEMENTS}, got {self.draft_placement!r}")
         check_placement(self.dtype, self.device, self.device_map)
+        if (self.draft_placement == "remote" and self.spec.draft_mass == 1.0
+                and self.spec.draft_max_candidates == 0):
+            object.__setattr__(self, "spec", dataclasses.replace(self.spec, **REMOTE_DRAFT_CUT))   # replicas + fallback
 
     @property
     def placement(self) -> str:

@@ -89,6 +89,14 @@ class SpecConfig:
     glimpse: int = 0
     draft_context: str = "text"     # "text" | "all" | "pruned"
     prune_keep: float = 0.1         # "pruned": share of the visual tokens kept
+    # When sampling, the draft may draw from its own distribution cut to its most likely tokens:
+    # the smallest set holding draft_mass of it, at most draft_max_candidates (0: no cap);
+    # draft_mass 1 and no cap (the default): the request's distribution itself. Acceptance reads
+    # that same q, so the output is the target's distribution exactly; acceptance loses at most
+    # the cut mass, and a remote draft's reply carries only those entries (services.draft.
+    # DraftProbs: the remote placement cuts by default, services.settings.REMOTE_DRAFT_CUT).
+    draft_mass: float = 1.0
+    draft_max_candidates: int = 0
 
     def __post_init__(self) -> None:
         _check(self.method in SPEC_METHODS, f"method must be one of {SPEC_METHODS}, got {self.method!r}")
@@ -96,6 +104,8 @@ class SpecConfig:
         _check(self.window >= 1, f"window must be >= 1, got {self.window}")
         _check(self.anchors >= 0, f"anchors must be >= 0, got {self.anchors}")
         _check(self.glimpse >= 0, f"glimpse must be >= 0, got {self.glimpse}")
+        _check(0.0 < self.draft_mass <= 1.0, f"draft_mass must be in (0, 1], got {self.draft_mass}")
+        _check(self.draft_max_candidates >= 0, f"draft_max_candidates must be >= 0, got {self.draft_max_candidates}")
         _check(self.draft_context in DRAFT_CONTEXTS,
                f"draft_context must be one of {DRAFT_CONTEXTS}, got {self.draft_context!r}")
         _check(isinstance(self.prune_keep, (int, float)) and 0.0 <= self.prune_keep <= 1.0,

@@ -156,9 +156,22 @@ def clips(tmp_path_factory) -> Clips:
 def reference_engine(tiny_model_dirs):
     """engine.generate as the golden reference: the same saved models, loaded the same way,
     with no prefix cache and the draft in process."""
+    return _reference(tiny_model_dirs, {})
+
+
+@pytest.fixture(scope="session")
+def remote_reference_engine(tiny_model_dirs):
+    """The golden reference for a service whose draft is remote: the spec that placement runs
+    (its draft draws from a cut q: services.settings.REMOTE_DRAFT_CUT), the draft in process."""
+    from sparrow.services.settings import REMOTE_DRAFT_CUT
+
+    return _reference(tiny_model_dirs, REMOTE_DRAFT_CUT)
+
+
+def _reference(tiny_model_dirs, extra: dict):
     from sparrow import Engine, SpecConfig
     from sparrow.services.models import load_draft, load_target
 
-    spec = SpecConfig(**SPEC_KWARGS)
+    spec = SpecConfig(**SPEC_KWARGS, **extra)
     target = load_target(str(tiny_model_dirs[0]))
     return Engine(target, load_draft(str(tiny_model_dirs[1]), target), spec)

@@ -78,3 +78,19 @@ def test_logits_to_probs_top_k_top_p():
     assert (pp[2:] == 0).all() and (pp[:2] > 0).all()
     hot = logits_to_probs(logits, 0.01)
     assert float(hot[0]) > 0.999
+
+
+def test_cut_tail_keeps_the_most_likely_tokens_and_renormalizes():
+    """sampling.cut_tail: the smallest set of most likely tokens holding `mass`, at most
+    `max_candidates`, renormalized; the first token always stays; off = q itself."""
+    from sparrow.spec.sampling import cut_tail
+
+    q = torch.tensor([[0.05, 0.5, 0.3, 0.1, 0.05], [0.9, 0.04, 0.03, 0.02, 0.01]])
+    assert cut_tail(q) is q
+    got = cut_tail(q, mass=0.75)
+    torch.testing.assert_close(got[0], torch.tensor([0, 0.5, 0.3, 0, 0]) / 0.8)     # 0.5 < 0.75, 0.8 >= 0.75
+    torch.testing.assert_close(got[1], torch.tensor([1.0, 0, 0, 0, 0]))            # 0.9 alone holds it
+    got = cut_tail(q, max_candidates=3)
+    torch.testing.assert_close(got[0], torch.tensor([0, 0.5, 0.3, 0.1, 0]) / 0.9)
+    assert int((cut_tail(q, mass=1e-6) > 0).sum()) == 2                             # one token a row
+    assert cut_tail(q, mass=1.0, max_candidates=5) is q                              # a cap >= V is no cap

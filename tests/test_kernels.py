@@ -377,6 +377,7 @@ def test_target_tree_verify_with_each_verify_kernel(qwen_target, small_video, ke
         logits, _ = target.verify(states, tokens, trees=[None, None, tree])
         return logits
 
+    before = target.verify_attention
     try:
         ref = run("sdpa")
         got = run(kernel)
@@ -386,6 +387,6 @@ def test_target_tree_verify_with_each_verify_kernel(qwen_target, small_video, ke
         out = engine.generate(small_video, "What happens?", SamplingParams(max_new_tokens=12))
         assert out.token_ids == reference and out.metrics.draft_tokens > 0
     finally:
-        target.verify_attention = "sdpa"
+        target.verify_attention = before
     with pytest.raises(ValueError, match="unknown verify attention"):
         target.verify_attention = "no_such_kernel"

@@ -35,7 +35,8 @@ def test_settings_file_round_trips_and_reaches_the_models(tmp_path):
 
 def test_verify_attention_auto_follows_the_device(qwen_target):
     """"auto": ragged SDPA on CPU; the Triton kernel once the model is on CUDA (where triton is)."""
-    assert qwen_target.verify_attention == "auto"
+    before = qwen_target.verify_attention
+    qwen_target.verify_attention = "auto"
     if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
         import copy
         target = copy.deepcopy(qwen_target)
@@ -49,8 +50,7 @@ def test_verify_attention_auto_follows_the_device(qwen_target):
     try:
         assert qwen_target.step_kernel().__name__ == "verify_attention_split"
     finally:
-        qwen_target.verify_attention = "auto"
-    assert qwen_target.step_kernel() is None or torch.cuda.is_available()
+        qwen_target.verify_attention = before
 
 
 def test_serve_flags_become_settings():
@@ -118,3 +118,19 @@ def test_gpu_settings_of_the_k8s_base_load_on_a_cpu_machine_as_cpu():
     assert (settings.dtype, settings.device) == ("bfloat16", "auto")
     if not torch.cuda.is_available():
         assert parse_device(settings.device) == torch.device("cpu")
+
+
+def test_remote_placement_cuts_the_drafts_q_unless_told():
+    """A remote draft's sampled rounds carry q: the remote placement draws from a cut q
+    (REMOTE_DRAFT_CUT), one spec for replicas and fallback; a spec that sets its own cut, and
+    the colocated placement, keep theirs."""
+    from sparrow import SpecConfig
+    from sparrow.services.settings import REMOTE_DRAFT_CUT
+
+    remote = AppSettings(target="tiny:qwen2_5_vl", draft="tiny", draft_placement="remote")
+    assert (remote.spec.draft_mass, remote.spec.draft_max_candidates) == tuple(REMOTE_DRAFT_CUT.values())
+    colocated = AppSettings(target="tiny:qwen2_5_vl", draft="tiny")
+    assert (colocated.spec.draft_mass, colocated.spec.draft_max_candidates) == (1.0, 0)
+    own = AppSettings(target="tiny:qwen2_5_vl", draft="tiny", draft_placement="remote",
+                      spec=SpecConfig(draft_mass=0.9))
+    assert (own.spec.draft_mass, own.spec.draft_max_candidates) == (0.9, 0)

@@ -99,15 +99,15 @@ def code_of(call) -> grpc.StatusCode:
 
 
 # ----- 1. the answer equals engine.generate ------------------------------------------------------------
-def test_answer_through_ray_equals_engine_generate(client, clips, reference_engine):
+def test_answer_through_ray_equals_engine_generate(client, clips, remote_reference_engine):
     video = clips.data["a"]
     sources = [{"video_id": client.upload(video)}, {"path": "a.mp4"}, {"data": video}]
     for source, prompt in zip(sources, PROMPTS + PROMPTS[:1]):
-        expected = reference(reference_engine, video, prompt, max_new_tokens=24)
+        expected = reference(remote_reference_engine, video, prompt, max_new_tokens=24)
         got = client.generate(prompt, max_new_tokens=24, **source)
         assert got.token_ids == expected.token_ids and got.text == expected.text
         assert got.completion.metrics.draft_tokens > 0
-    sampled = reference(reference_engine, video, PROMPTS[1], max_new_tokens=20, temperature=1.0, seed=11)
+    sampled = reference(remote_reference_engine, video, PROMPTS[1], max_new_tokens=20, temperature=1.0, seed=11)
     got = client.generate(PROMPTS[1], data=video, max_new_tokens=20, temperature=1.0, seed=11)
     assert got.token_ids == sampled.token_ids
     assert (got.completion.metrics.accepted_tokens, got.completion.metrics.steps) == (
@@ -123,9 +123,9 @@ def test_health_reflection_and_model_info_through_the_proxy(client):
 
 
 # ----- 2. concurrency, the prefix cache, cancel and Abort -------------------------------------------------
-def test_eight_concurrent_streams_through_ray(app, clips, reference_engine):
+def test_eight_concurrent_streams_through_ray(app, clips, remote_reference_engine):
     jobs = [(name, PROMPTS[i % 2]) for i, name in enumerate("abcdabcd")]
-    expected = [reference(reference_engine, clips.data[n], p, max_new_tokens=16).token_ids for n, p in jobs]
+    expected = [reference(remote_reference_engine, clips.data[n], p, max_new_tokens=16).token_ids for n, p in jobs]
     barrier = threading.Barrier(len(jobs))
 
     def ask(job):
@@ -139,13 +139,13 @@ def test_eight_concurrent_streams_through_ray(app, clips, reference_engine):
     wait_target_freed(app)
 
 
-def test_second_question_on_same_video_skips_prefill_on_ray(client, clips, reference_engine):
+def test_second_question_on_same_video_skips_prefill_on_ray(client, clips, remote_reference_engine):
     video_id = client.upload(clips.data["e"])
     first = client.generate(PROMPTS[0], video_id=video_id, max_new_tokens=10)
     second = client.generate(PROMPTS[1], video_id=video_id, max_new_tokens=10)
     assert first.completion.usage.cached_prompt_tokens == 0
     assert second.completion.usage.visual_tokens < second.completion.usage.cached_prompt_tokens
-    assert second.token_ids == reference(reference_engine, clips.data["e"], PROMPTS[1], max_new_tokens=10).token_ids
+    assert second.token_ids == reference(remote_reference_engine, clips.data["e"], PROMPTS[1], max_new_tokens=10).token_ids
 
 
 def test_cancel_abort_and_deadline_free_state_on_ray(app, client, clips):
@@ -182,17 +182,17 @@ def test_cancel_abort_and_deadline_free_state_on_ray(app, client, clips):
     (dict(video_options=pb.VideoOptions(min_pixels=2**32 - 1)), grpc.StatusCode.INVALID_ARGUMENT),
 ], ids=["prompt", "not a video", "path", "unknown id", "tokens", "bytes", "missing file", "temperature inf",
         "min_pixels"])
-def test_bad_input_gets_its_code_through_ray(client, clips, reference_engine, kwargs, code):
+def test_bad_input_gets_its_code_through_ray(client, clips, remote_reference_engine, kwargs, code):
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", PROMPTS[0])
     if not {"data", "path", "video_id"} & set(kwargs):
         kwargs["data"] = clips.data["b"]
     assert code_of(lambda: list(client.stream(prompt, **kwargs))) == code
     good = client.generate(PROMPTS[0], data=clips.data["b"], max_new_tokens=8)
-    assert good.token_ids == reference(reference_engine, clips.data["b"], PROMPTS[0], max_new_tokens=8).token_ids
+    assert good.token_ids == reference(remote_reference_engine, clips.data["b"], PROMPTS[0], max_new_tokens=8).token_ids
 
 
-def test_undecodable_request_is_invalid_argument_through_ray(client, clips, reference_engine):
+def test_undecodable_request_is_invalid_argument_through_ray(client, clips, remote_reference_engine):
     """The same status as the embedded host (tests/test_faults.py): the proxy's deserializer
     hands the replica an Undecodable, not an exception of its own."""
     call = client.channel.unary_stream("/sparrow.v1.Sparrow/Generate", request_serializer=None)
@@ -200,17 +200,17 @@ def test_undecodable_request_is_invalid_argument_through_ray(client, clips, refe
     assert code_of(lambda: list(call(bad.replace(b"abc", b"\xff\xfe\xfd"), timeout=60))) == \
         grpc.StatusCode.INVALID_ARGUMENT
     good = client.generate(PROMPTS[0], data=clips.data["b"], max_new_tokens=8)
-    assert good.token_ids == reference(reference_engine, clips.data["b"], PROMPTS[0], max_new_tokens=8).token_ids
+    assert good.token_ids == reference(remote_reference_engine, clips.data["b"], PROMPTS[0], max_new_tokens=8).token_ids
 
 
-def test_draft_calls_stay_on_one_draft_replica(app, client, clips, reference_engine):
+def test_draft_calls_stay_on_one_draft_replica(app, client, clips, remote_reference_engine):
     """A target replica's draft calls all reach the draft replica that holds its sessions
     (rendezvous routing of its client id): with two draft replicas and nothing failing, no
     session is ever answered need_context and rebuilt elsewhere."""
     before = app.stats()
     for seed, name in enumerate("abcd"):
         sampling = dict(max_new_tokens=16, temperature=1.0, seed=seed) if seed % 2 else dict(max_new_tokens=16)
-        expected = reference(reference_engine, clips.data[name], PROMPTS[0], **sampling)
+        expected = reference(remote_reference_engine, clips.data[name], PROMPTS[0], **sampling)
         assert client.generate(PROMPTS[0], data=clips.data[name], **sampling).token_ids == expected.token_ids
     after = app.stats()
     assert (after["draft_rebuilds"], after["draft_failovers"]) == (before["draft_rebuilds"], before["draft_failovers"])
@@ -230,11 +230,11 @@ def serving_replica(app, within: float = 10.0) -> str:
     raise AssertionError(f"no draft replica holds session {session}")
 
 
-def test_killing_the_draft_replica_mid_stream_keeps_the_answer(app, client, clips, reference_engine):
+def test_killing_the_draft_replica_mid_stream_keeps_the_answer(app, client, clips, remote_reference_engine):
     import ray
 
     with ThreadPoolExecutor(1) as pool:      # torch off the main thread: much faster on a busy CPU
-        expected = pool.submit(reference, reference_engine, clips.data["c"], PROMPTS[1],
+        expected = pool.submit(reference, remote_reference_engine, clips.data["c"], PROMPTS[1],
                                max_new_tokens=1000, ignore_eos=True).result()
     call = client.stream(PROMPTS[1], data=clips.data["c"], max_new_tokens=1000, ignore_eos=True)
     tokens = list(next(call).chunk.token_ids)
@@ -260,7 +260,7 @@ def test_killing_the_draft_replica_mid_stream_keeps_the_answer(app, client, clip
 
 
 # ----- 5. Redis stops mid-run ----------------------------------------------------------------------------------
-def test_redis_stopped_mid_run_requests_still_complete_on_ray(app, client, clips, reference_engine):
+def test_redis_stopped_mid_run_requests_still_complete_on_ray(app, client, clips, remote_reference_engine):
     from sparrow.video import write_synthetic_video
 
     video_id = client.upload(clips.data["d"])
@@ -268,14 +268,14 @@ def test_redis_stopped_mid_run_requests_still_complete_on_ray(app, client, clips
     app.redis.stop()
     for source, video, prompt in [({"video_id": video_id}, clips.data["d"], PROMPTS[0]),
                                   ({"data": clips.data["b"]}, clips.data["b"], PROMPTS[1])]:
-        expected = reference(reference_engine, video, prompt, max_new_tokens=16).token_ids
+        expected = reference(remote_reference_engine, video, prompt, max_new_tokens=16).token_ids
         assert client.generate(prompt, max_new_tokens=16, **source).token_ids == expected
     app.redis.restart()
     time.sleep(2.5)                       # the cache retries Redis 2 s after an error
     fresh = write_synthetic_video(None, num_frames=8, width=56, height=56, fps=4.0, seed=99).data
     fresh_id = client.upload(fresh)
     assert app.redis.client().exists(f"sparrow:video:{fresh_id}:m")        # back to Redis
-    expected = reference(reference_engine, fresh, PROMPTS[0], max_new_tokens=8).token_ids
+    expected = reference(remote_reference_engine, fresh, PROMPTS[0], max_new_tokens=8).token_ids
     assert client.generate(PROMPTS[0], video_id=fresh_id, max_new_tokens=8).token_ids == expected
 
 
@@ -324,7 +324,7 @@ def test_second_question_reaches_the_replica_holding_the_prefill(app, two_target
 
 
 # ----- live sessions -----------------------------------------------------------------------------------------
-def test_a_live_session_through_ray_answers_as_the_library_and_is_freed(app, reference_engine):
+def test_a_live_session_through_ray_answers_as_the_library_and_is_freed(app, remote_reference_engine):
     """A bidi stream is one call to one replica: the session lives there; its answer equals
     the library's on the same stream; a client that goes away frees it."""
     from test_service_live import OPEN, QUESTION, GREEDY, Reader, answers, library_answer, prefilled, ts_bytes
@@ -349,11 +349,11 @@ def test_a_live_session_through_ray_answers_as_the_library_and_is_freed(app, ref
     (span, tokens, done), = answers(reader.seen, "q1")
     assert done.completion.metrics.draft_tokens > 0               # drafted through the remote draft
     assert reader.seen[-1].stats.final and done.completion.finish_reason == pb.FINISH_REASON_LENGTH
-    session = LiveSession(reference_engine, live_config(pb.LiveOpen(**OPEN), ServiceConfig(max_new_tokens=2000)))
+    session = LiveSession(remote_reference_engine, live_config(pb.LiveOpen(**OPEN), ServiceConfig(max_new_tokens=2000)))
     session.feed(data)
     session.end_of_stream()
     session.wait_ingested()
-    assert library_answer(reference_engine, session) == (span, tokens)
+    assert library_answer(remote_reference_engine, session) == (span, tokens)
     session.close()
     assert app.stats()["live_sessions"] == 0
     with client.live(stats_every_s=0.1, **OPEN) as live:          # leaves mid-answer without closing: cancelled

@@ -38,8 +38,9 @@ class Replicas:
     next goes to a live one. `before(replicas, batch)` runs before each call is served (to
     evict sessions at an exact step); every call's batch is kept."""
 
-    def __init__(self, n: int, draft, cache, kill_at_call: int | None = None, kill_all: bool = False, before=None):
-        self.clients = [LocalDraftClient(DraftWorker(SparrowProposer(draft, SPEC), cache)) for _ in range(n)]
+    def __init__(self, n: int, draft, cache, kill_at_call: int | None = None, kill_all: bool = False, before=None,
+                 spec: SpecConfig = SPEC):
+        self.clients = [LocalDraftClient(DraftWorker(SparrowProposer(draft, spec), cache)) for _ in range(n)]
         self.dead: set[int] = set()
         self.home: dict[str, int] = {}
         self.calls, self.kill_at_call, self.kill_all, self.before = 0, kill_at_call, kill_all, before
@@ -132,8 +133,31 @@ def test_remote_draft_gives_the_colocated_answer(models, colocated, sampling, fa
     probs = [r.probs for replies in replicas.replies for r in replies if not r.need_context]
     if sampling.greedy:
         assert probs and all(p is None for p in probs)
-    else:      # top-k rows travel as their nonzero entries; untruncated ones whole
-        assert probs and all((p.index is not None) == (sampling.top_k > 0) for p in probs)
+    else:      # rows travel as their nonzero entries where that is smaller, else whole
+        assert probs and all((p.index is not None) == (int((p.decode() > 0).sum()) * 8 < p.decode().numel() * 4)
+                             for p in probs)
+        if sampling.top_k > 0:
+            assert all(p.index is not None for p in probs)
+
+
+def test_remote_draft_cut_sends_few_entries_and_gives_the_colocated_answer(models, redis_url):
+    """Plain temperature sampling (no top-k / top-p) with the draft's own cut (SpecConfig
+    draft_mass / draft_max_candidates, what the remote placement sets): the rows travel as at
+    most that many entries each, and the answer equals the colocated draft's with the same
+    spec, token for token (the same q drawn from and accepted against)."""
+    target, draft, video = models
+    spec = SpecConfig(**{**SPEC_KWARGS, "draft_mass": 0.99, "draft_max_candidates": 12})
+    expected = Engine(target, draft, spec).generate(video, PROMPT, SAMPLED)
+    cache = RedisStateCache(redis_url)
+    replicas = Replicas(2, draft, cache, spec=spec)
+    engine = Engine(target, spec=spec, proposer=CountingProposer(replicas, SparrowProposer(draft, spec), spec, cache))
+    out = engine.generate(video, PROMPT, SAMPLED)
+    assert out.token_ids == expected.token_ids
+    assert (out.metrics.steps, out.metrics.accepted_tokens) == (expected.metrics.steps, expected.metrics.accepted_tokens)
+    probs = [r.probs for replies in replicas.replies for r in replies if not r.need_context]
+    assert probs and all(p.index is not None and p.index.numel() <= 12 * p.shape[0] for p in probs)
+    uncut = Engine(target, draft, SPEC).generate(video, PROMPT, SAMPLED)
+    assert uncut.token_ids != expected.token_ids          # the cut really changed what the draft drew
 
 
 def test_one_draft_call_per_step_for_concurrent_requests(models, colocated, redis_url):

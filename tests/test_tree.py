@@ -120,23 +120,30 @@ def _exact_distribution(target, engine, video, sampling, n: int) -> dict[tuple[i
 
 
 @pytest.mark.parametrize("tree", [(1, 1), (2, 2), "specvlm"], ids=["chain", "tree", "close-draft"])
-@pytest.mark.parametrize("truncation", [dict(top_k=3, temperature=1.3), dict(top_p=0.7, temperature=0.3)],
-                         ids=["top_k", "top_p"])
+@pytest.mark.parametrize("truncation", [dict(top_k=3, temperature=1.3), dict(top_p=0.7, temperature=0.3),
+                                        dict(top_k=3, temperature=1.3, draft_cut=(0.6, 2))],
+                         ids=["top_k", "top_p", "top_k-draft-cut"])
 def test_engine_samples_the_targets_distribution_end_to_end(qwen_target, tree, truncation):
     """1,200 seeded three-token answers through the batched engine match the target's exact
     three-token distribution (chi-square, p = 0.001). Drafts: a random Sparrow draft (its one
     verify step drafts a depth-1 chain or two i.i.d. siblings; mostly rejected), and a close
     one (the target itself on half the video, SpecVLM-style: q near p, so acceptance and the
-    residual after a rejection both carry weight)."""
+    residual after a rejection both carry weight). "draft-cut": the drafts draw from their
+    own q cut harder than the request (60% of its mass, at most 2 tokens: SpecConfig
+    draft_mass / draft_max_candidates), which must not move the output distribution."""
+    truncation = dict(truncation)
+    mass, cap = truncation.pop("draft_cut", (1.0, 0))
     video = synthetic_frames(4, 56, 56, seed=1)
     config = EngineConfig(max_waiting=2000)
     if tree == "specvlm":
         spec = SpecConfig(method="specvlm", num_draft_tokens=2)
-        proposer = SpecVLMProposer(qwen_target, qwen_target, keep_ratio=0.5, video_cache_entries=4)
+        proposer = SpecVLMProposer(qwen_target, qwen_target, keep_ratio=0.5, video_cache_entries=4,
+                                   draft_mass=mass, draft_max_candidates=cap)
         engine = Engine(qwen_target, spec=spec, proposer=proposer, prefix_cache=PrefixCache(), config=config)
     else:
         width, branch = tree
-        spec = SpecConfig(num_draft_tokens=2, window=8, anchors=16, tree_width=width, tree_branch=branch)
+        spec = SpecConfig(num_draft_tokens=2, window=8, anchors=16, tree_width=width, tree_branch=branch,
+                          draft_mass=mass, draft_max_candidates=cap)
         engine = Engine(qwen_target, tiny_draft(qwen_target, seed=5), spec, prefix_cache=PrefixCache(),
                         config=config)
     sampling = SamplingParams(max_new_tokens=3, ignore_eos=True, **truncation)

@@ -47,7 +47,7 @@ from ..models.target import FeatureNeeds
 from .propose import DraftContext, build_context
 from ..models.draft import RMSNorm, rope  # the same norm and rotary embedding as the Sparrow draft
 from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
-from .sampling import logits_to_probs, sample
+from .sampling import draft_probs, sample
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -248,8 +248,10 @@ class Eagle3State:
 class Eagle3Proposer:
     """Chain drafting with an EAGLE-3 draft. Keeps no per-request state on itself."""
 
-    def __init__(self, draft: Eagle3Draft, draft_context: str = "all"):
+    def __init__(self, draft: Eagle3Draft, draft_context: str = "all", draft_mass: float = 1.0,
+                 draft_max_candidates: int = 0):
         self.draft = draft
+        self.draft_mass, self.draft_max_candidates = draft_mass, draft_max_candidates     # sampling.draft_probs
         self.context = draft_context
         self.needs = FeatureNeeds(tuple(draft.config.feature_layers), None, draft_context != "text")
         self.vocab_size = draft.config.vocab_size
@@ -301,7 +303,7 @@ class Eagle3Proposer:
         d = self.draft
         if sampling.greedy:
             return int(d.to_target_ids(logits_d.argmax())), None
-        q_d = logits_to_probs(logits_d, sampling.temperature, sampling.top_k, sampling.top_p)          # (Vd,)
+        q_d = draft_probs(logits_d, sampling, self.draft_mass, self.draft_max_candidates)             # (Vd,)
         target_ids = d.to_target_ids(torch.arange(q_d.shape[0], device=q_d.device))
         q = q_d.new_zeros(self.vocab_size).index_copy_(0, target_ids, q_d)                            # (V,)
         return sample(q, generator), q
@@ -324,7 +326,7 @@ def _eagle3(target, draft, spec) -> Eagle3Proposer:
 
     if not isinstance(draft, Eagle3Draft):
         raise InvalidRequest(f"method 'eagle3' needs an Eagle3Draft, got {type(draft).__name__}")
-    return Eagle3Proposer(draft, spec.draft_context)
+    return Eagle3Proposer(draft, spec.draft_context, spec.draft_mass, spec.draft_max_candidates)
 
 
 register_proposer("eagle3", _eagle3)

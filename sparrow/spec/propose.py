@@ -18,7 +18,7 @@ from ..models.target import FeatureNeeds
 from .glimpse import select_glimpse, text_to_visual_attention
 from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
 from .prune import prune_budget, prune_visual
-from .sampling import logits_to_probs
+from .sampling import draft_probs
 
 # A window no sequence reaches: with it nothing slides out of view and nothing is evicted, so
 # `window_mask` is plain causal attention ("all" / "pruned" draft contexts).
@@ -304,7 +304,7 @@ class _TreeGrowth:
             top = torch.topk(logp, n)
             picks, scores, row = top.indices.tolist(), top.values.tolist(), None
         else:
-            q = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            q = draft_probs(logits, sampling, self.spec.draft_mass, self.spec.draft_max_candidates)
             picks = torch.multinomial(q, n, replacement=True, generator=self.request.generator).tolist()
             scores = torch.log(q[picks].clamp(min=1e-30)).tolist()
             row = len(self.probs)

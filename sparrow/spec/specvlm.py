@@ -106,8 +106,9 @@ class SpecVLMProposer:
 
     def __init__(self, target: TargetModel, small: TargetModel, keep_ratio: float = 0.1, mass: float = 0.5,
                  bridge_layer: int | None = None, on_end: Callable[[SpecVLMState], None] | None = None,
-                 video_cache_entries: int = 32):
+                 video_cache_entries: int = 32, draft_mass: float = 1.0, draft_max_candidates: int = 0):
         _check_compatible(target, small)
+        self.draft_mass, self.draft_max_candidates = draft_mass, draft_max_candidates     # sampling.draft_probs
         if not isinstance(keep_ratio, (int, float)) or not 0.0 <= keep_ratio <= 1.0:
             raise InvalidRequest(f"keep_ratio must be in [0, 1], got {keep_ratio!r}")
         if not isinstance(mass, (int, float)) or not 0.0 <= mass <= 1.0:
@@ -236,7 +237,8 @@ class SpecVLMProposer:
         feed, tokens, probs = state.pending, [], []
         state.pending = []
         for j in range(k):
-            tok, q = draw_token(self._feed(state, feed), sampling, generator)
+            tok, q = draw_token(self._feed(state, feed), sampling, generator, self.draft_mass,
+                                self.draft_max_candidates)
             if q is not None:
                 probs.append(q)
             tokens.append(tok)
@@ -311,7 +313,8 @@ def _cache_plan(pre: PrefillOutput, prompt_len: int, draft_prompt_len: int) -> t
 def _specvlm(target: TargetModel, small: TargetModel, spec: SpecConfig) -> SpecVLMProposer:
     """The registry's "specvlm": the draft is the small VLM; spec.prune_keep is the share of
     visual tokens it sees."""
-    return SpecVLMProposer(target, small, keep_ratio=spec.prune_keep)
+    return SpecVLMProposer(target, small, keep_ratio=spec.prune_keep, draft_mass=spec.draft_mass,
+                           draft_max_candidates=spec.draft_max_candidates)
 
 
 register_proposer("specvlm", _specvlm)
