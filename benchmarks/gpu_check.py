@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -97,6 +95,7 @@ def attention_costs(contexts: list[int], sizes: tuple[int, ...], batches: tuple[
     """One layer of the 7B shape (28 query heads, 4 KV heads, head dim 128, bf16): verify
     attention of N tree tokens over each row's cache through each kernel. A random tree (each
     node's parent earlier), the same for every row; rows of a batch have the same length."""
+    from benchmarks.kernels import timed
     from sparrow.kernels.triton_attention import verify_attention_triton
     from sparrow.models.ragged import ragged_attention
 
@@ -125,26 +124,12 @@ def attention_costs(contexts: list[int], sizes: tuple[int, ...], batches: tuple[
                     call = sdpa if fn is None else (lambda fn=fn: fn(q, k, v, prefix, tree))
                     try:
                         row[name] = (kernel_ms(call, max(2, reps // 2)) * 1e3 if dev.type == "cuda"
-                                     else _time_us(call, reps))
+                                     else timed(call, reps, dev) * 1e6)
                     except Exception as e:                 # noqa: BLE001 - a kernel that cannot run here is reported
                         row[name] = f"failed: {type(e).__name__}"
                 rows.append(row)
                 print(row, flush=True)
     return rows
-
-
-def _time_us(fn, reps: int) -> float:
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def attention_table(rows: list[dict]) -> str:
