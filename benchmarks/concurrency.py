@@ -5,10 +5,16 @@ after another. Issue 15's serving benchmark.
     python -m benchmarks.concurrency --quick                       # 0.5k only, 1-8 streams, 2 reps, 32 tokens
     python -m benchmarks.concurrency --streams 1,8 --lengths 168x28 --paths in-process --no-prefill
     python -m benchmarks.concurrency --tiny                        # tiny random models: a smoke run
+    python -m benchmarks.concurrency --streams 1,8 --paths in-process --no-prefill --share-prefill \
+        --methods plain,eagle,specvlm,sparrow,sparrow-tree,sparrow-tree-auto --temperatures 0,1 \
+        --lengths 168x28 --json a.json                             # issue 17's table at batch 1 and 8, a length a run
+    python -m benchmarks.concurrency --from-json a.json,b.json --out BENCHMARKS.md   # those runs as one report
 
-For each video length, each method (batched plain decoding, SpecConfig(method="none"), and
-batched Sparrow) and each path (in-process: a thread per stream iterating `engine.stream`;
-gRPC: a thread per stream reading the embedded server on loopback):
+For each video length, each method (batched plain decoding, SpecConfig(method="none"); the
+EAGLE-style and SpecVLM-style baselines of benchmarks.speculative; batched Sparrow: chain,
+adaptive k, fixed tree, tree cut by cost), each path (in-process: a thread per stream
+iterating `engine.stream`; gRPC: a thread per stream reading the embedded server on
+loopback) and each temperature:
 
     one at a time   the requests one after another (once, the largest N of them); N's
                     baseline is its first N
@@ -21,13 +27,19 @@ chunks of a stream that carry tokens; a speculative chunk holds several tokens),
 
 Protocol: every rep makes fresh world videos, one per stream (seeds from --seed, clear of
 training and of the other benchmarks); stream i asks caption prompt i mod 3 with --tokens new
-tokens (EOS ignored, so every stream does the same work) at T=0. Each method and path has its
-own engine and prefix cache (as separate deployments), and every engine caches every video's
-prefill before anything is timed, through the public API only: a 1-token request naming the
-video (in-process by a video key; over gRPC by its upload id). A timed request that misses the
-cache fails the run. Methods are interleaved per rep, their order rotated. Every output must equal plain decoding's one-at-a-time in-process output,
-token for token (lossless, and independent of its neighbours): a mismatch fails the run
-(exit status 1, nothing written).
+tokens (EOS ignored, so every stream does the same work), at T > 0 seeded with seed + i. Each
+method and path has its own engine and prefix cache (as separate deployments), and every
+engine caches every video's prefill before anything is timed, through the public API: a
+1-token request naming the video (in-process by a video key; over gRPC by its upload id).
+With --share-prefill the in-process engines instead answer from one cache holding one prefill
+per video (speculative.share_prefix, as the side-by-side benchmark does: the same target, so
+the same prefix; 5x fewer 25k prefills); SpecVLM keeps its own cache and 1-token request (its
+small VLM reads the video's pixels once, and keeps its visual tokens for the video's later
+requests). A timed request that misses the cache fails the run. Methods are interleaved per
+rep, their order rotated. At T=0 every output must equal plain decoding's one-at-a-time
+in-process output, token for token (lossless, and independent of its neighbours); at T > 0 its
+own method's one-at-a-time in-process output with the same seed (independent of its neighbours
+and of the path). A mismatch fails the run (exit status 1, nothing written).
 
 Prefill scenario: --prefill-streams streams on the shortest videos decode (in-process) while
 a request with an uncached --prefill-video (~25k visual tokens, decoded beforehand so only
@@ -76,7 +88,8 @@ from sparrow.state_cache import open_cache  # noqa: E402
 from sparrow.training.world import CAPTION_PROMPTS, LADDER  # noqa: E402
 from sparrow.video import ProcessedVideo, prepare_video  # noqa: E402
 
-METHODS = {"plain": "plain", "sparrow": "Sparrow", "sparrow-adaptive": "Sparrow, adaptive k", "sparrow-tree": "Sparrow tree",
+METHODS = {"plain": "plain", "eagle": "EAGLE-style (all tokens)", "specvlm": "SpecVLM-style", "sparrow": "Sparrow",
+           "sparrow-adaptive": "Sparrow, adaptive k", "sparrow-tree": "Sparrow tree",
            "sparrow-tree-auto": "Sparrow tree, cut by cost"}
 PATHS = {"in-process": "in-process", "grpc": "gRPC"}
 SEED = 3 * 10**9                 # world videos: training < 1e9, world eval 4e9, speculative 2e9
@@ -90,6 +103,7 @@ class ConcurrencyConfig:
     streams: tuple[int, ...] = (1, 2, 4, 8, 16)
     tokens: int = 64
     reps: int = 5
+    temperatures: tuple[float, ...] = (0.0,)            # T > 0: request i seeded with seed + i
     methods: tuple[str, ...] = ("plain", "sparrow")        # "sparrow-adaptive" on request (--methods)
     paths: tuple[str, ...] = tuple(PATHS)
     k: int = 4
@@ -101,6 +115,7 @@ class ConcurrencyConfig:
     prefill_reps: int = 5
     prefill_stream_tokens: int = 2048                    # enough to outlast the prefill (checked)
     before_s: float = 2.0
+    share_prefill: bool = False          # in-process engines read one cached prefill per video (not one each)
 
     def __post_init__(self) -> None:
         if not self.streams or list(self.streams) != sorted(set(self.streams)) or self.streams[0] < 1:
@@ -110,6 +125,8 @@ class ConcurrencyConfig:
                 raise ValueError(f"{name} must be a non-empty subset of {list(known)}, got {given}")
         if not self.lengths or self.reps < 1 or self.tokens < 2 or self.prefill_streams < 1:
             raise ValueError("need lengths, reps >= 1, tokens >= 2 and prefill_streams >= 1")
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ValueError(f"temperatures must be a non-empty list of values >= 0, got {self.temperatures}")
 
     @property
     def videos_per_rep(self) -> int:
@@ -158,14 +175,17 @@ def engine_call(engine: Engine, key: str, prompt: str, sampling: SamplingParams)
     return call
 
 
-def grpc_call(client: SparrowClient, video_id: str, prompt: str, tokens: int, fps: float) -> Callable[[], Trace]:
+def grpc_call(client: SparrowClient, video_id: str, prompt: str, tokens: int, fps: float, temperature: float = 0.0,
+              seed: int | None = None) -> Callable[[], Trace]:
     """A request through the gRPC server about an uploaded video."""
+    sampling = {"temperature": temperature, **({"seed": seed} if seed is not None else {})}
+
     def call() -> Trace:
         done = []
 
         def chunks():
             for response in client.stream(prompt, video_id=video_id, max_new_tokens=tokens, ignore_eos=True,
-                                          video_options=pb.VideoOptions(fps=fps)):
+                                          video_options=pb.VideoOptions(fps=fps), **sampling):
                 if response.HasField("chunk"):
                     yield response.chunk.token_ids
                 else:
@@ -224,7 +244,7 @@ class Video:
     data: bytes
     fps: float                                            # sent over gRPC: sampled as in-process
     prompt: str
-    key: str = ""                                         # in-process prefix cache key
+    keys: dict[str, str] = dataclasses.field(default_factory=dict)   # method -> in-process prefix cache key
     video_id: str | None = None                           # gRPC upload
 
 
@@ -239,13 +259,20 @@ def make_videos(target, side: int, frames: int, count: int, seed: int) -> list[V
 
 
 def cache_prefills(videos: list[Video], engines: dict[str, Engine], clients: dict[str, SparrowClient],
-                   tag: str) -> None:
-    """Before timing, every engine caches every video's prefill, through the public API only: a
-    1-token request naming the video (in-process by a key, over gRPC by its upload id)."""
+                   tag: str, shared: PrefixCache | None = None, target=None) -> None:
+    """Before timing, every engine caches every video's prefill, through the public API: a
+    1-token request naming the video (in-process by a key, over gRPC by its upload id). With a
+    `shared` cache, the in-process engines answering from it get one prefill per video, made
+    once for all of them (speculative.share_prefix: one per bridge layer, every engine's features)."""
+    sharing = {m: e for m, e in engines.items() if shared is not None and e.prefix_cache is shared}
     for i, v in enumerate(videos):
-        v.key = f"{tag}v{i}"
-        for engine in engines.values():
-            engine.generate(v.processed, v.prompt, SamplingParams(max_new_tokens=1), video_key=v.key)
+        if sharing:
+            keys, _ = sb.share_prefix(target, v.processed, v.prompt, sharing, shared, f"{tag}v{i}")
+            v.keys.update(keys)
+        for method, engine in engines.items():
+            if method not in sharing:
+                v.keys[method] = f"{tag}v{i}"
+                engine.generate(v.processed, v.prompt, SamplingParams(max_new_tokens=1), video_key=v.keys[method])
         for client in clients.values():
             v.video_id = client.upload(v.data)
             grpc_call(client, v.video_id, v.prompt, 1, v.fps)()
@@ -258,25 +285,33 @@ def run_benchmark(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) ->
     measures, summaries, the prefill scenario and identity mismatches. JSON-serialisable."""
     load_before, machine = os.getloadavg(), sb.machine()
     models = sb.Models(cfg.models)
-    spec_cfg = sb.BenchConfig(models=cfg.models, k=cfg.k, methods=("plain", "sparrow", "sparrow-adaptive", "sparrow-tree",
-                                                                   "sparrow-tree-auto"),
-                              tree=cfg.tree)
-    # An engine per method and path, each with its own prefix cache, as separate deployments would be.
-    caches = [PrefixCache(max_bytes=64 << 30, max_entries=cfg.videos_per_rep + 8) for _ in range(2 * len(cfg.methods))]
-    engines = {m: sb.build_engine(m, models, spec_cfg, caches[i]) for i, m in enumerate(cfg.methods)}
+    spec_cfg = sb.BenchConfig(models=cfg.models, k=cfg.k, methods=tuple(METHODS), tree=cfg.tree)
+    entries = cfg.videos_per_rep + 8
+    caches: list[PrefixCache] = []
+
+    def new_cache() -> PrefixCache:
+        caches.append(PrefixCache(max_bytes=64 << 30, max_entries=entries))
+        return caches[-1]
+
+    # An engine per method and path, each with its own prefix cache, as separate deployments
+    # would be; with share_prefill the in-process ones read one (SpecVLM keeps its own: its
+    # small VLM reads the pixels on a video's first request).
+    shared = new_cache() if cfg.share_prefill else None
+    engines = {m: sb.build_engine(m, models, spec_cfg, shared if shared is not None and m != "specvlm" else new_cache(),
+                                  keyed_videos=entries) for m in cfg.methods}
     result = {"runs": [], "prefill_scenario": [], "mismatches": []}
     with contextlib.ExitStack() as stack:
         clients = {}
         if "grpc" in cfg.paths:
-            for i, m in enumerate(cfg.methods):
-                service = SparrowService(sb.build_engine(m, models, spec_cfg, caches[len(cfg.methods) + i]),
+            for m in cfg.methods:
+                service = SparrowService(sb.build_engine(m, models, spec_cfg, new_cache(), keyed_videos=entries),
                                          open_cache("memory"), ServiceConfig(max_new_tokens=max(2048, cfg.tokens),
                                                                              max_concurrent=cfg.videos_per_rep + 8))
                 server = stack.enter_context(BackgroundServer(service))
                 clients[m] = stack.enter_context(SparrowClient(server.address))
         for rep in range(cfg.reps):
             for li in range(len(cfg.lengths)):
-                for name, rows in run_length(cfg, models.target, engines, clients, rep, li, log).items():
+                for name, rows in run_length(cfg, models.target, engines, clients, rep, li, log, shared).items():
                     result[name] += rows
                 for c in caches:
                     c.clear()
@@ -287,28 +322,30 @@ def run_benchmark(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) ->
 
 
 def run_length(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clients: dict[str, SparrowClient],
-               rep: int, li: int, log: Callable[[str], None]) -> dict[str, list[dict]]:
-    """One rep of one video length: fresh videos, their prefills cached, then every method and
-    path (methods in an order rotated per rep), the identity check, and the prefill scenario."""
+               rep: int, li: int, log: Callable[[str], None], shared: PrefixCache | None = None) -> dict[str, list[dict]]:
+    """One rep of one video length: fresh videos, their prefills cached, then every method, path
+    and temperature (methods in an order rotated per rep), the identity check, and the prefill
+    scenario."""
     side, frames = cfg.lengths[li]
     videos = make_videos(target, side, frames, cfg.videos_per_rep, cfg.seed + 10_000 * rep + 1000 * li)
-    cache_prefills(videos, engines if "in-process" in cfg.paths else {}, clients, f"r{rep}l{li}")
+    cache_prefills(videos, engines if "in-process" in cfg.paths else {}, clients, f"r{rep}l{li}", shared, target)
     n_vis = videos[0].visual_tokens
     log(f"rep {rep}: {len(videos)} videos of {side}px x {frames} frames = {n_vis} visual tokens, prefills cached")
     runs, outputs = [], {}
     for method in cfg.methods[rep % len(cfg.methods):] + cfg.methods[:rep % len(cfg.methods)]:
         for path in cfg.paths:
-            calls = _calls(path, engines[method], clients.get(method), videos, cfg.tokens)
-            if rep == 0 and li == 0 and cfg.warmup_tokens:    # untimed: first-call costs
-                _calls(path, engines[method], clients.get(method), videos[:1], cfg.warmup_tokens)[0]()
-            got = run_configuration(calls, cfg.streams)
-            for r in got["runs"]:
-                r.update(rep=rep, visual_tokens=n_vis, method=method, path=path)
-                log(f"  {method:8s} {path:10s} {r['streams']:2d} streams: {r['tok_s']:8.1f} tok/s "
-                    f"({r['x_one_at_a_time']:.2f}x one at a time), TTFT p95 {r['ttft_p95_ms']:.1f} ms, "
-                    f"ITL p95 {r['itl_p95_ms']:.1f} ms")
-            runs += got["runs"]
-            outputs[(method, path)] = got["outputs"]
+            for temp in cfg.temperatures:
+                calls = _calls(path, engines[method], clients.get(method), videos, cfg.tokens, method, temp, cfg.seed)
+                if rep == 0 and li == 0 and cfg.warmup_tokens and temp == cfg.temperatures[0]:   # untimed: first calls
+                    _calls(path, engines[method], clients.get(method), videos[:1], cfg.warmup_tokens, method)[0]()
+                got = run_configuration(calls, cfg.streams)
+                for r in got["runs"]:
+                    r.update(rep=rep, visual_tokens=n_vis, method=method, path=path, temperature=temp)
+                    log(f"  {method:8s} {path:10s} T={temp:g} {r['streams']:2d} streams: {r['tok_s']:8.1f} tok/s "
+                        f"({r['x_one_at_a_time']:.2f}x one at a time), TTFT p95 {r['ttft_p95_ms']:.1f} ms, "
+                        f"ITL p95 {r['itl_p95_ms']:.1f} ms, tau {r['tau']:.2f}")
+                runs += got["runs"]
+                outputs[(method, path, temp)] = got["outputs"]
     mismatches = check_identity(outputs, rep, n_vis)
     for line in mismatch_lines(mismatches):
         log(line)
@@ -318,12 +355,15 @@ def run_length(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clien
     return {"runs": runs, "mismatches": mismatches, "prefill_scenario": scenario}
 
 
-def _calls(path: str, engine: Engine, client: SparrowClient | None, videos: list[Video],
-           tokens: int) -> list[Callable[[], Trace]]:
+def _calls(path: str, engine: Engine, client: SparrowClient | None, videos: list[Video], tokens: int, method: str,
+           temperature: float = 0.0, seed: int = SEED) -> list[Callable[[], Trace]]:
+    """Request i of the list: video i; at T > 0 seeded with seed + i (the same in every run)."""
+    seeds = [seed + i if temperature > 0 else None for i in range(len(videos))]
     if path == "grpc":
-        return [grpc_call(client, v.video_id, v.prompt, tokens, v.fps) for v in videos]
-    sampling = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    return [engine_call(engine, v.key, v.prompt, sampling) for v in videos]
+        return [grpc_call(client, v.video_id, v.prompt, tokens, v.fps, temperature, s) for v, s in zip(videos, seeds)]
+    return [engine_call(engine, v.keys[method], v.prompt,
+                        SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=temperature, seed=s))
+            for v, s in zip(videos, seeds)]
 
 
 def run_configuration(calls: list[Callable[[], Trace]], streams: tuple[int, ...]) -> dict:
@@ -348,24 +388,36 @@ def _check_cached(traces: list[Trace]) -> None:
                            "prefill first; is the prefix cache too small?")
 
 
-def check_identity(outputs: dict[tuple[str, str], dict], rep: int, n_vis: int) -> list[dict]:
-    """Every output equals the reference: plain decoding's one-at-a-time in-process output
-    (or the first configuration's one at a time when that did not run), request by request."""
-    ref_key = ("plain", "in-process") if ("plain", "in-process") in outputs else next(iter(outputs))
-    ref = outputs[ref_key]["sequential"]
+def reference_key(outputs: dict[tuple[str, str, float], dict], method: str, path: str,
+                  temp: float) -> tuple[str, str, float]:
+    """At T=0 every output must equal plain decoding's one-at-a-time in-process output (lossless
+    and independent of its neighbours); at T > 0, with a seed, the method's own one-at-a-time
+    in-process output (independent of its neighbours and of the path). Falls back to the first
+    configuration run when that reference did not run."""
+    for key in ((("plain", "in-process", temp),) if temp == 0 else ()) + ((method, "in-process", temp),):
+        if key in outputs:
+            return key
+    return next(k for k in outputs if k[2] == temp)
+
+
+def check_identity(outputs: dict[tuple[str, str, float], dict], rep: int, n_vis: int) -> list[dict]:
+    """Every output equals its reference (reference_key), request by request."""
     bad = []
-    for (method, path), runs in outputs.items():
+    for (method, path, temp), runs in outputs.items():
+        ref_key = reference_key(outputs, method, path, temp)
+        ref = outputs[ref_key]["sequential"]
         for streams, ids in runs.items():
             for i, got in enumerate(ids):
                 diff = sb.first_difference(ref[i], got)
                 if diff is not None:
-                    bad.append({"rep": rep, "visual_tokens": n_vis, "method": method, "path": path,
-                                "streams": streams, "request": i, "reference": "/".join(ref_key), **diff})
+                    bad.append({"rep": rep, "visual_tokens": n_vis, "method": method, "path": path, "temperature": temp,
+                                "streams": streams, "request": i, "reference": "/".join(ref_key[:2]), **diff})
     return bad
 
 
 def mismatch_lines(mismatches: list[dict]) -> list[str]:
-    return [f"MISMATCH at T=0: {b['method']} {b['path']} ({b['streams']}{'' if b['streams'] == 'sequential' else ' streams'},"
+    return [f"MISMATCH at T={b.get('temperature', 0.0):g}: {b['method']} {b['path']} "
+            f"({b['streams']}{'' if b['streams'] == 'sequential' else ' streams'},"
             f" request {b['request']}, rep {b['rep']}, {b['visual_tokens']} visual tokens) differs from {b['reference']}"
             f" one at a time at token {b['index']}: expected {b['expected']}, got {b['got']} (lengths {b['lengths']})"
             for b in mismatches]
@@ -379,7 +431,7 @@ def prefill_scenario(target, engines: dict[str, Engine], videos: list[Video], cf
     long_video, _ = sb.make_video(target, side, frames, cfg.seed + 10_000 * rep + 999)
     rows = []
     for method, engine in engines.items():
-        row = streams_under_prefill(engine, [(v.key, v.prompt) for v in videos], long_video, cfg)
+        row = streams_under_prefill(engine, [(v.keys[method], v.prompt) for v in videos], long_video, cfg)
         row.update(rep=rep, method=method, streams=len(videos), prefill_visual_tokens=long_video.num_visual_tokens)
         log(f"  prefill scenario, {method}: {row['streams']} streams, inter-token p95 {row['before_p95_ms']:.1f} ms "
             f"before, {row['during_p95_ms']:.1f} ms during a {row['prefill_visual_tokens']}-token prefill "
@@ -439,18 +491,19 @@ def _spread(values: list[float]) -> dict:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """Per (visual tokens, path, method, streams): min/median/max over reps of each measure, and
-    Sparrow's median tokens/s over plain's of the same cell."""
+    """Per (temperature, visual tokens, path, method, streams): min/median/max over reps of each
+    measure, and the method's median tokens/s over plain's of the same cell."""
     cells: dict[tuple, list[dict]] = {}
     for r in runs:
-        cells.setdefault((r["visual_tokens"], r["path"], r["method"], r["streams"]), []).append(r)
-    rows = [{"visual_tokens": n, "path": p, "method": m, "streams": s, "reps": len(rs),
+        cells.setdefault((r.get("temperature", 0.0), r["visual_tokens"], r["path"], r["method"], r["streams"]),
+                         []).append(r)
+    rows = [{"temperature": t, "visual_tokens": n, "path": p, "method": m, "streams": s, "reps": len(rs),
              **{k: _spread([r[k] for r in rs]) for k in SUMMARY_KEYS}}
-            for (n, p, m, s), rs in sorted(cells.items(), key=lambda kv: (kv[0][0], list(PATHS).index(kv[0][1]),
-                                                                          list(METHODS).index(kv[0][2]), kv[0][3]))]
-    plain = {(r["visual_tokens"], r["path"], r["streams"]): r for r in rows if r["method"] == "plain"}
+            for (t, n, p, m, s), rs in sorted(cells.items(), key=lambda kv: (
+                kv[0][0], kv[0][1], list(PATHS).index(kv[0][2]), list(METHODS).index(kv[0][3]), kv[0][4]))]
+    plain = {(r["temperature"], r["visual_tokens"], r["path"], r["streams"]): r for r in rows if r["method"] == "plain"}
     for r in rows:
-        p = plain.get((r["visual_tokens"], r["path"], r["streams"]))
+        p = plain.get((r["temperature"], r["visual_tokens"], r["path"], r["streams"]))
         r["x_plain"] = r["tok_s"]["median"] / p["tok_s"]["median"] if p else None
     return rows
 
@@ -474,25 +527,36 @@ def _cell(s: dict, fmt: str = ".1f") -> str:
     return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
 
 
+def _loads(result: dict) -> str:
+    parts = result.get("parts") or [result]
+    return "; ".join(f"{'lengths ' + ', '.join(f'{a}x{b}' for a, b in p['lengths']) + ': ' if 'parts' in result else ''}"
+                     f"load average (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in p['load_before'])}, "
+                     f"after {'/'.join(f'{x:.2f}' for x in p['load_after'])}" for p in parts)
+
+
 def report(result: dict) -> str:
     cfg = result["config"]
-    lb, la = result["load_before"], result["load_after"]
-    lines = [f"Machine: {result['machine']}; load average (1/5/15 min) before {lb[0]:.2f}/{lb[1]:.2f}/{lb[2]:.2f}, "
-             f"after {la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f}.",
-             f"Target: {result['target']}; Sparrow draft k = {cfg['k']}, window 16, anchors 32, glimpse 0. "
-             f"{cfg['tokens']} new tokens a stream (EOS ignored), T = 0, caption prompts; {cfg['reps']} reps, each "
-             f"with fresh world videos, one per stream (seeds from {cfg['seed']}); prefills cached before timing. "
+    temps = ", ".join(f"{t:g}" for t in cfg.get("temperatures", (0.0,)))
+    lines = [f"Machine: {result['machine']}; {_loads(result)}.",
+             f"Target: {result['target']}; Sparrow draft k = {cfg['k']}, window 16, anchors 32, glimpse 0; trees "
+             f"{'x'.join(map(str, cfg['tree'][:2]))}, at most {cfg['tree'][2]} nodes. "
+             f"{cfg['tokens']} new tokens a stream (EOS ignored), T = {temps} (T > 0: request i seeded), caption "
+             f"prompts; {cfg['reps']} reps, each with fresh world videos, one per stream (seeds from {cfg['seed']}); "
+             f"prefills cached before timing{' (one shared prefill per video in-process)' if cfg.get('share_prefill') else ''}. "
              "Cells: median (min-max) over reps. One at a time: the same requests one after another. ITL: the gap "
-             "between two chunks of a stream (a Sparrow chunk holds tau tokens on average).", ""]
-    ident = ("every output (both methods, every path, one at a time and concurrent) equals plain decoding's "
-             "one-at-a-time output" if result["identical"] else f"**{len(result['mismatches'])} MISMATCHES**")
-    lines += [f"Output identity at T=0: {ident}.", ""]
+             "between two chunks of a stream (a speculative chunk holds tau tokens on average).", ""]
+    ident = ("every output (every method and path, one at a time and concurrent) equals plain decoding's "
+             "one-at-a-time output at T=0, and its own method's one-at-a-time output with the same seed at T > 0"
+             if result["identical"] else f"**{len(result['mismatches'])} MISMATCHES**")
+    lines += [f"Output identity: {ident}.", ""]
     lines += goal_lines(result)
-    lines += ["| visual tokens | path | method | streams | tok/s | one at a time tok/s | x one at a time | "
-              "Sparrow / plain | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | tau |", "|---" * 13 + "|"]
+    lines += method_table_lines(result)
+    lines += ["| T | visual tokens | path | method | streams | tok/s | one at a time tok/s | x one at a time | "
+              "x plain | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | tau |", "|---" * 14 + "|"]
     for r in result["summary"]:
         vs = f"{r['x_plain']:.2f}x" if r["method"] != "plain" and r["x_plain"] is not None else "-"
-        lines.append(f"| {r['visual_tokens']} | {PATHS[r['path']]} | {METHODS[r['method']]} | {r['streams']} | "
+        lines.append(f"| {r['temperature']:g} | {r['visual_tokens']} | {PATHS[r['path']]} | {METHODS[r['method']]} | "
+                     f"{r['streams']} | "
                      f"{_cell(r['tok_s'])} | {r['one_at_a_time_tok_s']['median']:.1f} | "
                      f"{_cell(r['x_one_at_a_time'], '.2f')} | {vs} | {_cell(r['ttft_p50_ms'])} | "
                      f"{_cell(r['ttft_p95_ms'])} | {_cell(r['itl_p50_ms'])} | {_cell(r['itl_p95_ms'])} | "
@@ -503,7 +567,7 @@ def report(result: dict) -> str:
 
 def goal_lines(result: dict) -> list[str]:
     """Issue 15's goal: 8 streams >= 3x the tokens/s of one at a time on the shortest videos."""
-    rows = [r for r in result["summary"] if r["streams"] == 8]
+    rows = [r for r in result["summary"] if r["streams"] == 8 and r["temperature"] == 0]
     if not rows:
         return []
     n = min(r["visual_tokens"] for r in rows)
@@ -511,6 +575,59 @@ def goal_lines(result: dict) -> list[str]:
                     for r in rows if r["visual_tokens"] == n)
     return [f"Goal (issue 15): 8 streams >= 3x the tokens/s of one at a time on {n}-token videos. Measured: {got}.",
             ""]
+
+
+def method_table_lines(result: dict) -> list[str]:
+    """The methods side by side, one table per temperature and path: rows (visual tokens, streams),
+    a column per method: aggregate tokens/s median (min-max), tau, x plain at the same batch."""
+    summary = result["summary"]
+    methods = [m for m in METHODS if any(r["method"] == m for r in summary)]
+    if len(methods) < 2:
+        return []
+    lines = []
+    for temp in sorted({r["temperature"] for r in summary}):
+        for path in [p for p in PATHS if any(r["path"] == p for r in summary)]:
+            cells = {(r["visual_tokens"], r["streams"], r["method"]): r for r in summary
+                     if r["temperature"] == temp and r["path"] == path}
+            lines += [f"**T = {temp:g}, {PATHS[path]}.** Cell: aggregate tokens/s, median (min-max) over reps; tau; "
+                      "x plain at the same batch.", "",
+                      "| visual tokens | streams | " + " | ".join(METHODS[m] for m in methods) + " |",
+                      "|---" * (2 + len(methods)) + "|"]
+            for n, streams in sorted({(n, s) for n, s, _ in cells}):
+                row = []
+                for m in methods:
+                    r = cells.get((n, streams, m))
+                    row.append("-" if r is None else f"{_cell(r['tok_s'], '.0f')}"
+                               + ("" if m == "plain" else f", tau {r['tau']['median']:.2f}")
+                               + (f"; {r['x_plain']:.2f}x" if r["x_plain"] is not None else ""))
+                lines.append(f"| {n:,} | {streams} | " + " | ".join(row) + " |")
+            lines.append("")
+    return lines
+
+
+def merge(results: list[dict]) -> dict:
+    """Runs of the same configuration over different lengths (one command per length, so a
+    long benchmark keeps what it measured) as one result: runs concatenated, summaries redone,
+    each part's lengths, load and command kept."""
+    first = results[0]
+    for r in results[1:]:
+        a = {k: v for k, v in first["config"].items() if k != "lengths"}
+        b = {k: v for k, v in r["config"].items() if k != "lengths"}
+        if a != b:
+            diff = sorted(k for k in a if a[k] != b.get(k))
+            raise ValueError(f"cannot merge runs whose configurations differ beyond their lengths: {diff}")
+    merged = {"config": {**first["config"], "lengths": [x for r in results for x in r["config"]["lengths"]]},
+              "machine": first["machine"], "target": first["target"],
+              "load_before": first["load_before"], "load_after": results[-1]["load_after"],
+              "parts": [{"lengths": r["config"]["lengths"], "load_before": r["load_before"],
+                         "load_after": r["load_after"], "command": r.get("command", ""),
+                         "wall_seconds": r.get("wall_seconds", 0.0)} for r in results],
+              "wall_seconds": sum(r.get("wall_seconds", 0.0) for r in results)}
+    for key in ("runs", "prefill_scenario", "mismatches"):
+        merged[key] = [x for r in results for x in r[key]]
+    merged.update(summary=summarize(merged["runs"]), prefill_summary=summarize_scenario(merged["prefill_scenario"]),
+                  identical=not merged["mismatches"])
+    return merged
 
 
 def scenario_lines(result: dict) -> list[str]:
@@ -534,18 +651,22 @@ def scenario_lines(result: dict) -> list[str]:
 
 # ----- tiny models ------------------------------------------------------------------------------------------------
 def save_tiny_models(root: str | Path) -> Path:
-    """Tiny random target + draft in the --models layout (root/world/{target,draft}), with the world
-    target's processor rule (frames not upscaled: one visual token per 28x28 px), so small world
-    videos stay small."""
+    """Tiny random models in the --models layout (root/world/{target,draft}, root/bench/draft-eagle,
+    root/bench/small-target), with the world target's processor rule (frames not upscaled: one
+    visual token per 28x28 px), so small world videos stay small."""
     from sparrow.models.target import TargetModel
     from sparrow.tiny import tiny_draft, tiny_target
     from sparrow.video import processor_for
 
+    def world_style(hf) -> TargetModel:
+        return TargetModel(hf.hf, hf.tokenizer, processor_for(hf.hf.config, min_pixels=28 * 28))
+
     root = Path(root)
-    hf = tiny_target("qwen2_5_vl", seed=0)
-    target = TargetModel(hf.hf, hf.tokenizer, processor_for(hf.hf.config, min_pixels=28 * 28))
+    target = world_style(tiny_target("qwen2_5_vl", seed=0))
     target.save_pretrained(root / "world" / "target")
     tiny_draft(target, seed=0).save_pretrained(root / "world" / "draft")
+    tiny_draft(target, seed=1).save_pretrained(root / "bench" / "draft-eagle")
+    world_style(tiny_target("qwen2_5_vl", seed=1, hidden=32, layers=2)).save_pretrained(root / "bench" / "small-target")
     return root
 
 
@@ -571,6 +692,7 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
         models=args.models, lengths=lengths,
         streams=_ints(args.streams) if args.streams else (1, 2) if tiny else (1, 2, 4, 8) if quick else defaults.streams,
         tokens=args.tokens or (8 if tiny else 32 if quick else defaults.tokens), reps=reps,
+        temperatures=tuple(float(x) for x in args.temperatures.split(",")), share_prefill=args.share_prefill,
         methods=_names(args.methods), paths=_names(args.paths), k=args.k, seed=args.seed,
         tree=tuple(int(x) for x in args.tree.split(",")),
         prefill_video=prefill, prefill_streams=args.prefill_streams or (2 if tiny else defaults.prefill_streams),
@@ -589,6 +711,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, help="new tokens a stream (default 64; quick 32)")
     ap.add_argument("--reps", type=int, help="fresh video sets per length (default 5; quick 2)")
     ap.add_argument("--methods", default="plain,sparrow", help=f"comma list of {list(METHODS)}")
+    ap.add_argument("--temperatures", default="0", help="comma list (default 0; T > 0: request i seeded)")
+    ap.add_argument("--share-prefill", action="store_true",
+                    help="in-process engines answer from one cached prefill per video (fewer prefills; SpecVLM "
+                         "keeps its own)")
+    ap.add_argument("--from-json", help="comma list of --json files of one configuration over different lengths: "
+                                        "report them as one run (nothing is run)")
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tree", default="2,2,12", help="sparrow-tree: WIDTH,BRANCH,BUDGET (depth is --k)")
@@ -604,13 +732,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the 'concurrency' section of this markdown file")
     ap.add_argument("--json", help="raw results")
     args = ap.parse_args(argv)
+    command = "python -m benchmarks.concurrency " + " ".join(argv if argv is not None else sys.argv[1:])
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="sparrow-tiny-") as tmp:
-        if args.tiny:
-            args.models = str(save_tiny_models(tmp))
-        result = sb.run_timed(lambda: run_benchmark(config_from_args(args)))
-    if result is None:
-        return 2
+    if args.from_json:
+        result = merge([json.loads(Path(f).read_text()) for f in _names(args.from_json)])
+        command += "` over the runs `" + "`, `".join(p["command"] for p in result["parts"])
+    else:
+        with tempfile.TemporaryDirectory(prefix="sparrow-tiny-") as tmp:
+            if args.tiny:
+                args.models = str(save_tiny_models(tmp))
+            result = sb.run_timed(lambda: run_benchmark(config_from_args(args)))
+        if result is None:
+            return 2
+        result["command"] = command
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     text = report(result)
@@ -622,7 +756,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     if args.out:
-        command = "python -m benchmarks.concurrency " + " ".join(argv if argv is not None else sys.argv[1:])
         write_section(args.out, "concurrency", "Concurrent streams (world models): batched plain vs batched Sparrow",
                       command, text)
     return 0

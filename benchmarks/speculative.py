@@ -157,8 +157,11 @@ def _spec(cfg: BenchConfig, **kw) -> SpecConfig:
     return SpecConfig(num_draft_tokens=cfg.k, window=cfg.window, anchors=cfg.anchors, **kw)
 
 
-def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache) -> Engine:
-    """The engine of one method, sharing `cache` (the videos' prefixes) with all the others."""
+def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache, keyed_videos: int = 0) -> Engine:
+    """The engine of one method, sharing `cache` (the videos' prefixes) with all the others.
+    keyed_videos (SpecVLM only): 0, no prefix cache (its whole prefill is timed, as here); > 0,
+    answers from `cache` and keeps that many videos' small-VLM visual tokens for its hits (the
+    serving case: the concurrency benchmark)."""
     target = models.target
     if name == "plain":
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache)
@@ -181,9 +184,12 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
     if name == "specvlm":
         from sparrow.spec.specvlm import SpecVLMProposer
 
-        # No prefix cache: its small VLM re-reads the video's pixels, which a cached prefix drops.
-        proposer = SpecVLMProposer(target, models.small_target(), keep_ratio=0.1, mass=0.5, video_cache_entries=0)
-        return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=cfg.k), proposer=EndProbe(proposer))
+        # Its small VLM reads the video's pixels, which a cached prefix drops: a prefix-cache hit
+        # needs the small VLM's visual tokens kept from the video's first request (keyed_videos).
+        proposer = SpecVLMProposer(target, models.small_target(), keep_ratio=0.1, mass=0.5,
+                                   video_cache_entries=keyed_videos)
+        return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=cfg.k), proposer=EndProbe(proposer),
+                      prefix_cache=cache if keyed_videos else None)
     if name.startswith("ablation-"):
         kind = name.removeprefix("ablation-")
         return Engine(target, models.draft(f"bench/ablation/{kind}"), _spec(cfg, draft_context=ABLATIONS[kind]),

@@ -59,8 +59,9 @@ def test_result_structure_and_identity(models_dir):
     json.dumps(result)                                            # --json writes it as is
 
     text = cb.report(result)
-    assert "Output identity at T=0: every output" in text and "prefill arrives" in text
-    assert "| 36 | gRPC | Sparrow | 2 |" in text and "load average (1/5/15 min) before" in text
+    assert "Output identity: every output" in text and "prefill arrives" in text
+    assert "| 0 | 36 | gRPC | Sparrow | 2 |" in text and "load average (1/5/15 min) before" in text
+    assert "**T = 0, gRPC.**" in text                            # the methods side by side
     assert any("prefill scenario, sparrow" in line for line in lines)
 
 
@@ -104,3 +105,71 @@ def test_cli_exit_status(models_dir, monkeypatch, tmp_path, capsys):
 
     assert cb.main(["--models", str(tmp_path / "nowhere")]) == 2
     assert "no target model at" in capsys.readouterr().err
+
+
+def test_baselines_at_two_temperatures_from_one_shared_prefill(models_dir, monkeypatch):
+    """Issue 17's batch table: EAGLE-style and SpecVLM-style beside plain and Sparrow's tree, T=0
+    and T=1 (seeded), the in-process engines answering from one prefill per video (SpecVLM, whose
+    small VLM reads the pixels, from its own); every output checked against its reference."""
+    shared = []
+    real_share = cb.sb.share_prefix
+
+    def counting(target, processed, prompt, engines, cache, tag):
+        shared.append(sorted(engines))
+        return real_share(target, processed, prompt, engines, cache, tag)
+
+    monkeypatch.setattr(cb.sb, "share_prefix", counting)
+    methods = ("plain", "eagle", "specvlm", "sparrow-tree")
+    cfg = _config(models_dir, methods=methods, paths=("in-process",), prefill_video=None, temperatures=(0.0, 1.0),
+                  share_prefill=True)
+    result = cb.run_benchmark(cfg, log=lambda _: None)
+
+    assert result["identical"], cb.mismatch_lines(result["mismatches"])
+    assert shared == [["eagle", "plain", "sparrow-tree"]] * cfg.videos_per_rep    # one prefill a video, SpecVLM apart
+    cells = {(r["temperature"], r["method"], r["streams"]): r for r in result["summary"]}
+    assert set(cells) == {(t, m, n) for t in (0.0, 1.0) for m in methods for n in (1, 2)}
+    for (t, m, n), row in cells.items():
+        assert row["tau"]["median"] >= 1.0 and (m != "plain" or row["tau"]["median"] == 1.0)   # random drafts
+        assert (row["x_plain"] == 1.0) if m == "plain" else row["x_plain"] > 0
+    text = cb.report(result)
+    for t in ("0", "1"):
+        assert f"**T = {t}, in-process.**" in text
+    assert "| visual tokens | streams | plain | EAGLE-style (all tokens) | SpecVLM-style | Sparrow tree |" in text
+    assert "| 36 | 2 | " in text and "one shared prefill per video" in text
+
+
+def test_seeded_outputs_are_checked_against_their_own_method(models_dir, monkeypatch):
+    """At T > 0 a concurrent output must equal the same method's one-at-a-time output with the
+    same seed: a corrupted one fails, named with its temperature and reference."""
+    _corrupt_concurrent(monkeypatch)
+    cfg = _config(models_dir, methods=("sparrow",), paths=("in-process",), prefill_video=None, temperatures=(1.0,),
+                  streams=(2,))
+    result = cb.run_benchmark(cfg, log=lambda _: None)
+    assert [(b["temperature"], b["streams"], b["request"], b["reference"]) for b in result["mismatches"]] == \
+        [(1.0, 2, 1, "sparrow/in-process")]
+    assert cb.mismatch_lines(result["mismatches"])[0].startswith("MISMATCH at T=1: sparrow in-process (2 streams")
+    with pytest.raises(ValueError, match="temperatures"):
+        _config(models_dir, temperatures=(-1.0,))
+
+
+def test_runs_a_length_each_merge_into_one_report(models_dir, tmp_path):
+    files = []
+    for lengths in ("84x8", "112x8"):
+        files.append(tmp_path / f"{lengths}.json")
+        assert cb.main(["--models", str(models_dir), "--lengths", lengths, "--streams", "1", "--tokens", "3",
+                        "--reps", "1", "--paths", "in-process", "--no-prefill", "--methods", "plain,sparrow",
+                        "--json", str(files[-1])]) == 0
+    out = tmp_path / "BENCH.md"
+    assert cb.main(["--from-json", ",".join(map(str, files)), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "lengths 84x8: load average" in text and "lengths 112x8: load average" in text
+    assert "--lengths 84x8" in text and "--lengths 112x8" in text           # each part's command
+    assert "| 36 | 1 | " in text and "| 64 | 1 | " in text
+
+    parts = [json.loads(f.read_text()) for f in files]
+    merged = cb.merge(parts)
+    assert [r["visual_tokens"] for r in merged["summary"] if r["method"] == "plain"] == [36, 64]
+    assert merged["config"]["lengths"] == [[84, 8], [112, 8]] and merged["identical"]
+    parts[1]["config"]["tokens"] = 4
+    with pytest.raises(ValueError, match="tokens"):
+        cb.merge(parts)
