@@ -73,6 +73,8 @@ class EngineConfig:
                          draft (each gets at most its equal share, however large its tree
                          could be); 0: no cap. Verify cost grows with the tokens scored, so a
                          batch gives each request a smaller tree (BENCHMARKS.md: verify cost).
+                         A seeded sampled request keeps its whole tree: its tree decides its
+                         draws, which must be those of its solo run.
     """
 
     kv_cache_bytes: int = 2 << 30
@@ -542,9 +544,10 @@ class Scheduler:
         proposals: list[Proposal | None] = [None] * len(batch)
         if drafting:
             cap = self.config.step_draft_nodes
-            share = max(1, cap // len(drafting)) if cap else None
-            calls = [DraftRequest(batch[i].draft_state, ks[i], batch[i].sampling, batch[i].generator, share)
-                     for i in drafting]
+            sharing = [i for i in drafting if not _seeded(batch[i].sampling)]
+            share = max(1, cap // len(sharing)) if cap and sharing else None
+            calls = [DraftRequest(batch[i].draft_state, ks[i], batch[i].sampling, batch[i].generator,
+                                  None if _seeded(batch[i].sampling) else share) for i in drafting]
             for i, proposal in zip(drafting, self.engine.proposer.propose(calls)):
                 proposals[i] = proposal
         return proposals
@@ -633,6 +636,11 @@ class Scheduler:
 
 
 _NO_DRAFT = torch.empty(0, dtype=torch.long)
+
+
+def _seeded(sampling: SamplingParams) -> bool:
+    """A sampled request with a seed: its tokens must be those of its solo run."""
+    return not sampling.greedy and sampling.seed is not None
 
 
 def _accept(proposal: Proposal | None, logits: torch.Tensor, sampling: SamplingParams,

@@ -205,6 +205,45 @@ def test_a_step_shares_its_node_budget_across_the_batch(qwen_target, large_video
     assert max(n for n, _ in sizes) >= 3 and all(size <= 8 // n for n, size in sizes)
 
 
+def test_seeded_sampled_requests_keep_their_whole_tree_in_a_shared_step(qwen_target, large_video):
+    """step_draft_nodes is shared by greedy and unseeded requests only: a seeded sampled
+    request's tree decides its draws, so it keeps its whole tree and its solo run's tokens."""
+    spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2)
+    engine = Engine(qwen_target, tiny_draft(qwen_target, seed=4), spec, config=EngineConfig(step_draft_nodes=8))
+    samplings = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=i) for i in range(3)]
+    solo = [engine.generate(large_video, PROMPT, s).token_ids for s in samplings]
+    budgets = []
+    real = engine.proposer.propose
+    engine.proposer.propose = lambda batch: budgets.extend((len(batch), r.sampling.greedy, r.budget)
+                                                           for r in batch) or real(batch)
+    gens = [engine.stream(large_video, PROMPT, s) for s in samplings]
+    gens.append(engine.stream(large_video, PROMPT, SamplingParams(max_new_tokens=24)))      # greedy: shares
+    assert [[t for d in g for t in d.token_ids] for g in gens[:3]] == solo
+    assert {b for _, greedy, b in budgets if not greedy} == {None}
+    shared = {b for n, greedy, b in budgets if greedy and n >= 2}
+    assert shared == {8}                          # steps with seeded neighbours: the cap is the greedy one's
+
+
+def test_duplicate_sampled_paths_rank_by_their_first_score():
+    """Children drawn with replacement can repeat a token path; such nodes are equal in exact
+    arithmetic, but their scores differ in the last bits with the batch's shapes. Which one is
+    expanded must not depend on those bits (a seeded request's tree, and so its draws, would)."""
+    from sparrow.spec.propose import _Node, _TreeGrowth
+    from sparrow.spec.proposer import DraftRequest
+
+    spec = SpecConfig(num_draft_tokens=3, tree_width=1, tree_branch=2)
+    growth = _TreeGrowth(DraftRequest(None, 3, SamplingParams(temperature=1.0, seed=0),
+                                      torch.Generator().manual_seed(0)), spec)
+    logits = torch.full((16,), -40.0)
+    logits[7] = 10.0                                         # every draw is token 7
+    first, second = growth.add_children(_Node(-1, None, 0.0), logits, 0)
+    assert growth.tokens == [7, 7] and growth.parents == [-1, -1]
+    for eps in (1e-6, -1e-6):                                # the duplicate a hair above or below
+        nodes = [first, _Node(second.index, None, second.score + eps)]
+        assert [n.index for n in growth.to_expand(nodes)] == [first.index]
+        assert [n.index for n in growth.to_expand(nodes[::-1])] == [first.index]
+
+
 def test_best_nodes_keep_their_ancestors():
     #        root
     #       /    \

@@ -290,3 +290,29 @@ def test_world_target_commands_train_then_tune_with_the_preset(tmp_path):
     assert tuned["config"]["steps"] == 0 and tuned["config"]["short_tokens"] == TUNE["short_tokens"]
     assert tuned["config"]["stage_caption_prob"] == TUNE["stage_caption_prob"]
     assert tuned["init"] == str(tmp_path / "a") and tuned["before"]["config"] == first["config"]
+
+
+@needs_pair
+def test_seeded_tree_requests_batched_equal_their_solo_runs(world_pair):
+    """Regression (the batch-8 tree benchmark at T=1): eight seeded sampled tree requests run
+    together emit their solo runs' tokens. The world draft is confident, so children drawn with
+    replacement repeat token paths, whose scores differ in the last bits with the batch."""
+    from sparrow import Engine, SamplingParams, SpecConfig
+    from sparrow.prefix_cache import PrefixCache
+    from sparrow.training.world import CAPTION_PROMPTS
+    from sparrow.video import prepare_video
+
+    target, draft = world_pair
+    engine = Engine(target, draft, SpecConfig(num_draft_tokens=4, window=16, anchors=32, tree_width=2,
+                                              tree_branch=2, tree_budget=12), prefix_cache=PrefixCache())
+    world = WorldVideo(num_frames=28, size=168)                       # 504 visual tokens
+    seed = 3 * 10**9                                                  # benchmarks.concurrency's first rep
+    jobs = [(prepare_video(world.make(seed + i).source, target.processor, world.options()),
+             CAPTION_PROMPTS[i % len(CAPTION_PROMPTS)],
+             SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=1.0, seed=seed + i)) for i in range(8)]
+    solo = [engine.generate(*job, video_key=f"v{i}").token_ids for i, job in enumerate(jobs)]   # caches the prefills
+    gens = [engine.stream(*job, video_key=f"v{i}") for i, job in enumerate(jobs)]
+    batched = [[t for d in g for t in d.token_ids] for g in gens]
+    assert engine.scheduler.stats["max_batch"] >= 4
+    for i, (a, b) in enumerate(zip(solo, batched)):
+        assert a == b, f"request {i} differs from its solo run"

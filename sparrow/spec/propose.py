@@ -291,6 +291,8 @@ class _TreeGrowth:
         self.scores: list[float] = []                  # cumulative draft log-probability of each node
         self.spec_index: dict[int, int] = {}           # node -> its entry after `committed` in the draft cache
         self.ancestors: dict[int, list[int]] = {-1: []}
+        self.path_of: dict[int, tuple[int, ...]] = {-1: ()}       # node -> the tokens from the root to it
+        self.path_score: dict[tuple[int, ...], float] = {}        # token path -> its first node's score
         self.budget = min(spec.max_tree_nodes(request.k), request.budget or 1 << 30)
 
     def add_children(self, node: _Node, logits: torch.Tensor, depth: int) -> list[_Node]:
@@ -317,15 +319,23 @@ class _TreeGrowth:
             self.draw.append(row if row is not None else index)
             self.parent_hidden.append(node.hidden)
             self.ancestors[index] = self.ancestors[node.index] + [index]
+            self.path_of[index] = self.path_of[node.index] + (token,)
+            self.path_score.setdefault(self.path_of[index], node.score + score)
             self.scores.append(node.score + score)
             children.append(_Node(index, None, node.score + score))
         return children
 
     def to_expand(self, nodes: list[_Node]) -> list[_Node]:
-        """The nodes of a new level that get children: the tree_width most probable."""
+        """The nodes of a new level that get children: the tree_width most probable.
+
+        Sampled children are drawn with replacement, so two nodes can carry the same token path:
+        equal in exact arithmetic, their scores differ in the last bits with the batch's shapes.
+        Ranked by their path's first score, then by index, they keep a seeded request's tree, and
+        so its draws, those of its solo run in any batch."""
         if len(self.tokens) >= self.budget:
             return []
-        return sorted(nodes, key=lambda node: -node.score)[: self.spec.tree_width]
+        return sorted(nodes, key=lambda node: (-self.path_score[self.path_of[node.index]], node.index))[
+            : self.spec.tree_width]
 
     def spec_mask(self, nodes: list[_Node]) -> torch.Tensor:
         """(len(nodes), fed so far + len(nodes)): each fed node sees its fed ancestors and itself."""
