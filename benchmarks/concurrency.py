@@ -589,18 +589,29 @@ def method_table_lines(result: dict) -> list[str]:
         for path in [p for p in PATHS if any(r["path"] == p for r in summary)]:
             cells = {(r["visual_tokens"], r["streams"], r["method"]): r for r in summary
                      if r["temperature"] == temp and r["path"] == path}
+            most = max(s for _, s, _ in cells)
             lines += [f"**T = {temp:g}, {PATHS[path]}.** Cell: aggregate tokens/s, median (min-max) over reps; tau; "
-                      "x plain at the same batch.", "",
+                      f"x plain at the same batch. Row \"one at a time\": the {most} requests of each rep one after "
+                      "another (tokens over the sum of their times; tau not recorded for it).", "",
                       "| visual tokens | streams | " + " | ".join(METHODS[m] for m in methods) + " |",
                       "|---" * (2 + len(methods)) + "|"]
-            for n, streams in sorted({(n, s) for n, s, _ in cells}):
+            for n in sorted({n for n, _, _ in cells}):
+                plain = cells.get((n, most, "plain"))
                 row = []
                 for m in methods:
-                    r = cells.get((n, streams, m))
-                    row.append("-" if r is None else f"{_cell(r['tok_s'], '.0f')}"
-                               + ("" if m == "plain" else f", tau {r['tau']['median']:.2f}")
-                               + (f"; {r['x_plain']:.2f}x" if r["x_plain"] is not None else ""))
-                lines.append(f"| {n:,} | {streams} | " + " | ".join(row) + " |")
+                    r = cells.get((n, most, m))
+                    x = f"; {r['one_at_a_time_tok_s']['median'] / plain['one_at_a_time_tok_s']['median']:.2f}x" \
+                        if r is not None and plain is not None else ""
+                    row.append("-" if r is None else _cell(r["one_at_a_time_tok_s"], ".0f") + x)
+                lines.append(f"| {n:,} | one at a time | " + " | ".join(row) + " |")
+                for streams in sorted({s for k, s, _ in cells if k == n}):
+                    row = []
+                    for m in methods:
+                        r = cells.get((n, streams, m))
+                        row.append("-" if r is None else f"{_cell(r['tok_s'], '.0f')}"
+                                   + ("" if m == "plain" else f", tau {r['tau']['median']:.2f}")
+                                   + (f"; {r['x_plain']:.2f}x" if r["x_plain"] is not None else ""))
+                    lines.append(f"| {n:,} | {streams} | " + " | ".join(row) + " |")
             lines.append("")
     return lines
 
@@ -729,7 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill scenario")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="torch intra-op threads (default: every core, as a server would run)")
-    ap.add_argument("--out", help="write the 'concurrency' section of this markdown file")
+    ap.add_argument("--out", help="write the --section section of this markdown file")
+    ap.add_argument("--section", default="concurrency", help="its marker key (default concurrency)")
+    ap.add_argument("--title", default="Concurrent streams (world models): batched plain vs batched Sparrow")
     ap.add_argument("--json", help="raw results")
     args = ap.parse_args(argv)
     command = "python -m benchmarks.concurrency " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -756,8 +769,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     if args.out:
-        write_section(args.out, "concurrency", "Concurrent streams (world models): batched plain vs batched Sparrow",
-                      command, text)
+        write_section(args.out, args.section, args.title, command, text)
     return 0
 
 

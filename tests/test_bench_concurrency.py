@@ -160,8 +160,11 @@ def test_runs_a_length_each_merge_into_one_report(models_dir, tmp_path):
                         "--reps", "1", "--paths", "in-process", "--no-prefill", "--methods", "plain,sparrow",
                         "--json", str(files[-1])]) == 0
     out = tmp_path / "BENCH.md"
-    assert cb.main(["--from-json", ",".join(map(str, files)), "--out", str(out)]) == 0
+    assert cb.main(["--from-json", ",".join(map(str, files)), "--out", str(out), "--section", "merged",
+                    "--title", "Two lengths"]) == 0
     text = out.read_text()
+    assert "<!-- merged:begin -->\n## Two lengths" in text
+    assert "| 36 | one at a time | " in text                                  # batch 1 over every video of a rep
     assert "lengths 84x8: load average" in text and "lengths 112x8: load average" in text
     assert "--lengths 84x8" in text and "--lengths 112x8" in text           # each part's command
     assert "| 36 | 1 | " in text and "| 64 | 1 | " in text
