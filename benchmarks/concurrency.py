@@ -534,6 +534,15 @@ def _loads(result: dict) -> str:
                      f"after {'/'.join(f'{x:.2f}' for x in p['load_after'])}" for p in parts)
 
 
+def _reps(result: dict) -> str:
+    parts = result.get("parts") or [{"lengths": result["config"]["lengths"], "reps": result["config"]["reps"]}]
+    counts = sorted({p["reps"] for p in parts}, reverse=True)
+    if len(counts) == 1:
+        return f"{counts[0]} reps"
+    fewer = [f"{a}x{b}: {p['reps']}" for p in parts if p["reps"] != counts[0] for a, b in p["lengths"]]
+    return f"{counts[0]} reps ({', '.join(fewer)})"
+
+
 def report(result: dict) -> str:
     cfg = result["config"]
     temps = ", ".join(f"{t:g}" for t in cfg.get("temperatures", (0.0,)))
@@ -541,7 +550,7 @@ def report(result: dict) -> str:
              f"Target: {result['target']}; Sparrow draft k = {cfg['k']}, window 16, anchors 32, glimpse 0; trees "
              f"{'x'.join(map(str, cfg['tree'][:2]))}, at most {cfg['tree'][2]} nodes. "
              f"{cfg['tokens']} new tokens a stream (EOS ignored), T = {temps} (T > 0: request i seeded), caption "
-             f"prompts; {cfg['reps']} reps, each with fresh world videos, one per stream (seeds from {cfg['seed']}); "
+             f"prompts; {_reps(result)}, each with fresh world videos, one per stream (seeds from {cfg['seed']}); "
              f"prefills cached before timing{' (one shared prefill per video in-process)' if cfg.get('share_prefill') else ''}. "
              "Cells: median (min-max) over reps. One at a time: the same requests one after another. ITL: the gap "
              "between two chunks of a stream (a speculative chunk holds tau tokens on average).", ""]
@@ -618,19 +627,20 @@ def method_table_lines(result: dict) -> list[str]:
 
 def merge(results: list[dict]) -> dict:
     """Runs of the same configuration over different lengths (one command per length, so a
-    long benchmark keeps what it measured) as one result: runs concatenated, summaries redone,
-    each part's lengths, load and command kept."""
+    long benchmark keeps what it measured; the longest may run fewer reps) as one result: runs
+    concatenated, summaries redone, each part's lengths, reps, load and command kept."""
     first = results[0]
+    free = ("lengths", "reps", "prefill_reps")
     for r in results[1:]:
-        a = {k: v for k, v in first["config"].items() if k != "lengths"}
-        b = {k: v for k, v in r["config"].items() if k != "lengths"}
+        a = {k: v for k, v in first["config"].items() if k not in free}
+        b = {k: v for k, v in r["config"].items() if k not in free}
         if a != b:
             diff = sorted(k for k in a if a[k] != b.get(k))
             raise ValueError(f"cannot merge runs whose configurations differ beyond their lengths: {diff}")
     merged = {"config": {**first["config"], "lengths": [x for r in results for x in r["config"]["lengths"]]},
               "machine": first["machine"], "target": first["target"],
               "load_before": first["load_before"], "load_after": results[-1]["load_after"],
-              "parts": [{"lengths": r["config"]["lengths"], "load_before": r["load_before"],
+              "parts": [{"lengths": r["config"]["lengths"], "reps": r["config"]["reps"], "load_before": r["load_before"],
                          "load_after": r["load_after"], "command": r.get("command", ""),
                          "wall_seconds": r.get("wall_seconds", 0.0)} for r in results],
               "wall_seconds": sum(r.get("wall_seconds", 0.0) for r in results)}

@@ -3,7 +3,10 @@ verify steps of a chain (k + 1 tokens, causal) and of a draft tree of the same s
 + nodes, ancestor masks, positions root + depth), at a short and a long world video, through
 the engine's ragged verify (grouped K/V read in place). World target, one thread, medians.
 
-    python -m benchmarks.verify_cost [--reps 20] [--tokens 1,2,5,9,17,33,65] [--out BENCHMARKS.md]
+    python -m benchmarks.verify_cost [--reps 20] [--tokens 1,2,5,9,17,33,65] [--attention sdpa,split] [--out BENCHMARKS.md]
+
+--attention compares the target's verify attention paths (TargetModel.verify_attention) side by
+side, interleaved per video; every ratio is against the first path's decode step.
 
 The ratio verify / decode bounds any draft's speedup: with tau tokens emitted per step, a
 perfect-draft speedup is at most tau * decode / (verify + draft). It is what the tree's node
@@ -53,21 +56,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="models/world")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tokens", default="1,2,5,9,17,33,65", help="tokens scored per step (root + draft nodes)")
+    ap.add_argument("--attention", default="sdpa", help="comma list of verify attention paths (sdpa, split, ...)")
     ap.add_argument("--out", help="BENCHMARKS.md to write the section into")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     target = TargetModel.from_pretrained(f"{args.models}/target")
     sizes = [int(x) for x in args.tokens.split(",")]
-    rows = ["| visual tokens | draft | " + " | ".join(f"{n} tokens" for n in sizes) + " |",
-            "|---|---|" + "---|" * len(sizes)]
+    paths = [x.strip() for x in args.attention.split(",") if x.strip()]
+    rows = ["| visual tokens | draft | attention | " + " | ".join(f"{n} tokens" for n in sizes) + " |",
+            "|---|---|---|" + "---|" * len(sizes)]
     for video, pre in ladder_ends(target, max(sizes) + 8):
         for tree in (False, True):
-            ms = {n: step_ms(target, pre.state, n, args.reps, tree) for n in sizes}
             kind = "tree" if tree else "chain"
-            cells = ", ".join(f"{n} tokens {ms[n]:.2f} ms ({ms[n] / ms[sizes[0]]:.2f}x)" for n in sizes)
-            print(f"{video.num_visual_tokens:>6} visual tokens, {kind}: {cells}", flush=True)
-            rows.append(f"| {video.num_visual_tokens:,} | {kind} | "
-                        + " | ".join(f"{ms[n]:.2f} ms ({ms[n] / ms[sizes[0]]:.2f}x)" for n in sizes) + " |")
+            base = None
+            for path in paths:
+                target.verify_attention = path
+                ms = {n: step_ms(target, pre.state, n, args.reps, tree) for n in sizes}
+                base = base or ms[sizes[0]]
+                cells = ", ".join(f"{n} tokens {ms[n]:.2f} ms ({ms[n] / base:.2f}x)" for n in sizes)
+                print(f"{video.num_visual_tokens:>6} visual tokens, {kind}, {path}: {cells}", flush=True)
+                rows.append(f"| {video.num_visual_tokens:,} | {kind} | {path} | "
+                            + " | ".join(f"{ms[n]:.2f} ms ({ms[n] / base:.2f}x)" for n in sizes) + " |")
     if args.out:
         body = "\n".join([f"Machine: {machine()}. World target, one thread, medians of {args.reps}; "
                           "ms per target step scoring that many tokens on top of the prompt's KV cache "

@@ -173,6 +173,8 @@ def test_runs_a_length_each_merge_into_one_report(models_dir, tmp_path):
     merged = cb.merge(parts)
     assert [r["visual_tokens"] for r in merged["summary"] if r["method"] == "plain"] == [36, 64]
     assert merged["config"]["lengths"] == [[84, 8], [112, 8]] and merged["identical"]
+    parts[1]["config"]["reps"] = 2                       # the longest length may run fewer (or more) reps
+    assert "2 reps (84x8: 1)" in cb.report(cb.merge(parts))
     parts[1]["config"]["tokens"] = 4
     with pytest.raises(ValueError, match="tokens"):
         cb.merge(parts)
