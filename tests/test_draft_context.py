@@ -155,6 +155,35 @@ def test_all_context_keeps_every_entry_and_round_trips(qwen_target, small_video)
     assert text.num_visual == 0 and text.token_ids.shape[0] == ctx.token_ids.shape[0] - ctx.num_visual
 
 
+@pytest.mark.parametrize("context", ["all", "text"])
+def test_begin_in_slices_equals_one_pass(qwen_target, small_video, monkeypatch, context):
+    """A full-context draft builds its cache over the prompt in bounded slices (each attending to
+    the ones before through the cache): the same cache and last hidden state as one dense pass."""
+    import sparrow.spec.propose as propose
+
+    s = spec(context)
+    draft = tiny_draft(qwen_target)
+    proposer = SparrowProposer(draft, s)
+    inputs = Engine(qwen_target, draft, s).prepare(small_video, PROMPT)
+    pre = qwen_target.prefill(inputs, 512, proposer.needs.feature_layers, proposer.needs.bridge_layer,
+                              visual_features=context != "text")
+    ctx = build_context(pre, 7, s.glimpse, context)
+    one = proposer.begin_context(ctx)
+    calls = []
+    real = draft.forward_entries
+    monkeypatch.setattr(draft, "forward_entries", lambda z, *a: calls.append(z.shape[0]) or real(z, *a))
+    monkeypatch.setattr(propose, "BEGIN_SLICE_ENTRIES", 64 * 64)
+    sliced = proposer.begin_context(ctx)
+    n = len(one.kv)
+    if context == "all":
+        assert len(calls) > 2 and max(calls) == 64                     # 64 rows a slice: 4,096 // (n > 64) -> 64
+    assert len(sliced.kv) == n and sliced.committed == one.committed
+    for a, b in ((one.kv._k, sliced.kv._k), (one.kv._v, sliced.kv._v)):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x[..., :n, :], y[..., :n, :], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one.last_hidden, sliced.last_hidden, rtol=1e-5, atol=1e-5)
+
+
 def test_cached_video_prefix_serves_the_pruned_context(qwen_target, small_video):
     s = spec("pruned")
     draft = tiny_draft(qwen_target)

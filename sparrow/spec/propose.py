@@ -129,6 +129,11 @@ class SparrowState:
 
 # Room the draft cache keeps beyond its visible entries: one step's drafts and commits.
 _STEP_ROOM = 2 * 33
+# A draft that sees every context entry (draft_context "all", "pruned") builds its cache over the
+# whole prompt at a request's start: in slices of at most this many (query x key) mask entries, so
+# the mask and the attention scores stay bounded (one dense 25k x 25k pass was 16 s and ~10 GB
+# on the CPU; on a GPU with a 7B-width draft it would not fit).
+BEGIN_SLICE_ENTRIES = 1 << 22
 
 
 class SparrowProposer:
@@ -174,7 +179,12 @@ class SparrowProposer:
             draft.forward_entries(draft.inputs_from_glimpse(ctx.glimpse), torch.full((g,), -1, device=device),
                                   torch.ones(g, dtype=torch.bool, device=device), kv, window)
         z = draft.inputs_from_target(ctx.token_ids[keep], ctx.features[keep])
-        hidden = draft.forward_entries(z, pos[keep], anchor[keep], kv, window)
+        kept_pos, kept_pinned = pos[keep], anchor[keep]
+        # Each slice attends to the entries before it through the cache, as a commit does.
+        rows = max(64, BEGIN_SLICE_ENTRIES // max(1, g + z.shape[0]))
+        for start in range(0, z.shape[0], rows):
+            hidden = draft.forward_entries(z[start:start + rows], kept_pos[start:start + rows],
+                                           kept_pinned[start:start + rows], kv, window)
         kv.evict(n, window, _STEP_ROOM)
         return SparrowState(kv, n, len(kv), hidden[-1])
 
