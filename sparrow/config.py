@@ -43,6 +43,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def replayable(self) -> bool:
+        """Sampled with a seed: its tokens must be those of its solo run in any batch (so nothing
+        that depends on its neighbours, its k or its tree, may change)."""
+        return not self.greedy and self.seed is not None
+
 
 @dataclass(frozen=True, slots=True)
 class SpecConfig:

@@ -180,8 +180,7 @@ class Engine:
         as_messages(request.prompt)        # a conversation's turns are checked here, before any decoding
         k = self._draft_tokens(request.requested_k)
         request.k = k
-        request.pinned_k = request.requested_k is not None or (not request.sampling.greedy
-                                                               and request.sampling.seed is not None)
+        request.pinned_k = request.requested_k is not None or request.sampling.replayable
         m.num_draft_tokens = k
         target = self.target
         given = request.entry                                  # a live window's snapshot

@@ -544,10 +544,10 @@ class Scheduler:
         proposals: list[Proposal | None] = [None] * len(batch)
         if drafting:
             cap = self.config.step_draft_nodes
-            sharing = [i for i in drafting if not _seeded(batch[i].sampling)]
-            share = max(1, cap // len(sharing)) if cap and sharing else None
+            sharing = sum(not batch[i].sampling.replayable for i in drafting)
+            share = max(1, cap // sharing) if cap and sharing else None
             calls = [DraftRequest(batch[i].draft_state, ks[i], batch[i].sampling, batch[i].generator,
-                                  None if _seeded(batch[i].sampling) else share) for i in drafting]
+                                  None if batch[i].sampling.replayable else share) for i in drafting]
             for i, proposal in zip(drafting, self.engine.proposer.propose(calls)):
                 proposals[i] = proposal
         return proposals
@@ -636,11 +636,6 @@ class Scheduler:
 
 
 _NO_DRAFT = torch.empty(0, dtype=torch.long)
-
-
-def _seeded(sampling: SamplingParams) -> bool:
-    """A sampled request with a seed: its tokens must be those of its solo run."""
-    return not sampling.greedy and sampling.seed is not None
 
 
 def _accept(proposal: Proposal | None, logits: torch.Tensor, sampling: SamplingParams,

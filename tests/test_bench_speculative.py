@@ -13,29 +13,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/ is a repo folder, not installed
 from benchmarks import speculative as sb  # noqa: E402
-from sparrow.models.target import TargetModel  # noqa: E402
-from sparrow.tiny import tiny_draft, tiny_target  # noqa: E402
-from sparrow.video import processor_for  # noqa: E402
+from benchmarks.concurrency import save_tiny_models  # noqa: E402
 
 # 84 px x 24 frames = 12 frame pairs x 3x3 tokens = 108 visual tokens; 112 px x 8 frames = 64.
 VIDEOS = ((84, 24), (112, 8))
 
 
-def _world_style(target: TargetModel) -> TargetModel:
-    """The world target's processor: no upscaling of small frames (one token per 28x28 px)."""
-    return TargetModel(target.hf, target.tokenizer, processor_for(target.hf.config, min_pixels=28 * 28))
-
-
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench-models")
-    target = _world_style(tiny_target("qwen2_5_vl", seed=0))
-    target.save_pretrained(root / "world" / "target")
-    tiny_draft(target, seed=0).save_pretrained(root / "world" / "draft")
-    tiny_draft(target, seed=1).save_pretrained(root / "bench" / "draft-eagle")
-    small = _world_style(tiny_target("qwen2_5_vl", seed=1, hidden=32, layers=2))
-    small.save_pretrained(root / "bench" / "small-target")
-    return root                       # no bench/ablation/: those methods must be skipped, not crash
+    """world/{target,draft}, bench/draft-eagle, bench/small-target; no bench/ablation/: those
+    methods must be skipped, not crash."""
+    return save_tiny_models(tmp_path_factory.mktemp("bench-models"))
 
 
 def _config(models_dir, methods, videos=VIDEOS, **kw) -> sb.BenchConfig:
