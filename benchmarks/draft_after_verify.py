@@ -23,8 +23,8 @@ from benchmarks.world import ladder_ends  # noqa: E402
 from sparrow.config import SamplingParams, SpecConfig  # noqa: E402
 from sparrow.models.draft import SparrowDraft  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
-from sparrow.spec.propose import SparrowProposer, build_context  # noqa: E402
-from sparrow.spec.sampling import new_generator  # noqa: E402
+from sparrow.speculative.sparrow_proposer import SparrowProposer, build_context  # noqa: E402
+from sparrow.speculative.sampling import new_generator  # noqa: E402
 
 
 def main(models: str = "models/world", reps: int = 30) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.report import write_section
 from sparrow.services.draft import DraftProbs, DraftReply
-from sparrow.spec.sampling import cut_tail, logits_to_probs
+from sparrow.speculative.sampling import cut_tail, logits_to_probs
 
 CASES = [  # (name, temperature, top_k, top_p, draft_mass, draft_max_candidates)
     ("T=0 (greedy)", 0.0, 0, 1.0, 1.0, 0),

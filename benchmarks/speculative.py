@@ -182,7 +182,7 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
         return Engine(target, models.draft("bench/draft-eagle"),
                       _spec(cfg, draft_context="pruned", prune_keep=0.1), prefix_cache=cache)
     if name == "specvlm":
-        from sparrow.spec.specvlm import SpecVLMProposer
+        from sparrow.speculative.specvlm import SpecVLMProposer
 
         # Its small VLM reads the video's pixels, which a cached prefix drops: a prefix-cache hit
         # needs the small VLM's visual tokens kept from the video's first request (keyed_videos).
@@ -209,7 +209,7 @@ class EndProbe:
         return getattr(self.inner, name)
 
     def end(self, state) -> None:
-        from sparrow.spec.specvlm import draft_memory_bytes
+        from sparrow.speculative.specvlm import draft_memory_bytes
         self.last_bytes = draft_memory_bytes(state)
         if hasattr(self.inner, "end"):
             self.inner.end(state)
@@ -703,7 +703,7 @@ def step_costs(device: torch.device, dtype: torch.dtype, shape: dict, context: i
 
 def _costs_at(model, draft, device, dtype, shape, context, k, reps, sizes, tree, batch, sync, gen) -> dict:
     from sparrow.models.kv_cache import new_kv_cache
-    from sparrow.spec.propose import DraftContext, SparrowProposer
+    from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer
 
     h = shape["hidden"]
     kv = new_kv_cache("static", shape["layers"], context + max((k + 1, *sizes)) + 8)

@@ -30,7 +30,7 @@ from benchmarks.report import write_section  # noqa: E402
 from benchmarks.speculative import machine  # noqa: E402
 from benchmarks.world import ladder_ends  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
-from sparrow.spec.tree import DraftTree  # noqa: E402
+from sparrow.speculative.tree import DraftTree  # noqa: E402
 
 
 def binary_tree(nodes: int) -> DraftTree:

@@ -37,8 +37,8 @@ import torch
 
 from sparrow.state_cache import StateCache
 from sparrow.config import SamplingParams, SpecConfig
-from sparrow.spec.propose import DraftContext, SparrowProposer, build_context
-from sparrow.spec.proposer import BeginInput, DraftRequest, Proposal, StepResult
+from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer, build_context
+from sparrow.speculative.proposer import BeginInput, DraftRequest, Proposal, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class DraftReply:
     probs: DraftProbs | None = None       # (M, V) when sampling
     rng_state: torch.Tensor | None = None
     need_context: bool = False
-    parents: torch.Tensor | None = None   # a draft tree's shape (sparrow.spec.tree.DraftTree); None: a chain
+    parents: torch.Tensor | None = None   # a draft tree's shape (sparrow.speculative.tree.DraftTree); None: a chain
     draw: torch.Tensor | None = None
 
 
@@ -275,7 +275,7 @@ class RemoteDraftState:
 
 
 class RemoteDraftProposer:
-    """The Proposer contract (sparrow.spec.proposer) with the draft on draft replicas.
+    """The Proposer contract (sparrow.speculative.proposer) with the draft on draft replicas.
 
     client: `step(DraftBatch) -> list[DraftReply]` (raises on an unreachable replica) and
     `end(client_id, session)`. fallback: a colocated SparrowProposer, used for the rest of a

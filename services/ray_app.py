@@ -25,7 +25,7 @@ from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from sparrow.state_cache import open_cache
-from sparrow.spec.propose import SparrowProposer
+from sparrow.speculative.sparrow_proposer import SparrowProposer
 
 from . import prom
 from .draft import DraftBatch, DraftReply, DraftSessions, DraftWorker

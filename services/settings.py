@@ -12,7 +12,7 @@ from sparrow.engine import Engine
 from sparrow.models.placement import check_placement
 from sparrow.models.ragged import VERIFY_KERNELS
 from sparrow.prefix_cache import PrefixCache
-from sparrow.spec.propose import SparrowProposer
+from sparrow.speculative.sparrow_proposer import SparrowProposer
 from sparrow.state_cache import StateCache, open_cache
 
 from .models import load_draft, load_target

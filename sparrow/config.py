@@ -54,10 +54,10 @@ class SamplingParams:
 class SpecConfig:
     """Speculative decoding settings for an engine.
 
-    method: the proposer, by its registered name (sparrow.spec.proposer): "sparrow" (the
+    method: the proposer, by its registered name (sparrow.speculative.proposer): "sparrow" (the
     Sparrow draft), "eagle-style" (the same draft over a context with visual entries:
     draft_context "all" unless "pruned" is asked for), "eagle3" (a published EAGLE-3 draft,
-    sparrow.spec.eagle3), "specvlm" (a small VLM on a pruned video), or "none" (plain autoregressive decoding through the same prefill and KV path:
+    sparrow.speculative.eagle3), "specvlm" (a small VLM on a pruned video), or "none" (plain autoregressive decoding through the same prefill and KV path:
     the baseline every benchmark compares against).
     num_draft_tokens: the most draft tokens per step (k). adaptive_k (off by default: see
     BENCHMARKS.md for where it pays on which machine): the engine chooses each
@@ -77,7 +77,7 @@ class SpecConfig:
                   = the target's at t-1), all visible to every query: full causal attention, no
                   window eviction, no anchor cap (EAGLE-2/3 on a VLM, the baseline);
         "pruned"  like "all" over the text tokens plus a `prune_keep` share of the visual ones,
-                  chosen by sparrow.spec.prune.prune_visual (SpecVLM-style pruning).
+                  chosen by sparrow.speculative.prune.prune_visual (SpecVLM-style pruning).
     """
 
     method: str = "sparrow"

@@ -29,8 +29,8 @@ from .models.target import FeatureNeeds, PrefillJob, TargetModel
 from .output import OutputDelta, OutputProcessor
 from .prefix_cache import PrefixCache, PrefixEntry
 from .scheduler import MAX_DRAFT_TOKENS, EngineConfig, Request, Scheduler, first_token
-from .spec.proposer import BeginInput, Proposer, build_proposer
-from .spec.sampling import new_generator
+from .speculative.proposer import BeginInput, Proposer, build_proposer
+from .speculative.sampling import new_generator
 from .video import ProcessedVideo, VideoOptions, prepare_video
 
 

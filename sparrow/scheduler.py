@@ -42,10 +42,10 @@ from .models.kv_cache import KVArena, KVSlot
 from .models.target import FeatureNeeds, PrefillJob, TargetState
 from .output import OutputProcessor
 from .prefix_cache import PrefixEntry
-from .spec.accept import AcceptResult, accept_tree_greedy, accept_tree_speculative
-from .spec.proposer import DraftRequest, Proposal, StepResult
-from .spec.tree import DraftTree
-from .spec.sampling import draw_token, logits_to_probs
+from .speculative.accept import AcceptResult, accept_tree_greedy, accept_tree_speculative
+from .speculative.proposer import DraftRequest, Proposal, StepResult
+from .speculative.tree import DraftTree
+from .speculative.sampling import draw_token, logits_to_probs
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from sparrow import Engine
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.models.draft import SparrowDraft
 from sparrow.models.target import FeatureNeeds
-from sparrow.spec.propose import DraftContext, SparrowProposer
-from sparrow.spec.proposer import Proposal
-from sparrow.spec.sampling import new_generator
+from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer
+from sparrow.speculative.proposer import Proposal
+from sparrow.speculative.sampling import new_generator
 from sparrow.training.unroll import unroll
 
 

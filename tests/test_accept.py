@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from sparrow.spec.accept import accept_greedy, accept_speculative
-from sparrow.spec.sampling import logits_to_probs
+from sparrow.speculative.accept import accept_greedy, accept_speculative
+from sparrow.speculative.sampling import logits_to_probs
 
 
 def _one_hot_logits(tokens, vocab=8):
@@ -83,7 +83,7 @@ def test_logits_to_probs_top_k_top_p():
 def test_cut_tail_keeps_the_most_likely_tokens_and_renormalizes():
     """sampling.cut_tail: the smallest set of most likely tokens holding `mass`, at most
     `max_candidates`, renormalized; the first token always stays; off = q itself."""
-    from sparrow.spec.sampling import cut_tail
+    from sparrow.speculative.sampling import cut_tail
 
     q = torch.tensor([[0.05, 0.5, 0.3, 0.1, 0.05], [0.9, 0.04, 0.03, 0.02, 0.01]])
     assert cut_tail(q) is q

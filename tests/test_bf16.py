@@ -21,7 +21,7 @@ from helpers import OracleProposer, check_seeded_sampling
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models import TargetModel
 from sparrow.models.placement import parse_device
-from sparrow.spec.sampling import logits_to_probs
+from sparrow.speculative.sampling import logits_to_probs
 from sparrow.tiny import tiny_draft
 
 PROMPTS = ["What happens in the video?", "Which shape moves first, and where does it go?"]

@@ -9,10 +9,10 @@ from helpers import check_unroll_equals_proposer
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest
 from sparrow.prefix_cache import PrefixCache
-from sparrow.spec.propose import FULL_WINDOW, DraftContext, SparrowProposer, build_context
-from sparrow.spec.glimpse import select_glimpse
-from sparrow.spec.prune import prune_budget, prune_visual
-from sparrow.spec.sampling import new_generator
+from sparrow.speculative.sparrow_proposer import FULL_WINDOW, DraftContext, SparrowProposer, build_context
+from sparrow.speculative.glimpse import select_glimpse
+from sparrow.speculative.prune import prune_budget, prune_visual
+from sparrow.speculative.sampling import new_generator
 from sparrow.tiny import synthetic_frames, tiny_draft
 from sparrow.training import TrainConfig
 from sparrow.training.signals import target_signals
@@ -159,7 +159,7 @@ def test_all_context_keeps_every_entry_and_round_trips(qwen_target, small_video)
 def test_begin_in_slices_equals_one_pass(qwen_target, small_video, monkeypatch, context):
     """A full-context draft builds its cache over the prompt in bounded slices (each attending to
     the ones before through the cache): the same cache and last hidden state as one dense pass."""
-    import sparrow.spec.propose as propose
+    import sparrow.speculative.sparrow_proposer as propose
 
     s = spec(context)
     draft = tiny_draft(qwen_target)

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest
-from sparrow.spec.eagle3 import Eagle3Draft, Eagle3Proposer
+from sparrow.speculative.eagle3 import Eagle3Draft, Eagle3Proposer
 
 PROMPT = "What happens in the video?"
 SPEC = SpecConfig(num_draft_tokens=3, draft_context="all")

@@ -357,7 +357,7 @@ def test_target_tree_verify_with_each_verify_kernel(qwen_target, small_video, ke
         pytest.skip(str(TRITON_SKIP))
     from sparrow.models.target import TargetState
     from sparrow.models.kv_cache import new_kv_cache
-    from sparrow.spec.tree import DraftTree
+    from sparrow.speculative.tree import DraftTree
 
     target = _kernel_target(qwen_target, kernel)
     spec = SpecConfig(num_draft_tokens=3, tree_width=2, tree_branch=2, tree_budget=6)

@@ -81,4 +81,4 @@ def test_the_import_scan_sees_imports_inside_functions(tmp_path):
     """The scans above would pass vacuously if they missed a lazy import: they must not."""
     src = tmp_path / "mod.py"
     src.write_text("def f():\n    from ..training.unroll import unroll\n    import sparrow.services.cli\n")
-    assert {"sparrow.training.unroll", "sparrow.services.cli"} <= imported_modules(src, "sparrow.spec")
+    assert {"sparrow.training.unroll", "sparrow.services.cli"} <= imported_modules(src, "sparrow.speculative")

@@ -9,7 +9,7 @@ import pytest
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest, ResourceExhausted, VideoError
 from sparrow.scheduler import EngineConfig
-from sparrow.spec.proposer import PROPOSERS, Proposer, build_proposer
+from sparrow.speculative.proposer import PROPOSERS, Proposer, build_proposer
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 
 SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)

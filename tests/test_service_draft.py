@@ -20,8 +20,8 @@ from conftest_services import SPEC_KWARGS
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.services.draft import DraftProbs, DraftWorker, LocalDraftClient, RemoteDraftProposer
-from sparrow.spec.propose import SparrowProposer
-from sparrow.spec.sampling import logits_to_probs
+from sparrow.speculative.sparrow_proposer import SparrowProposer
+from sparrow.speculative.sampling import logits_to_probs
 from sparrow.state_cache import RedisStateCache
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 

@@ -10,9 +10,9 @@ from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest
 from sparrow.models import TargetModel
 from sparrow.prefix_cache import PrefixCache
-from sparrow.spec.glimpse import text_to_visual_attention
-from sparrow.spec.prune import prune_visual
-from sparrow.spec.specvlm import SpecVLMProposer, draft_memory_bytes
+from sparrow.speculative.glimpse import text_to_visual_attention
+from sparrow.speculative.prune import prune_visual
+from sparrow.speculative.specvlm import SpecVLMProposer, draft_memory_bytes
 from sparrow.tiny import tiny_target
 from sparrow.tokenizer import llava_ov_tokenizer
 from sparrow.video import processor_for

@@ -8,7 +8,7 @@ import torch
 from helpers import check_unroll_equals_proposer
 
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.spec.propose import build_context
+from sparrow.speculative.sparrow_proposer import build_context
 from sparrow.tiny import synthetic_frames, tiny_draft
 from sparrow.training import DraftTrainer, Sample, TrainConfig, load_samples
 from sparrow.training.signals import target_signals

@@ -12,10 +12,10 @@ from helpers import OracleTreeProposer
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.prefix_cache import PrefixCache
 from sparrow.scheduler import EngineConfig
-from sparrow.spec.accept import accept_tree_speculative
-from sparrow.spec.sampling import logits_to_probs
-from sparrow.spec.specvlm import SpecVLMProposer
-from sparrow.spec.tree import DraftTree
+from sparrow.speculative.accept import accept_tree_speculative
+from sparrow.speculative.sampling import logits_to_probs
+from sparrow.speculative.specvlm import SpecVLMProposer
+from sparrow.speculative.tree import DraftTree
 from sparrow.tiny import synthetic_frames, tiny_draft
 
 PROMPT = "What happens in the video?"
@@ -228,8 +228,8 @@ def test_duplicate_sampled_paths_rank_by_their_first_score():
     """Children drawn with replacement can repeat a token path; such nodes are equal in exact
     arithmetic, but their scores differ in the last bits with the batch's shapes. Which one is
     expanded must not depend on those bits (a seeded request's tree, and so its draws, would)."""
-    from sparrow.spec.propose import _Node, _TreeGrowth
-    from sparrow.spec.proposer import DraftRequest
+    from sparrow.speculative.sparrow_proposer import _Node, _TreeGrowth
+    from sparrow.speculative.proposer import DraftRequest
 
     spec = SpecConfig(num_draft_tokens=3, tree_width=1, tree_branch=2)
     growth = _TreeGrowth(DraftRequest(None, 3, SamplingParams(temperature=1.0, seed=0),

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.models.target import FeatureCollector, FeatureNeeds, TargetModel
-from sparrow.spec.glimpse import select_glimpse, text_to_visual_attention
-from sparrow.spec.propose import in_prompt_order, visual_entries
+from sparrow.speculative.glimpse import select_glimpse, text_to_visual_attention
+from sparrow.speculative.sparrow_proposer import in_prompt_order, visual_entries
 from sparrow.video import ProcessedVideo
 
 

@@ -1,6 +1,6 @@
 """The training-time forward of the Sparrow draft: every chain of an inference step at once.
 
-At inference (sparrow.spec.propose.SparrowProposer) a chain starts at the last committed
+At inference (sparrow.speculative.sparrow_proposer.SparrowProposer) a chain starts at the last committed
 entry s: step 0 is the draft's output there; step j >= 1 feeds entry (token x_{s+j}, the
 draft's own previous output) at position s + j, which attends to what the request's DraftKV
 then holds: the bridge/glimpse prefix, the committed entries <= s, and its own chain's
@@ -13,7 +13,7 @@ tokens): a draft token that differs is rejected anyway, so only the accepted pat
 
 The draft context ("text" / "all" / "pruned") changes only which entries there are (see
 signals.py) and the (window, anchors) the masks are built with: `context_attention` takes them
-from `sparrow.spec.propose.draft_attention`, the function SparrowProposer uses, so in "all" /
+from `sparrow.speculative.sparrow_proposer.draft_attention`, the function SparrowProposer uses, so in "all" /
 "pruned" every chain sees every earlier entry, as at inference.
 
 The draft's modules are reused as they are (fc, fuse, glimpse_proj, layers, norm, the shared
@@ -28,7 +28,7 @@ import torch
 
 from sparrow.models.attention import get_backend
 from sparrow.models.draft import SparrowDraft
-from sparrow.spec.propose import draft_attention
+from sparrow.speculative.sparrow_proposer import draft_attention
 from sparrow.window import window_mask
 
 

@@ -3,7 +3,7 @@
 The one implementation of the rule: the "pruned" draft context (SpecConfig.draft_context),
 SpecVLM-style proposers and, with its own bounds, the glimpse (glimpse.select_glimpse) all
 call `prune_visual`. Given how much attention each visual token receives from the prompt's
-text (e.g. `sparrow.spec.glimpse.text_to_visual_attention` on the target's bridge-layer
+text (e.g. `sparrow.speculative.glimpse.text_to_visual_attention` on the target's bridge-layer
 states) and a budget `keep`:
 
     stage 1 (verifier-guided)  the highest-attention tokens, in descending order, until their

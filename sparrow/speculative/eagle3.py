@@ -25,7 +25,7 @@ The draft's distribution over the target vocabulary puts q = 0 on ids outside th
 vocabulary, so the one acceptance path (accept.py) stays exact. Positions are the entries'
 indices (1-D), whatever the target's rope: what the published drafts use for text.
 
-Eagle3Proposer follows the Proposer contract (sparrow.spec.proposer): needs, begin, batched
+Eagle3Proposer follows the Proposer contract (sparrow.speculative.proposer): needs, begin, batched
 propose / commit (here a loop over the batch's requests), end. Its draft context is "all" by
 default: every prompt entry, visual ones included, as EAGLE-3 runs on a VLM.
 """
@@ -44,7 +44,7 @@ from safetensors import safe_open
 from ..config import SamplingParams
 from ..errors import InvalidRequest
 from ..models.target import FeatureNeeds
-from .propose import DraftContext, build_context
+from .sparrow_proposer import DraftContext, build_context
 from ..models.draft import RMSNorm, rope  # the same norm and rotary embedding as the Sparrow draft
 from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
 from .sampling import draft_probs, sample
