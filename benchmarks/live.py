@@ -34,7 +34,8 @@ import numpy as np
 
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.engine import Engine
-from sparrow.live import LiveConfig, LiveSession
+from sparrow.live import LiveSession
+from sparrow.live_window import LiveConfig
 from sparrow.models.target import TargetModel
 from sparrow.video import VideoOptions
 from sparrow.video.options import Frames

@@ -98,7 +98,8 @@ def main() -> int:
     from sparrow.services.client import SparrowClient
     from sparrow.services.models import load_draft, load_target
     from sparrow.services.server import BackgroundServer
-    from sparrow.services.servicer import ServiceConfig, SparrowService
+    from sparrow.services.config import ServiceConfig
+    from sparrow.services.servicer import SparrowService
     from sparrow.services.settings import AppSettings, build_engine
     from sparrow.tiny import tiny_draft, tiny_target
     from sparrow.video import write_synthetic_video

@@ -27,7 +27,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.report import write_section  # noqa: E402
-from benchmarks.speculative import machine  # noqa: E402
+from benchmarks.machine import machine  # noqa: E402
 from benchmarks.world import ladder_ends  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.speculative.tree import DraftTree  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.report import write_section  # noqa: E402
-from benchmarks.speculative import machine  # noqa: E402
+from benchmarks.machine import machine  # noqa: E402
 from sparrow.training.world import LADDER, QUESTION_KINDS, WorldVideo  # noqa: E402
 from sparrow.training.world_data import evaluate_world  # noqa: E402
 from sparrow.training.world_target import world_sample  # noqa: E402

@@ -141,7 +141,7 @@ class SparrowClient:
         """Open a live session (the Live RPC). None: the server's default. standing: questions
         asked every N seconds of stream, as (question_id, text, every_s); url: the server
         reads the video itself (under its URL allowlists) instead of the client sending it;
-        evict_mode: "shift" (default) or "refresh" (sparrow.live.LiveConfig).
+        evict_mode: "shift" (default) or "refresh" (sparrow.live_window.LiveConfig).
         Use as a context manager: leaving the block before the server has ended the stream
         cancels it (the server frees the session at once)."""
         given = dict(fps=fps, window_s=window_s, evict_s=evict_s, max_lag_s=max_lag_s, min_pixels=min_pixels,

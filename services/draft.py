@@ -37,8 +37,8 @@ import torch
 
 from sparrow.state_cache import StateCache
 from sparrow.config import SamplingParams, SpecConfig
-from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer, build_context
-from sparrow.speculative.proposer import BeginInput, DraftRequest, Proposal, StepResult
+from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer, SparrowState, build_context
+from sparrow.speculative.proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class LocalDraftClient:
 
 
 @dataclass(slots=True)
-class RemoteDraftState:
+class RemoteDraftState(DraftState):
     session: str
     context: DraftContext                  # what begin() was given: the prompt part
     tokens: list[int] = field(default_factory=list)       # every token committed since
@@ -266,12 +266,30 @@ class RemoteDraftState:
     rebuild: bool = True                   # the next call must carry the context
     inline: bool = False                   # ... as tensors: the state cache did not keep it
     cache_keys: list[str] = field(default_factory=list)
-    local: object | None = None            # SparrowState of the colocated fallback, once in use
+    local: SparrowState | None = None      # the colocated fallback's state, once in use
     failovers: int = 0
 
     @property
     def length(self) -> int:
         return self.context.token_ids.shape[0] + len(self.tokens)
+
+    def kv_bytes(self) -> int:
+        """The colocated fallback's draft KV once in use; a draft replica's KV is not this process's (0)."""
+        return self.local.kv_bytes() if self.local is not None else 0
+
+    def max_keys(self) -> int:
+        return self.local.max_keys() if self.local is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteDraftStats:
+    """How a target replica's remote draft has fared, for operators (all zero for a draft in
+    the target's process)."""
+
+    failovers: int = 0              # calls that failed and were retried
+    fallbacks: int = 0              # requests that finished with the colocated draft
+    rebuilds: int = 0               # request parts a replica answered with need_context
+    sessions: tuple[str, ...] = ()  # draft sessions of running requests, sorted
 
 
 class RemoteDraftProposer:
@@ -293,6 +311,9 @@ class RemoteDraftProposer:
         self.fallbacks = 0        # requests that finished with the colocated draft
         self.rebuilds = 0         # request parts a replica answered with need_context (new to it, or stale)
         self.sessions: set[str] = set()   # draft sessions of running requests
+
+    def stats(self) -> RemoteDraftStats:
+        return RemoteDraftStats(self.failovers, self.fallbacks, self.rebuilds, tuple(sorted(self.sessions)))
 
     def begin(self, start: BeginInput) -> RemoteDraftState:
         spec = self.spec

@@ -36,15 +36,20 @@ from typing import Any, Protocol
 import av
 import numpy as np
 
-from sparrow.engine import Engine, GenerationOutput, TokenDelta
-from sparrow.errors import InvalidRequest, NoVideoStream, ResourceExhausted, SparrowError, VideoUnreadable
-from sparrow.live import LiveConfig, LiveEvent, LiveSession, LiveStats
+from sparrow.config import SamplingParams
+from sparrow.engine import Engine
+from sparrow.output import GenerationOutput, TokenDelta
+from sparrow.errors import InvalidRequest, ResourceExhausted, SparrowError, VideoUnreadable
+from sparrow.live import LiveEvent, LiveSession, LiveStats
 from sparrow.video import SourcePolicy, VideoOptions
 from sparrow.video.sources import Deadline, open_media
+from sparrow.video.stream import decoded_frames, video_stream
 
+from .completion import completion
+from .config import ServiceConfig
 from .errors import DeadlineExceeded, LiveUnsupported, NotReady, status_for
+from .live_messages import error_event, live_config, stats_message
 from .protos import pb
-from .servicer import ServiceConfig, SparrowService, completion
 from .wire import Undecodable
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,24 @@ class LiveMetrics(Protocol):
     def end(self, reason: str) -> None: ...
 
 
+class LiveHost(Protocol):
+    """What a live call needs of the service hosting it (services.servicer.SparrowService):
+    its limits, engine and source policy, the admission of sessions, and its request checks."""
+
+    config: ServiceConfig
+    engine: Engine
+    policy: SourcePolicy
+    ready: bool
+
+    def live_refusal(self) -> str | None: ...
+
+    def admit_live(self, call: LiveCall) -> None: ...
+
+    def release_live(self, call: LiveCall) -> None: ...
+
+    def sampling_params(self, s: pb.SamplingParams) -> SamplingParams: ...
+
+
 def live_refusal(engine: Engine) -> str | None:
     """Why this engine's target cannot take a live session (the library's words), or None."""
     try:
@@ -75,54 +98,11 @@ def live_refusal(engine: Engine) -> str | None:
     return None
 
 
-def live_config(opening: pb.LiveOpen, cfg: ServiceConfig) -> LiveConfig:
-    """The session's LiveConfig from its LiveOpen, within the service's limits. The window's
-    visual tokens are bounded by max_visual_tokens: each frame pair may spend its share of
-    them (the processor shrinks frames that would spend more)."""
-    defaults = LiveConfig()
-    given = {name: getattr(opening, name) for name in ("fps", "window_s", "evict_s", "max_lag_s")
-             if opening.HasField(name)}
-    for name in ("min_pixels", "max_pixels"):
-        if opening.HasField(name) and getattr(opening, name) > cfg.max_frame_pixels:
-            raise InvalidRequest(f"{name} {getattr(opening, name)} is over the {cfg.max_frame_pixels} pixels "
-                                 "a frame may have here")
-    window_s = given.get("window_s", defaults.window_s)
-    if isinstance(window_s, float) and math.isfinite(window_s) and window_s > cfg.max_live_window_s:
-        raise ResourceExhausted(f"window_s {window_s:g} is over the limit of {cfg.max_live_window_s:g} s")
-    probe = LiveConfig(**given, evict_mode=opening.evict_mode or "shift")   # InvalidRequest for a bad value
-    share = cfg.max_visual_tokens // probe.window_pairs
-    if share < 1:
-        raise ResourceExhausted(f"a window of {probe.window_pairs} frame pairs ({window_s:g} s at {probe.fps:g} fps) "
-                                f"cannot fit the {cfg.max_visual_tokens} visual tokens a session may hold; "
-                                "use a shorter window or a lower fps")
-    if opening.evict_mode:
-        given["evict_mode"] = opening.evict_mode
-    pixels = {name: getattr(opening, name) for name in ("min_pixels", "max_pixels") if opening.HasField(name)}
-    options = VideoOptions(**pixels, max_visual_tokens=share, max_frame_pixels=cfg.max_frame_pixels)
-    return LiveConfig(**given, options=options)
-
-
-def stats_message(stats: LiveStats, *, bytes_received: int, session_s: float, final: bool = False) -> pb.LiveStats:
-    return pb.LiveStats(
-        frames_received=stats.frames_received, frames_sampled=stats.frames_sampled,
-        frames_dropped=stats.frames_dropped, pairs_prefilled=stats.pairs_prefilled,
-        pairs_evicted=stats.pairs_evicted, window_pairs=stats.window_pairs, visual_tokens=stats.visual_tokens,
-        tokens_per_pair=stats.visual_tokens // stats.window_pairs if stats.window_pairs else 0,
-        kv_bytes=stats.kv_bytes, window_start_s=stats.window_start_s, window_end_s=stats.window_end_s,
-        newest_s=stats.newest_s, lag_s=stats.lag_s, ingest_seconds=stats.ingest_seconds,
-        bytes_received=bytes_received, session_seconds=session_s, final=final)
-
-
-def error_event(exc: BaseException, question_id: str = "") -> pb.LiveEvent:
-    code, message = status_for(exc)
-    return pb.LiveEvent(kind=pb.LIVE_EVENT_KIND_ERROR, code=code.value[0], message=message, question_id=question_id)
-
-
 class LiveCall:
     """One Live stream: admits the session, runs it, and turns everything it does into
     LiveResponse messages. `run(requests)` is the response stream; closing it closes the session."""
 
-    def __init__(self, service: SparrowService, deadline: float | None = None, *,
+    def __init__(self, service: LiveHost, deadline: float | None = None, *,
                  metrics: Callable[[], LiveMetrics] | None = None, cancelled: Callable[[], bool] | None = None):
         self.service, self.cfg = service, service.config
         self.deadline = deadline
@@ -485,22 +465,14 @@ class UrlFeeder:
         try:
             media = open_media(self.url, self.options, self.policy, Deadline(self.options.timeout_s))
             with media.open() as container:
-                if not container.streams.video:
-                    raise NoVideoStream(f"{media.description} has no video stream")
-                stream = container.streams.video[0]
-                origin, started = None, time.monotonic()
-                for packet in container.demux(stream):
-                    if self._stop.is_set():
+                stream = video_stream(container, media.description)
+                started = time.monotonic()
+                for t, frame in decoded_frames(container, stream, on_packet=self.count_bytes):
+                    if t is None:                     # no pts: no time to play it at
+                        continue
+                    if self._stop.wait(max(0.0, started + t - time.monotonic())):
                         return
-                    self.count_bytes(packet.size)
-                    for frame in packet.decode():
-                        if frame.pts is None:
-                            continue
-                        t = float(frame.pts * stream.time_base)
-                        origin = t if origin is None else origin
-                        if self._stop.wait(max(0.0, started + (t - origin) - time.monotonic())):
-                            return
-                        self.session.push_frames(frame.to_ndarray(format="rgb24")[None], [t - origin])
+                    self.session.push_frames(frame.to_ndarray(format="rgb24")[None], [t])
             self.session.end_of_stream()
         except av.error.FFmpegError as exc:
             if not self._stop.is_set():
@@ -510,4 +482,4 @@ class UrlFeeder:
                 self.on_error(exc)
 
 
-__all__ = ["LiveCall", "SessionLimit", "UrlFeeder", "live_config", "live_refusal", "stats_message"]
+__all__ = ["LiveCall", "LiveHost", "SessionLimit", "UrlFeeder", "live_refusal"]

@@ -14,10 +14,10 @@ replica) the first time they see it. Both scale from their deployment options.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import weakref
+from collections.abc import Callable
 
 import ray
 from grpc_health.v1 import health_pb2
@@ -28,12 +28,12 @@ from sparrow.state_cache import open_cache
 from sparrow.speculative.sparrow_proposer import SparrowProposer
 
 from . import prom
-from .draft import DraftBatch, DraftReply, DraftSessions, DraftWorker
+from .draft import DraftBatch, DraftReply, DraftSessions, DraftWorker, RemoteDraftProposer, RemoteDraftStats
 from .errors import log_failure, quiet_client_errors
+from .handler import SparrowMethods
 from .models import load_draft, load_heads
 from .servicer import SparrowService, deadline_from_metadata
 from .settings import AppSettings, build_engine
-from .wire import check_decoded, decoded_stream
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +46,8 @@ SERVICER_FUNCTIONS = [
 ]
 
 
-def _set_status(grpc_context, exc: Exception) -> None:
-    """Serve's proxy sends the code set here when the method then raises. A caller's error
-    is logged once, at INFO, without a traceback (here and, through ClientErrorsAtInfo on
-    Serve's logger, by Serve itself)."""
-    code, details = log_failure(log, exc)
-    grpc_context.set_code(code)
-    grpc_context.set_details(details)
-
-
 @serve.deployment(name="TargetDeployment")
-class TargetDeployment:
+class TargetDeployment(SparrowMethods):
     def __init__(self, settings: AppSettings, draft=None):
         quiet_client_errors("ray.serve")     # Serve logs what a method raises with a traceback
         client = RayDraftClient(draft, settings.draft_call_timeout_s) if draft is not None else None
@@ -65,48 +56,28 @@ class TargetDeployment:
         self.service = SparrowService(engine, cache, settings.service, host="ray", draft_placement=placement)
         self.metrics = prom.Recorder(prom.RaySink(), model_name=settings.target)
 
-    async def Generate(self, request, grpc_context):
-        try:
-            # Serve's proxy does not always pass a client's cancel or deadline on to the
-            # replica (it misses those that land while it is writing a response): a deadline
-            # sent as metadata is enforced here, and SparrowClient's cancel also sends Abort.
-            check_decoded(request)
-            deadline = deadline_from_metadata(grpc_context.invocation_metadata())
-            async with contextlib.aclosing(prom.observe_stream(self.service.generate(request, deadline), self.metrics)) as responses:
-                async for response in responses:
-                    yield response
-        except Exception as exc:
-            _set_status(grpc_context, exc)
-            raise
+    def _deadline(self, grpc_context) -> float | None:
+        # Serve's proxy does not always pass a client's cancel or deadline on to the
+        # replica (it misses those that land while it is writing a response): a deadline
+        # sent as metadata is enforced here, and SparrowClient's cancel also sends Abort.
+        return deadline_from_metadata(grpc_context.invocation_metadata())
 
-    async def Live(self, request_stream, grpc_context):
+    def _recorder(self) -> prom.Recorder:
+        return self.metrics
+
+    async def _set_status(self, grpc_context, exc: Exception) -> None:
+        """Serve's proxy sends the code set here when the method then raises. A caller's error
+        is logged once, at INFO, without a traceback (here and, through ClientErrorsAtInfo on
+        Serve's logger, by Serve itself)."""
+        code, details = log_failure(log, exc)
+        grpc_context.set_code(code)
+        grpc_context.set_details(details)
+
+    def _cancelled(self, request_stream) -> Callable[[], bool] | None:
         # A bidi stream is one call to this replica: the session and its KV cache stay here.
         # Serve ends a cancelled client's request stream as if it had half-closed; the stream
         # says which (gRPCInputStream.is_cancelled), so the session is closed, not drained.
-        try:
-            deadline = deadline_from_metadata(grpc_context.invocation_metadata())
-            stream = self.service.live_stream(request_stream, deadline, metrics=self.metrics.live_session,
-                                              cancelled=getattr(request_stream, "is_cancelled", None))
-            async with contextlib.aclosing(stream) as responses:
-                async for response in responses:
-                    yield response
-        except Exception as exc:
-            _set_status(grpc_context, exc)
-            raise
-
-    async def UploadVideo(self, request_stream, grpc_context):
-        try:
-            return await self.service.upload_video(decoded_stream(request_stream))
-        except Exception as exc:
-            _set_status(grpc_context, exc)
-            raise
-
-    async def Abort(self, request, grpc_context):
-        try:
-            return await self.service.abort(check_decoded(request))
-        except Exception as exc:
-            _set_status(grpc_context, exc)
-            raise
+        return getattr(request_stream, "is_cancelled", None)
 
     async def GetModelInfo(self, request):
         return self.service.model_info()
@@ -121,16 +92,16 @@ class TargetDeployment:
 
     def stats(self) -> dict:
         """This replica's requests and generation threads, and how its remote draft has fared."""
-        proposer, engine = self.service.engine.proposer, self.service.engine
+        engine = self.service.engine
+        draft = engine.proposer.stats() if isinstance(engine.proposer, RemoteDraftProposer) else RemoteDraftStats()
         return {"replica": ray.get_runtime_context().get_actor_name() or "",
                 "videos": len(engine.prefix_cache) if engine.prefix_cache is not None else 0,
                 "requests": len(self.service.live), "threads": self.service.runner.active,
                 "live_sessions": len(self.service.live_sessions),
                 "engine_requests": engine.scheduler.num_running,     # live answers included
                 "last_released": self.service.last_released,        # time.monotonic(), same clock host-wide
-                "draft_failovers": getattr(proposer, "failovers", 0),
-                "draft_fallbacks": getattr(proposer, "fallbacks", 0), "draft_rebuilds": getattr(proposer, "rebuilds", 0),
-                "draft_sessions": sorted(getattr(proposer, "sessions", ()))}
+                "draft_failovers": draft.failovers, "draft_fallbacks": draft.fallbacks,
+                "draft_rebuilds": draft.rebuilds, "draft_sessions": list(draft.sessions)}
 
 
 # A target replica's draft calls go to one draft replica, chosen by rendezvous hashing of its

@@ -24,9 +24,9 @@ from typing import Any
 
 from sparrow.config import SpecConfig
 from sparrow.models.draft import DraftArchitecture
-from sparrow.scheduler import EngineConfig
+from sparrow.config import EngineConfig
 
-from .servicer import ServiceConfig
+from .config import ServiceConfig
 from .settings import AppSettings
 
 SETTINGS_FILE_KEY = "settings_file"

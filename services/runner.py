@@ -14,7 +14,8 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
-from sparrow.engine import Engine, GenerationOutput, TokenDelta
+from sparrow.engine import Engine
+from sparrow.output import GenerationOutput, TokenDelta
 
 
 class RunningRequest:

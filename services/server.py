@@ -7,7 +7,6 @@ no Ray, no Redis (the state cache is in memory unless a Redis URL is given).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -18,9 +17,10 @@ from grpc_reflection.v1alpha import reflection
 
 from . import prom
 from .errors import log_failure
+from .handler import SparrowMethods
 from .protos import SERVICE_NAME, pb_grpc
 from .servicer import SparrowService, deadline_from_metadata
-from .wire import add_sparrow_servicer, check_decoded, decoded_stream
+from .wire import add_sparrow_servicer, check_decoded
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,6 @@ def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """gRPC channel/server options bounding message sizes (set on both ends)."""
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)]
-
-
-async def abort_with_status(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    code, details = log_failure(log, exc)
-    await context.abort(code, details)
 
 
 def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
@@ -47,52 +42,28 @@ def request_deadline(context: grpc.aio.ServicerContext) -> float | None:
     return min((d for d in deadlines if d is not None), default=None)
 
 
-class GrpcSparrow(pb_grpc.SparrowServicer):
-    """sparrow.v1.Sparrow on grpc.aio. A client cancel or deadline cancels the handler's
-    task; the CancelledError passes through (it is no Exception) and closes the service's
+class GrpcSparrow(SparrowMethods, pb_grpc.SparrowServicer):
+    """sparrow.v1.Sparrow on grpc.aio (services.handler). A client cancel or deadline
+    cancels the handler's task; the CancelledError passes through and closes the service's
     generator, which aborts the generation (Live: closes the session, freeing its KV)."""
 
     def __init__(self, service: SparrowService):
         self.service = service
 
-    async def Generate(self, request, context):
-        try:
-            check_decoded(request)
-            deadline = request_deadline(context)
-            async with contextlib.aclosing(prom.observe_stream(self.service.generate(request, deadline))) as responses:
-                async for response in responses:
-                    yield response
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status code
-            await abort_with_status(context, exc)
+    def _deadline(self, grpc_context: grpc.aio.ServicerContext) -> float | None:
+        return request_deadline(grpc_context)
 
-    async def Live(self, request_iterator, context):
-        try:
-            stream = self.service.live_stream(request_iterator, request_deadline(context),
-                                              metrics=prom.get_recorder().live_session)
-            async with contextlib.aclosing(stream) as responses:
-                async for response in responses:
-                    yield response
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status code
-            await abort_with_status(context, exc)
+    def _recorder(self) -> prom.Recorder:
+        return prom.get_recorder()
 
-    async def UploadVideo(self, request_iterator, context):
-        try:
-            return await self.service.upload_video(decoded_stream(request_iterator))
-        except Exception as exc:  # noqa: BLE001
-            await abort_with_status(context, exc)
-
-    async def Abort(self, request, context):
-        try:
-            return await self.service.abort(check_decoded(request))
-        except Exception as exc:  # noqa: BLE001
-            await abort_with_status(context, exc)
+    async def _set_status(self, grpc_context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        code, details = log_failure(log, exc)
+        await grpc_context.abort(code, details)
 
     async def GetModelInfo(self, request, context):
-        try:
+        async with self._status_on_error(context):
             check_decoded(request)
             return self.service.model_info()
-        except Exception as exc:  # noqa: BLE001
-            await abort_with_status(context, exc)
 
 
 async def start_server(service: SparrowService, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:

@@ -3,7 +3,7 @@ typed errors (sparrow.errors, services.errors) for everything a caller can get w
 
 One servicer, two hosts: services.server (a grpc.aio server, the embedded default) and
 services.ray_app (Ray Serve's gRPC proxy in front of the TargetDeployment). Hosts only move
-messages and turn exceptions into status codes with `status_for`.
+messages and turn exceptions into status codes with `status_for`, both through services.handler.
 """
 
 from __future__ import annotations
@@ -21,73 +21,22 @@ from dataclasses import dataclass
 
 from sparrow.chat import Message, Prompt, with_history
 from sparrow.config import SamplingParams
-from sparrow.engine import Engine, GenerationOutput
+from sparrow.engine import Engine
+from sparrow.output import GenerationOutput
 from sparrow.errors import InvalidRequest, ResourceExhausted, VideoTooLarge
-from sparrow.metrics import SpecMetrics
 from sparrow.state_cache import StateCache
 from sparrow.video import SourcePolicy, VideoOptions, prepare_video
 
 from . import logs
+from .completion import completion
+from .config import ServiceConfig
 from .errors import DeadlineExceeded, NotReady, VideoNotFound
+from .live import LiveCall, live_refusal
 from .protos import pb
 from .runner import EngineRunner, RunningRequest
 from .sources import HashedFile, VideoStore, content_id
 
 log = logging.getLogger(__name__)
-
-MiB = 1 << 20
-FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
-
-
-@dataclass(frozen=True)
-class ServiceConfig:
-    """Limits and policies of one service (the same on every replica)."""
-
-    default_max_new_tokens: int = 128
-    max_new_tokens: int = 2048             # above: RESOURCE_EXHAUSTED
-    max_visual_tokens: int = 24576        # per video; requests may ask for fewer
-    max_frames: int = 768
-    max_video_bytes: int = 2 << 30
-    max_duration_s: float = 4 * 3600.0
-    max_message_bytes: int = 64 * MiB      # gRPC messages, both directions (uploads go in chunks)
-    max_prompt_chars: int = 16384          # the question and its earlier turns together
-    max_history_turns: int = 64            # earlier turns of a conversation
-    max_stop_strings: int = 16
-    max_concurrent: int = 16               # running requests per replica; above: RESOURCE_EXHAUSTED
-    # Per-frame pixel options a request may ask for (min_pixels, max_pixels). Qwen2.5-VL's
-    # own ceiling for one image is 16384 merged tokens (12.8 M pixels); a floor above what
-    # the request's token budget can hold for its frames is refused as contradictory.
-    max_frame_pixels: int = 16384 * 28 * 28
-    media_root: str | None = None          # paths are read only inside it (None: no paths)
-    allowed_url_schemes: tuple[str, ...] = ()   # of http, https, rtsp (none: no URLs)
-    allowed_url_hosts: tuple[str, ...] = ()     # see sparrow.video.SourcePolicy
-    decode_timeout_s: float = 300.0
-    video_ttl_s: float = 3600.0            # how long uploads stay in the state cache
-    abort_poll_s: float = 0.2              # shared cache: how often a request looks for an Abort sent elsewhere
-    # Live sessions (the Live RPC, services/live.py). A session passing a limit ends with
-    # RESOURCE_EXHAUSTED; one asking for more is refused at open.
-    max_live_sessions: int = 4             # open at once per server (replica); 0: no live sessions
-    max_live_session_s: float = 4 * 3600.0  # wall seconds a session may stay open
-    max_live_bytes: int = 16 << 30         # media and raw frame bytes a session may send
-    max_live_window_s: float = 600.0       # the longest window a session may keep
-    live_stats_every_s: float = 5.0        # default wall seconds between LiveStats messages
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
-            raise ValueError("need 1 <= default_max_new_tokens <= max_new_tokens")
-        if min(self.max_visual_tokens, self.max_frames, self.max_video_bytes, self.max_message_bytes,
-               self.max_prompt_chars, self.max_concurrent, self.max_frame_pixels) < 1:
-            raise ValueError("limits must be >= 1")
-        if self.max_history_turns < 0:
-            raise ValueError("max_history_turns must be >= 0 (0: no conversations)")
-        if self.max_live_sessions < 0:
-            raise ValueError("max_live_sessions must be >= 0 (0: no live sessions)")
-        if self.max_live_bytes < 1:
-            raise ValueError("max_live_bytes must be >= 1")
-        for name in ("max_live_session_s", "max_live_window_s", "live_stats_every_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +63,7 @@ class SparrowService:
         self.policy = SourcePolicy(self.config.media_root, self.config.allowed_url_schemes,
                                    self.config.allowed_url_hosts)
         self.live: dict[str, RunningRequest | None] = {}     # None: admitted, still preparing
-        self.live_sessions: dict[str, object] = {}            # Live streams open: id -> services.live.LiveCall
+        self.live_sessions: dict[str, LiveCall] = {}          # Live streams open, by session id
         self._live_refusal: list[str | None] = []             # why the target cannot go live; computed once
         self.last_released = 0.0
         self.ready = True
@@ -322,26 +271,22 @@ class SparrowService:
         giving the session's LiveMetrics (prom.Recorder.live_session); cancelled: tells, once
         the request stream has ended, whether the client cancelled rather than half-closed
         (Ray Serve ends both alike)."""
-        from .live import LiveCall      # services.live builds on this module
-
         return LiveCall(self, deadline, metrics=metrics, cancelled=cancelled).run(requests)
 
     def live_refusal(self) -> str | None:
         """Why this server's target cannot take a live session, or None (asked once)."""
         if not self._live_refusal:
-            from .live import live_refusal
-
             self._live_refusal.append(live_refusal(self.engine))
         return self._live_refusal[0]
 
-    def admit_live(self, call) -> None:
+    def admit_live(self, call: LiveCall) -> None:
         # No await between the check and the insert: atomic on the event loop.
         if len(self.live_sessions) >= self.config.max_live_sessions:
             raise ResourceExhausted(f"{len(self.live_sessions)} live sessions open, the limit of this server "
                                     f"({self.config.max_live_sessions}); retry later")
         self.live_sessions[call.session_id] = call
 
-    def release_live(self, call) -> None:
+    def release_live(self, call: LiveCall) -> None:
         self.live_sessions.pop(call.session_id, None)
         self.last_released = time.monotonic()
 
@@ -433,17 +378,3 @@ def deadline_from_metadata(metadata, key: str = "sparrow-timeout-ms") -> float |
                 raise InvalidRequest(f"{key} must be an integer number of milliseconds") from None
     return None
 
-
-def completion(output: GenerationOutput) -> pb.Completion:
-    m: SpecMetrics = output.metrics
-    return pb.Completion(
-        finish_reason=FINISH.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-        usage=pb.Usage(prompt_tokens=m.prompt_tokens, visual_tokens=m.visual_tokens,
-                       completion_tokens=m.completion_tokens, cached_prompt_tokens=m.cached_prompt_tokens),
-        metrics=pb.SpecMetrics(
-            num_draft_tokens=m.num_draft_tokens, steps=m.steps, draft_tokens=m.draft_tokens,
-            accepted_tokens=m.accepted_tokens, mean_acceptance_length=m.mean_acceptance_length,
-            accepted_per_step=m.accepted_per_step, acceptance_rate_per_position=m.acceptance_rate_per_position,
-            video_seconds=m.video_seconds, prefill_seconds=m.prefill_seconds, decode_seconds=m.decode_seconds,
-            draft_seconds=m.draft_seconds, verify_seconds=m.verify_seconds,
-            decode_tokens_per_second=m.decode_tokens_per_second))

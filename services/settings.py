@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from sparrow.config import SpecConfig
 from sparrow.models.draft import DraftArchitecture
-from sparrow.scheduler import EngineConfig
+from sparrow.config import EngineConfig
 from sparrow.engine import Engine
 from sparrow.models.placement import check_placement
 from sparrow.models.ragged import VERIFY_KERNELS
@@ -16,7 +16,7 @@ from sparrow.speculative.sparrow_proposer import SparrowProposer
 from sparrow.state_cache import StateCache, open_cache
 
 from .models import load_draft, load_target
-from .servicer import ServiceConfig
+from .config import ServiceConfig
 
 PLACEMENTS = ("colocated", "remote")
 VERIFY_ATTENTION = ("auto", "sdpa", *VERIFY_KERNELS)

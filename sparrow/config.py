@@ -11,7 +11,7 @@ SPEC_METHODS = ("sparrow", "eagle-style", "eagle3", "specvlm", "none")
 DRAFT_CONTEXTS = ("text", "all", "pruned")
 
 
-def _check(cond: bool, message: str) -> None:
+def check(cond: bool, message: str) -> None:
     if not cond:
         raise InvalidRequest(message)
 
@@ -30,14 +30,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         # inf would sample uniformly at random and nan compares false everywhere: both refused.
-        _check(math.isfinite(self.temperature) and self.temperature >= 0.0,
+        check(math.isfinite(self.temperature) and self.temperature >= 0.0,
                f"temperature must be a finite number >= 0, got {self.temperature}")
-        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")   # false for nan
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")   # false for nan
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ids >= 0")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
 
     @property
     def greedy(self) -> bool:
@@ -54,7 +54,7 @@ class SamplingParams:
 class SpecConfig:
     """Speculative decoding settings for an engine.
 
-    method: the proposer, by its registered name (sparrow.speculative.proposer): "sparrow" (the
+    method: the proposer, by its registered name (sparrow.speculative.registry): "sparrow" (the
     Sparrow draft), "eagle-style" (the same draft over a context with visual entries:
     draft_context "all" unless "pruned" is asked for), "eagle3" (a published EAGLE-3 draft,
     sparrow.speculative.eagle3), "specvlm" (a small VLM on a pruned video), or "none" (plain autoregressive decoding through the same prefill and KV path:
@@ -62,12 +62,12 @@ class SpecConfig:
     num_draft_tokens: the most draft tokens per step (k). adaptive_k (off by default: see
     BENCHMARKS.md for where it pays on which machine): the engine chooses each
     step's k in [0, num_draft_tokens] from the batch size and measured acceptance and costs
-    (scheduler.DraftPolicy); seeded sampling and a request's explicit k keep k fixed.
+    (draft_policy.DraftPolicy); seeded sampling and a request's explicit k keep k fixed.
     tree_width/tree_branch/tree_budget: the shape of the draft tree (see the fields).
     adaptive_tree: each step, greedy requests' trees (chains too) are cut to the nodes worth
     their verify cost: the step's measured verify cost per token against each node's chance
     of acceptance (its path's draft probability, calibrated by what was accepted), shared
-    across the batch (scheduler.TreeTrim). Off by default; sampled requests keep their trees.
+    across the batch (draft_policy.TreeTrim). Off by default; sampled requests keep their trees.
     window/anchors/glimpse: the draft's text-anchored window attention sees at most
     `anchors` prompt text tokens + the last `window` tokens + `glimpse` bridge-layer visual
     states, whatever the length of the video.
@@ -105,19 +105,19 @@ class SpecConfig:
     draft_max_candidates: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.method in SPEC_METHODS, f"method must be one of {SPEC_METHODS}, got {self.method!r}")
-        _check(1 <= self.num_draft_tokens <= 32, f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
-        _check(self.window >= 1, f"window must be >= 1, got {self.window}")
-        _check(self.anchors >= 0, f"anchors must be >= 0, got {self.anchors}")
-        _check(self.glimpse >= 0, f"glimpse must be >= 0, got {self.glimpse}")
-        _check(0.0 < self.draft_mass <= 1.0, f"draft_mass must be in (0, 1], got {self.draft_mass}")
-        _check(self.draft_max_candidates >= 0, f"draft_max_candidates must be >= 0, got {self.draft_max_candidates}")
-        _check(self.draft_context in DRAFT_CONTEXTS,
+        check(self.method in SPEC_METHODS, f"method must be one of {SPEC_METHODS}, got {self.method!r}")
+        check(1 <= self.num_draft_tokens <= 32, f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
+        check(self.window >= 1, f"window must be >= 1, got {self.window}")
+        check(self.anchors >= 0, f"anchors must be >= 0, got {self.anchors}")
+        check(self.glimpse >= 0, f"glimpse must be >= 0, got {self.glimpse}")
+        check(0.0 < self.draft_mass <= 1.0, f"draft_mass must be in (0, 1], got {self.draft_mass}")
+        check(self.draft_max_candidates >= 0, f"draft_max_candidates must be >= 0, got {self.draft_max_candidates}")
+        check(self.draft_context in DRAFT_CONTEXTS,
                f"draft_context must be one of {DRAFT_CONTEXTS}, got {self.draft_context!r}")
-        _check(isinstance(self.prune_keep, (int, float)) and 0.0 <= self.prune_keep <= 1.0,
+        check(isinstance(self.prune_keep, (int, float)) and 0.0 <= self.prune_keep <= 1.0,
                f"prune_keep must be in [0, 1], got {self.prune_keep!r}")
-        _check(self.tree_width >= 1 and self.tree_branch >= 1, "tree_width and tree_branch must be >= 1")
-        _check(0 <= self.tree_budget <= 256, f"tree_budget must be in [0, 256], got {self.tree_budget}")
+        check(self.tree_width >= 1 and self.tree_branch >= 1, "tree_width and tree_branch must be >= 1")
+        check(0 <= self.tree_budget <= 256, f"tree_budget must be in [0, 256], got {self.tree_budget}")
         if self.method == "eagle-style" and self.draft_context == "text":
             object.__setattr__(self, "draft_context", "all")
 
@@ -129,3 +129,49 @@ class SpecConfig:
     @property
     def speculative(self) -> bool:
         return self.method != "none"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine internals (how requests share the machine), apart from the speculation policy
+    (SpecConfig) and each request's sampling (SamplingParams).
+
+    kv_cache_bytes       the target KV arena: admission is by these bytes, not a request count
+    max_running          requests prefilling or decoding at once
+    max_waiting          requests waiting for KV memory; past it, new ones are refused
+    queue_timeout_s      how long a request may wait for KV memory before it is refused
+    prefill_chunk_tokens the most prompt positions per prefill slice
+    prefill_slice_s      while streams are decoding, a slice is sized to take about this long
+                         (from the measured cost of the request's previous slice: it grows with
+                         the cached length), so a running stream waits about this much at most
+    prefill_share        ... and prefill gets about this share of the time while streams decode
+                         (the rest goes to decode steps); alone, a prefill runs at full chunks
+    prepare_threads      videos decoded at once (off the scheduler thread)
+    step_draft_nodes     draft-tree nodes a whole step may verify, shared by the requests that
+                         draft (each gets at most its equal share, however large its tree
+                         could be); 0: no cap. Verify cost grows with the tokens scored, so a
+                         batch gives each request a smaller tree (BENCHMARKS.md: verify cost).
+                         A seeded sampled request keeps its whole tree: its tree decides its
+                         draws, which must be those of its solo run.
+    """
+
+    kv_cache_bytes: int = 2 << 30
+    max_running: int = 64
+    max_waiting: int = 256
+    queue_timeout_s: float = 30.0
+    prefill_chunk_tokens: int = 2048
+    prefill_slice_s: float = 0.1
+    prefill_share: float = 0.5
+    step_draft_nodes: int = 0
+    prepare_threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_bytes", "max_running", "prefill_chunk_tokens", "prepare_threads"):
+            if getattr(self, name) < 1:
+                raise InvalidRequest(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0 or not self.queue_timeout_s >= 0:
+            raise InvalidRequest("max_waiting and queue_timeout_s must be >= 0")
+        if self.step_draft_nodes < 0:
+            raise InvalidRequest("step_draft_nodes must be >= 0")
+        if not self.prefill_slice_s > 0 or not 0 < self.prefill_share <= 1:
+            raise InvalidRequest("need prefill_slice_s > 0 and 0 < prefill_share <= 1")

@@ -1,4 +1,5 @@
-"""The engine: every request's generation, batched by one scheduler (scheduler.py).
+"""The engine: every request's generation, batched by one scheduler (scheduler.py) whose
+steps a model runner computes (model_runner.py).
 
     prefill -> loop { propose -> verify -> accept -> advance -> yield } -> complete
 
@@ -15,37 +16,24 @@ of that video: only the prompt's own text is prefilled, and the video is not eve
 from __future__ import annotations
 
 import queue
-import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from .chat import Prompt, as_messages
-from .config import SamplingParams, SpecConfig
+from .chat import Prompt
+from .config import EngineConfig, SamplingParams, SpecConfig
 from .errors import InvalidRequest, ResourceExhausted
-from .metrics import SpecMetrics
-from .models.target import FeatureNeeds, PrefillJob, TargetModel
-from .output import OutputDelta, OutputProcessor
+from .model_runner import ModelRunner
+from .models.target import TargetModel
+from .output import GenerationOutput, TokenDelta
 from .prefix_cache import PrefixCache, PrefixEntry
-from .scheduler import MAX_DRAFT_TOKENS, EngineConfig, Request, Scheduler, first_token
-from .speculative.proposer import BeginInput, Proposer, build_proposer
-from .speculative.sampling import new_generator
-from .video import ProcessedVideo, VideoOptions, prepare_video
+from .request import Request
+from .scheduler import Scheduler
+from .speculative.proposer import Proposer
+from .speculative.registry import build_proposer
+from .video import ProcessedVideo, VideoOptions
 
-
-@dataclass(frozen=True, slots=True)
-class TokenDelta:
-    token_ids: tuple[int, ...]
-    text: str
-
-
-@dataclass(slots=True)
-class GenerationOutput:
-    token_ids: list[int]
-    text: str
-    finish_reason: str               # "stop" | "length" | "abort"
-    metrics: SpecMetrics
+__all__ = ["Engine", "Generation", "GenerationOutput", "TokenDelta"]
 
 
 class Generation:
@@ -110,15 +98,13 @@ class Engine:
             proposer = build_proposer(self.spec, target, draft)
         self.proposer = proposer if self.spec.speculative else None
         self.config = config or EngineConfig()
-        self.scheduler = Scheduler(self, self.config)
+        self.runner = ModelRunner(target, self.proposer, self.spec, self.config, prefix_cache)
+        self.scheduler = Scheduler(self.runner, self.config)
 
     # ----- inputs ------------------------------------------------------------------------------
     def process_video(self, video, options: VideoOptions | None = None) -> ProcessedVideo:
-        if callable(video):         # deferred: decoded only when no cached prefill can be used
-            video = video()
-        if isinstance(video, ProcessedVideo):
-            return video
-        return prepare_video(video, self.target.processor, options or VideoOptions())
+        """Decode, sample and patchify a video as a request would (a ProcessedVideo is kept)."""
+        return self.runner.process_video(video, options)
 
     def prepare(self, video, prompt: Prompt, options: VideoOptions | None = None) -> dict[str, torch.Tensor]:
         """The exact kwargs handed to target.hf: `target.hf.generate(**engine.prepare(...))` works."""
@@ -169,96 +155,3 @@ class Engine:
 
     def close(self) -> None:
         self.scheduler.close()
-
-    # ----- what the scheduler asks of the engine ---------------------------------------------------
-    def _prepare_request(self, request: Request) -> None:
-        """On a worker thread: validate, decode the video (unless the prefix cache has its
-        prefill), build the prompt, size the request's KV slot."""
-        m = request.metrics
-        if isinstance(request.prompt, str) and not request.prompt.strip():
-            raise InvalidRequest("prompt must be a non-empty string")
-        as_messages(request.prompt)        # a conversation's turns are checked here, before any decoding
-        k = self._draft_tokens(request.requested_k)
-        request.k = k
-        request.pinned_k = request.requested_k is not None or request.sampling.replayable
-        m.num_draft_tokens = k
-        target = self.target
-        given = request.entry                                  # a live window's snapshot
-        use_prefix = given is None and self.prefix_cache is not None and request.video_key is not None
-        want = self.proposer is not None and (k > 0 or use_prefix)
-        needs = self.proposer.needs if want else FeatureNeeds()
-        t0 = time.perf_counter()
-        entry = given if given is not None else self.prefix_cache.get(request.video_key) if use_prefix else None
-        processed = entry.video if entry is not None else self.process_video(request.video, request.options)
-        inputs = target.build_inputs(processed, request.prompt)
-        if given is not None and not given.prefix.matches(inputs["input_ids"][0], target.video_token_id):
-            raise InvalidRequest("the question must follow the video (a live window's prompt starts with it)")
-        if given is None and entry is not None and (not entry.prefix.matches(inputs["input_ids"][0], target.video_token_id)
-                                                    or (needs.visual_features and entry.prefix.visual_features is None)):
-            entry, processed = None, self.process_video(request.video, request.options)   # text before the video
-            inputs = target.build_inputs(processed, request.prompt)
-        m.video_seconds = time.perf_counter() - t0
-        m.prompt_tokens, m.visual_tokens = inputs["input_ids"].shape[1], processed.num_visual_tokens
-        m.cached_prompt_tokens = entry.prefix.length if entry is not None else 0
-        target.check_fits(m.prompt_tokens, request.sampling.max_new_tokens)
-        # KV room: the answer, plus one verify step's root and draft tree (a chain: k tokens).
-        request.capacity = m.prompt_tokens + request.sampling.max_new_tokens + self.spec.max_tree_nodes(k) + 1
-        arena_tokens = self.scheduler._arena().tokens
-        if request.capacity > arena_tokens:
-            raise ResourceExhausted(
-                f"the request needs {request.capacity} tokens of KV memory (prompt {m.prompt_tokens} incl. video + "
-                f"max_new_tokens {request.sampling.max_new_tokens} + {k + 1}), more than this engine's whole KV "
-                f"cache ({arena_tokens} tokens); use fewer frames, a smaller resolution or fewer new tokens")
-        request.needs, request.entry, request.processed, request.inputs = needs, entry, processed, inputs
-
-    def _prefill_job(self, request: Request) -> PrefillJob:
-        entry = request.entry
-        return PrefillJob(self.target, request.inputs, request.slot.cache, request.needs,
-                          prefix=entry.prefix if entry is not None else None,
-                          chunk_tokens=self.config.prefill_chunk_tokens)
-
-    def _start_decoding(self, request: Request) -> int:
-        """After the prefill: keep the video's prefix for later questions, draw the first
-        token, start the draft. Returns the first token."""
-        t0 = time.perf_counter()
-        job, sampling = request.job, request.sampling
-        pre = job.output()
-        if self.prefix_cache is not None and request.video_key is not None and request.entry is None:
-            self.prefix_cache.put(request.video_key, PrefixEntry.of(request.processed, job.video_prefix()))
-        request.generator = new_generator(sampling.seed, self.target.device)   # sampling happens where the logits are
-        token = first_token(pre.logits, sampling, request.generator)
-        if self.proposer is not None and request.k > 0:
-            key = request.video_key if self.prefix_cache is not None else None
-            request.draft_state = self.proposer.begin(BeginInput(pre, token, sampling.max_new_tokens, request.inputs,
-                                                                 request.processed, key))
-        request.state = pre.state
-        request.job = request.inputs = request.processed = request.entry = None   # the pixels go now
-        request.output = OutputProcessor(self.target.tokenizer, sampling, self.target.eos_token_ids)
-        request.metrics.prefill_seconds += time.perf_counter() - t0
-        request.decode_start = time.perf_counter()
-        return token
-
-    @staticmethod
-    def _delta(delta: OutputDelta) -> TokenDelta:
-        return TokenDelta(delta.token_ids, delta.text)
-
-    def _final(self, request: Request, finish: str) -> GenerationOutput:
-        m, out = request.metrics, request.output
-        if request.decode_start:
-            m.decode_seconds = time.perf_counter() - request.decode_start
-        kv = getattr(request.draft_state, "kv", None)
-        if kv is not None:
-            m.draft_max_keys = kv.max_visible
-        if out is None:                       # ended before its first token
-            return GenerationOutput([], "", finish, m)
-        m.completion_tokens = len(out.token_ids)
-        return GenerationOutput(list(out.token_ids), out.final_text, finish, m)
-
-    def _draft_tokens(self, requested: int | None) -> int:
-        if requested is None:
-            return self.spec.num_draft_tokens if self.proposer is not None else 0
-        if not 0 <= requested <= MAX_DRAFT_TOKENS:
-            raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {requested}")
-        if requested > 0 and self.proposer is None:
-            raise InvalidRequest("this engine has no draft: num_draft_tokens must be 0")
-        return requested

@@ -6,24 +6,10 @@
          model on top of the session's KV cache, at the pair's real-time rope positions
       -> a question: a copy of the session's KV (a VideoPrefix snapshot) + its own prefill + decode
 
-Positions. Qwen2.5-VL (transformers 5) puts frame pair t of a video at temporal position
-s + floor(t * tokens_per_second * seconds_per_pair) and height/width positions s + row/col
-(s: the text before the video); the text after the video starts at s + max(rows, cols),
-whatever the video's length. So an appended pair's positions do not depend on the future,
-and a question asked now gets the positions it would get after the same frames prefilled
-in one shot: incremental == one-shot, token for token (tests/test_live.py).
-
-The window. A session keeps at most `window_s` seconds of pairs. When the oldest leave (in
-steps of `evict_s`), the kept pairs' cache entries move down and the window is re-positioned
-so it reads as a clip that starts at time 0: rather than rotating every kept key back in
-time (O(window) and rounding that accumulates, badly in bf16), the text before the video
-(a few tokens) is prefilled again with its temporal axis moved forward by the evicted span
-D, and the question's text sits D later on that axis too (VideoPrefix.time_shift). Every
-relative position is then exactly the one-shot clip's. What is not exact: kept pairs were
-prefilled while evicted ones were still in the cache, so their deeper layers saw frames
-the window no longer holds (the attention-sink + recent-frames approximation of streaming
-LLMs, with the system prompt as the sink). Accuracy on the live world after eviction is in
-models/live/MODEL_CARD.md and BENCHMARKS.md ("Live sessions").
+The window (live_window.py): at most `window_s` seconds of pairs in one KV cache; the oldest
+leave in steps of `evict_s`, and the kept ones are re-positioned so the window reads as a clip
+that starts at time 0. Positions are real time, so a question asked now gets exactly the
+positions of the same frames prefilled in one shot.
 
 Memory is bounded: the session's cache holds the text before the video + the window; drafts
 whose context is text (sparrow) never see the video grow. Ingest that falls behind real time
@@ -32,93 +18,28 @@ whose context is text (sparrow) never see the video grow. Ingest that falls behi
 
 from __future__ import annotations
 
-import io
 import itertools
 import math
-import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
-import av
 import numpy as np
-import torch
 
 from .config import SamplingParams
-from .engine import Generation, GenerationOutput, TokenDelta
-from .errors import InvalidRequest, NoFrames, VideoUnreadable
-from .models.kv_cache import new_kv_cache
-from .models.target import FeatureNeeds, VideoPrefix
-from .prefix_cache import PrefixEntry
-from .video import ProcessedVideo, VideoOptions
-from .video.options import Frames
+from .engine import Generation
+from .output import GenerationOutput, TokenDelta
+from .errors import InvalidRequest, NoFrames
+from .live_window import FramePair, LiveConfig, LiveWindow
+from .models.target import FeatureNeeds
+from .video.live_decode import LiveDecoder
+from .video.processors import _resize_all
 
 # Methods whose draft can start from a live snapshot (their context is text + target features).
 # The SpecVLM-style draft prefills the video itself: its live questions decode without drafts.
 _SNAPSHOT_METHODS = ("sparrow", "eagle-style", "eagle3")
-TS_PACKET = 188
-
-
-@dataclass(frozen=True, slots=True)
-class LiveConfig:
-    """fps          frames sampled per second of stream (a pair covers 2 / fps seconds)
-    window_s        seconds of pairs a session keeps (its memory bound)
-    evict_s         the oldest pairs leave in steps of this many seconds (default window_s / 8):
-                    each step moves the kept cache entries once and re-prefills the short
-                    text before the video
-    max_lag_s       ingest more than this far behind the newest frame drops the oldest waiting pairs
-    evict_mode      "shift": evicted pairs leave the cache, the kept ones stay as prefilled and the
-                    window is re-positioned (cheap; kept pairs' deeper layers saw evicted ones);
-                    "refresh": the kept pairs are prefilled again from their visual tokens (kept
-                    for it) after each eviction step: exactly a one-shot clip of the window, at a
-                    window prefill per evict_s (BENCHMARKS.md "Live sessions" measures both)
-    options         pixel bounds of a frame (min/max_pixels); the frame size is fixed by the first frame
-    """
-
-    fps: float = 2.0
-    window_s: float = 30.0
-    evict_s: float | None = None
-    max_lag_s: float = 10.0
-    evict_mode: str = "shift"
-    options: VideoOptions = field(default_factory=VideoOptions)
-
-    def __post_init__(self) -> None:
-        for name in ("fps", "window_s", "max_lag_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise InvalidRequest(f"{name} must be a number > 0, got {value!r}")
-        if self.evict_s is not None and not (math.isfinite(self.evict_s) and self.evict_s > 0):
-            raise InvalidRequest(f"evict_s must be > 0, got {self.evict_s!r}")
-        if self.evict_mode not in ("shift", "refresh"):
-            raise InvalidRequest(f"evict_mode must be 'shift' or 'refresh', got {self.evict_mode!r}")
-        if self.window_pairs < 1:
-            raise InvalidRequest(f"a window of {self.window_s} s at {self.fps} fps holds no frame pair")
-
-    @property
-    def pair_s(self) -> float:
-        return 2.0 / self.fps
-
-    @property
-    def window_pairs(self) -> int:
-        return int(self.window_s / self.pair_s + 1e-9)
-
-    @property
-    def evict_pairs(self) -> int:
-        step = self.evict_s if self.evict_s is not None else self.window_s / 8
-        return max(1, min(self.window_pairs, int(step / self.pair_s + 1e-9)))
-
-
-@dataclass(slots=True)
-class _Pair:
-    index: int                       # pair slot since the stream's first frame (real time / pair_s)
-    start_s: float                   # stream time of its first frame
-    end_s: float                     # ... and where it stops covering (its second frame + a frame)
-    frames: np.ndarray | None        # uint8 [2, H, W, 3] until prefilled
-    bridge: torch.Tensor | None = None        # (tpp, H) bridge-layer states
-    visual_features: torch.Tensor | None = None   # (tpp, F*H) features at t-1 of its tokens
-    embeds: torch.Tensor | None = None            # (tpp, H) its visual tokens ("refresh" only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,17 +104,6 @@ class LiveSession:
 
     def __init__(self, engine, config: LiveConfig | None = None, *,
                  on_event: Callable[[LiveEvent], None] | None = None):
-        target = engine.target
-        processor = target.processor
-        if target.family.model_type != "qwen2_5_vl":
-            raise InvalidRequest(f"live sessions need a model whose video positions are real time (Qwen2.5-VL); "
-                                 f"{target.family.model_type} places a video's frames by count")
-        if getattr(processor, "temporal_positions", None) is not None:
-            raise InvalidRequest(f"this target reads every video as {processor.temporal_positions} temporal positions "
-                                 f"(time as a share of the video), which a growing stream cannot use; serve a target "
-                                 f"with real-time positions (temporal_positions null), e.g. models/live/target")
-        if processor.temporal_patch_size != 2:
-            raise InvalidRequest("live sessions expect Qwen's temporal patch of 2 frames")
         self.engine, self.config = engine, config or LiveConfig()
         self.on_event = on_event
         self._lock = threading.RLock()
@@ -202,33 +112,16 @@ class LiveSession:
         drafting = engine.proposer is not None and engine.spec.method in _SNAPSHOT_METHODS
         self._draft_k = None if drafting else 0
         self.needs: FeatureNeeds = engine.proposer.needs if drafting else FeatureNeeds()
-        self._interval = processor.tokens_per_second * self.config.pair_s   # temporal positions per pair
-        # The prompt's text before the video is the same for every question (the video sits in
-        # the first user turn, before the question).
-        ids = target.prompt_ids("?", 1)
-        self._prefix_ids = ids[:ids.index(target.video_token_id)]
-        self._s = len(self._prefix_ids)
-        # Set by the first frame:
-        self._frame_shape: tuple[int, int] | None = None      # source frame (H, W)
-        self._grid: tuple[int, int] | None = None             # patches (rows, cols) per frame
-        self._tpp = 0                                          # visual tokens per pair
-        self._kv = None
-        self._capacity = 0
+        self._window = LiveWindow(engine.target, self.config, self.needs)
+        self._frame_shape: tuple[int, int] | None = None      # source frame (H, W), set by the first frame
         # Sampling state
         self._t0: float | None = None
         self._last_slot = -1
         self._pending: tuple[np.ndarray, float, int] | None = None   # a sampled frame waiting for its partner
-        self._waiting: deque[tuple[_Pair, Any]] = deque()           # pairs handed to the scheduler
-        self._pairs: deque[_Pair] = deque()                          # prefilled, in the window
-        self._last_row: torch.Tensor | None = None                   # features at the newest position
-        self._prefix_features = self._prefix_bridge = None
-        self._shift = 0             # "shift": temporal positions the window was moved by
-        self._origin = 0            # "refresh": the pair index at temporal position 0
-        self._prefix_last = None    # features at the last text position before the video
+        self._waiting: deque[tuple[FramePair, Any]] = deque()       # pairs handed to the scheduler
         self._standing: dict[str, _Standing] = {}
         self._answers: set[Generation] = set()
         self._decoder: LiveDecoder | None = None
-        self._media_bytes, self._ts = 0, False
         self._counts = dict(received=0, sampled=0, dropped=0, prefilled=0, evicted=0)
         self._newest_s = 0.0
         self._ingest_s = 0.0
@@ -264,16 +157,6 @@ class LiveSession:
                 # A new media: its first frame follows the newest frame so far.
                 offset = self._newest_s + 1.0 / self.config.fps if self._t0 is not None else 0.0
                 self._decoder = LiveDecoder(self._on_decoded, self._on_decode_error, offset=offset)
-                self._media_bytes, self._ts = 0, chunk[:1] == b"\x47"
-            if self._ts and chunk:
-                # MPEG-TS is 188-byte packets, each starting 0x47: a chunk that breaks that is
-                # refused whole, and the stream goes on from where it was.
-                marks = np.frombuffer(chunk, dtype=np.uint8)[(-self._media_bytes) % TS_PACKET::TS_PACKET]
-                if not bool((marks == 0x47).all()):
-                    bad = int(np.argmax(marks != 0x47))
-                    raise VideoUnreadable(f"chunk at byte {self._media_bytes} of the stream is not MPEG-TS: no sync "
-                                          f"byte at its packet {bad}; the chunk was dropped, the session goes on")
-            self._media_bytes += len(chunk)
             decoder = self._decoder
         decoder.feed(chunk)
 
@@ -320,10 +203,11 @@ class LiveSession:
         sampling = sampling or SamplingParams()
         with self._lock:
             self._check_open()
-            if not self._pairs:
+            pairs = self._window.pairs
+            if not pairs:
                 raise NoFrames("the live session has no prefilled frame yet")
-            entry = self._snapshot()
-            start_s, end_s = self._pairs[0].start_s, self._pairs[-1].end_s
+            entry = self._window.snapshot()
+            start_s, end_s = pairs[0].start_s, pairs[-1].end_s
             question_id = question_id or f"q{next(self._ids)}"
             gen = Generation()
             put = sink or gen._events.put
@@ -354,7 +238,8 @@ class LiveSession:
             question_id = question_id or f"s{next(self._ids)}"
             if question_id in self._standing:
                 raise InvalidRequest(f"standing question {question_id!r} exists already")
-            start = self._pairs[-1].end_s if self._pairs else 0.0
+            pairs = self._window.pairs
+            start = pairs[-1].end_s if pairs else 0.0
             self._standing[question_id] = _Standing(question_id, question, float(every_s),
                                                     sampling or SamplingParams(), start + every_s)
         return question_id
@@ -367,20 +252,17 @@ class LiveSession:
     @property
     def stats(self) -> LiveStats:
         with self._lock:
-            c = self._counts
-            start = self._pairs[0].start_s if self._pairs else 0.0
-            end = self._pairs[-1].end_s if self._pairs else 0.0
-            return LiveStats(c["received"], c["sampled"], c["dropped"], c["prefilled"], c["evicted"], len(self._pairs),
-                             len(self._pairs) * self._tpp, self.kv_bytes, start, end, self._newest_s,
-                             max(0.0, self._newest_s - end) if self._pairs else self._newest_s, self._shift,
+            c, window, pairs = self._counts, self._window, self._window.pairs
+            start = pairs[0].start_s if pairs else 0.0
+            end = pairs[-1].end_s if pairs else 0.0
+            return LiveStats(c["received"], c["sampled"], c["dropped"], c["prefilled"], c["evicted"], len(pairs),
+                             len(pairs) * window.tpp, window.kv_bytes, start, end, self._newest_s,
+                             max(0.0, self._newest_s - end) if pairs else self._newest_s, window.shift,
                              self._ingest_s)
 
     @property
     def kv_bytes(self) -> int:
-        if self._kv is None:
-            return 0
-        return sum(layer.k_buf.numel() * layer.k_buf.element_size() * 2 for layer in self._kv.layers
-                   if layer.is_initialized)
+        return self._window.kv_bytes
 
     @property
     def running_answers(self) -> int:
@@ -411,9 +293,7 @@ class LiveSession:
         for gen in answers:
             gen.abort()
         with self._lock:              # after any running ingest task (it holds the lock)
-            self._kv = None
-            self._pairs.clear()
-            self._last_row = None
+            self._window.clear()
 
     @property
     def closed(self) -> bool:
@@ -430,9 +310,8 @@ class LiveSession:
         if self._t0 is None:
             self._t0 = t
         if self._frame_shape is None:
-            self._start(frame.shape[0], frame.shape[1])
+            self._start(frame.shape[:2])
         elif frame.shape[:2] != self._frame_shape:
-            from .video.processors import _resize_all
             frame = _resize_all(frame[None], *self._frame_shape)[0]
         self._newest_s = max(self._newest_s, t)
         slot = int(math.floor((t - self._t0) * self.config.fps + 1e-6))
@@ -453,25 +332,16 @@ class LiveSession:
             queued += self._queue_pair(frame, frame, t, slot // 2)
         return queued
 
-    def _start(self, height: int, width: int) -> None:
+    def _start(self, shape: tuple[int, int]) -> None:
         """The first frame fixes the frame size, the grid and the cache; prefill the text before the video."""
-        processor = self.engine.target.processor
-        plan = processor.plan(2, height, width, self.config.options)
-        if plan.num_visual_tokens < 1:
-            raise InvalidRequest("a frame pair of this size makes no visual token")
-        self._frame_shape = (height, width)
-        self._size = (plan.height, plan.width)
-        self._grid = (plan.height // processor.patch_size, plan.width // processor.patch_size)
-        self._tpp = plan.num_visual_tokens
-        self._capacity = self._s + self.config.window_pairs * self._tpp
-        target = self.engine.target
-        target.check_fits(self._capacity, 1)
-        self.engine.scheduler.call_soon(self._prefill_text).result()
+        self._window.start(*shape)
+        self._frame_shape = shape
+        self.engine.scheduler.call_soon(self._window.prefill_text).result()
 
     def _queue_pair(self, a: np.ndarray, b: np.ndarray, t: float, index: int, t_b: float | None = None) -> int:
         pair_s = self.config.pair_s
         frames = np.stack([a, b])
-        pair = _Pair(index, t, (t_b if t_b is not None else t) + pair_s / 2, frames)
+        pair = FramePair(index, t, (t_b if t_b is not None else t) + pair_s / 2, frames)
         future = self.engine.scheduler.call_soon(lambda: self._ingest(pair))
         self._waiting.append((pair, future))
         self._drop_if_behind()
@@ -496,39 +366,7 @@ class LiveSession:
             self._emit(LiveEvent("dropped", dropped=dropped))
 
     # On the scheduler thread ------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _prefill_text(self) -> None:
-        """(Re)prefill the text before the video at temporal positions moved by self._shift;
-        its hidden states do not depend on the shift (all its positions move together)."""
-        target, s = self.engine.target, self._s
-        needs = self.needs
-        if self._kv is None:
-            self._kv = new_kv_cache("static", target.num_layers, self._capacity)
-        cache = new_kv_cache("static", target.num_layers, s)
-        index = torch.arange(s, device=target.device)
-        pos = index.view(1, 1, s).expand(3, 1, s).clone()
-        pos[0] += self._shift
-        ids = torch.tensor([self._prefix_ids], device=target.device)
-        out = target.hf(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
-                        output_hidden_states=needs.hidden, logits_to_keep=1)
-        fresh = self._kv.layers[0].length == 0
-        for layer, new in zip(self._kv.layers, cache.layers):
-            if fresh:
-                layer.update(new.keys, new.values)
-            else:
-                layer.k_buf[:, :, :s] = new.keys
-                layer.v_buf[:, :, :s] = new.values
-        if fresh and needs.hidden:
-            hs = out.hidden_states
-            if needs.feature_layers:
-                feats = torch.cat([hs[i][0] for i in needs.feature_layers], dim=-1)
-                self._prefix_features, self._last_row = feats[:-1], feats[-1]
-                self._prefix_last = feats[-1]
-            if needs.bridge_layer is not None:
-                self._prefix_bridge = hs[needs.bridge_layer][0][1:]
-
-    @torch.inference_mode()
-    def _ingest(self, pair: _Pair) -> None:
+    def _ingest(self, pair: FramePair) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -538,8 +376,8 @@ class LiveSession:
                 self._waiting = deque(entry for entry in self._waiting if entry[0] is not pair)
             t0 = time.perf_counter()
             try:
-                self._evict()                 # room for this pair first: the cache never grows
-                self._prefill_pair(pair)
+                self._counts["evicted"] += self._window.evict()    # room for this pair first: the cache never grows
+                self._window.append(pair)
             except Exception as exc:  # noqa: BLE001 - reported on the session; the window stays as it was
                 self._error = exc
                 self._emit(LiveEvent("error", error=exc))
@@ -547,117 +385,12 @@ class LiveSession:
             finally:
                 self._ingest_s += time.perf_counter() - t0
             self._counts["prefilled"] += 1
-            self._pairs.append(pair)
             due = [q for q in self._standing.values() if q.next_s <= pair.end_s + 1e-9]
             for q in due:
                 while q.next_s <= pair.end_s + 1e-9:
                     q.next_s += q.every_s
         for q in due:
             self._ask_standing(q)
-
-    def _prefill_pair(self, pair: _Pair) -> None:
-        target, processor = self.engine.target, self.engine.target.processor
-        frames = Frames(pair.frames, np.array([pair.start_s, pair.start_s + self.config.pair_s / 2]),
-                        self.config.fps, self.config.options)
-        video = processor.process(frames)
-        grid = video.model_kwargs["video_grid_thw"]
-        if tuple(int(x) for x in grid[0, 1:]) != self._grid:
-            raise InvalidRequest(f"a frame pair made a {tuple(grid[0].tolist())} grid, the session's is {self._grid}")
-        hf = target.hf
-        embeds = target.family.video_embeds(hf, {"pixel_values_videos": video.pixel_values_videos.to(target.device, hf.dtype),
-                                                 "video_grid_thw": grid.to(target.device)})
-        if embeds.shape[0] != self._tpp:
-            raise InvalidRequest(f"the vision tower made {embeds.shape[0]} tokens for a pair, expected {self._tpp}")
-        pair.frames = None
-        if self.config.evict_mode == "refresh":
-            pair.embeds = embeds.to(hf.dtype)             # kept for the window's re-prefill after eviction
-        self._run_pairs([pair], [embeds.to(hf.dtype)])
-
-    def _run_pairs(self, pairs: list[_Pair], embeds: list[torch.Tensor]) -> None:
-        """The language model over these pairs' visual tokens, on top of the session cache, at
-        their real-time positions counted from pair self._origin; the rows the draft reads."""
-        target, processor, needs = self.engine.target, self.engine.target.processor, self.needs
-        merge = processor.merge_size
-        rows, cols = self._grid[0] // merge, self._grid[1] // merge
-        s, device = self._s, target.device
-        h = torch.arange(rows, device=device).view(rows, 1).expand(rows, cols) + s
-        w = torch.arange(cols, device=device).view(1, cols).expand(rows, cols) + s
-        pos = torch.cat([torch.stack([torch.full_like(h, s + int((p.index - self._origin) * self._interval)), h, w])
-                         .view(3, 1, rows * cols) for p in pairs], dim=-1)
-        out = target.hf(inputs_embeds=torch.cat(embeds)[None], position_ids=pos, past_key_values=self._kv,
-                        use_cache=True, output_hidden_states=needs.hidden, logits_to_keep=1)
-        tpp = self._tpp
-        if needs.feature_layers:
-            feats = torch.cat([out.hidden_states[i][0] for i in needs.feature_layers], dim=-1)
-            if needs.visual_features:
-                shifted = torch.cat([self._last_row[None], feats[:-1]])
-                for j, p in enumerate(pairs):
-                    p.visual_features = shifted[j * tpp:(j + 1) * tpp]
-            self._last_row = feats[-1]
-        if needs.bridge_layer is not None:
-            bridge = out.hidden_states[needs.bridge_layer][0]
-            for j, p in enumerate(pairs):
-                p.bridge = bridge[j * tpp:(j + 1) * tpp]
-
-    def _evict(self) -> None:
-        """No room for one more pair: drop the oldest evict_pairs pairs. "shift": move the rest
-        down and re-position (the text before the video, re-prefilled D later in time);
-        "refresh": prefill the kept pairs again from their visual tokens, from time 0. Lock held."""
-        cfg = self.config
-        if len(self._pairs) < cfg.window_pairs:
-            return
-        n = max(cfg.evict_pairs, len(self._pairs) + 1 - cfg.window_pairs)
-        for _ in range(n):
-            self._pairs.popleft()
-        self._counts["evicted"] += n
-        s, gone = self._s, n * self._tpp
-        if cfg.evict_mode == "refresh":
-            for layer in self._kv.layers:
-                layer.crop(-(layer.length - s))
-            self._last_row = self._prefix_last
-            if self._pairs:
-                self._origin = self._pairs[0].index
-                kept = list(self._pairs)
-                self._run_pairs(kept, [p.embeds for p in kept])
-            return
-        for layer in self._kv.layers:
-            end = layer.length
-            for buf in (layer.k_buf, layer.v_buf):
-                buf[:, :, s:end - gone] = buf[:, :, s + gone:end].clone()
-            layer.crop(-gone)
-        shift = int(self._pairs[0].index * self._interval)
-        if shift != self._shift:
-            self._shift = shift
-            self._prefill_text()
-
-    def _snapshot(self) -> PrefixEntry:
-        """The window as a VideoPrefix (copies) and the ProcessedVideo a prompt is built from. Lock held."""
-        target, needs = self.engine.target, self.needs
-        layers = self._kv.layers
-        n_pairs = len(self._pairs)
-        n_visual = n_pairs * self._tpp
-        length = self._s + n_visual
-        ids = torch.tensor(self._prefix_ids + [target.video_token_id] * n_visual, device=target.device)
-        features = bridge_text = bridge_visual = visual_features = None
-        if needs.feature_layers:
-            features = torch.cat([self._prefix_features, self._last_row[None]])
-            if needs.visual_features:
-                visual_features = torch.cat([p.visual_features for p in self._pairs])
-        if needs.bridge_layer is not None:
-            bridge_text = self._prefix_bridge
-            bridge_visual = torch.cat([p.bridge for p in self._pairs])
-        prefix = VideoPrefix(ids, [layer.k_buf[:, :, :length].clone() for layer in layers],
-                             [layer.v_buf[:, :, :length].clone() for layer in layers],
-                             features, bridge_text, bridge_visual, visual_features, time_shift=self._shift)
-        times = np.array([t for p in self._pairs for t in (p.start_s, p.start_s + self.config.pair_s / 2)])
-        video = ProcessedVideo(
-            pixel_values_videos=torch.zeros(0, 1),
-            num_visual_tokens=n_visual,
-            model_kwargs={"video_grid_thw": torch.tensor([[n_pairs, *self._grid]], dtype=torch.long),
-                          "second_per_grid_ts": torch.tensor([self.config.pair_s])},
-            timestamps=times,
-        )
-        return PrefixEntry(video, prefix)
 
     def _ask_standing(self, q: _Standing) -> None:
         with self._lock:
@@ -708,138 +441,4 @@ class LiveSession:
         self._emit(LiveEvent("error", error=exc))
 
 
-class _Pipe(io.RawIOBase):
-    """A blocking byte pipe: `write` from the feeding thread, `read` from the decoder's."""
-
-    def __init__(self):
-        self._chunks: queue.SimpleQueue = queue.SimpleQueue()
-        self._buf = b""
-        self._eof = False
-
-    def readable(self) -> bool:
-        return True
-
-    def write_chunk(self, data: bytes | None) -> None:
-        self._chunks.put(data)
-
-    def readinto(self, b) -> int:
-        while not self._buf and not self._eof:
-            chunk = self._chunks.get()
-            if chunk is None:
-                self._eof = True
-            else:
-                self._buf = bytes(chunk)
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-
-class LiveDecoder:
-    """Decodes a container stream fed in chunks (MPEG-TS, fragmented MP4) on its own thread and
-    hands RGB frames with stream times (seconds from the media's first frame + `offset`) to
-    `on_frames`; a decode failure goes to `on_error` and ends this media."""
-
-    def __init__(self, on_frames: Callable[[np.ndarray, np.ndarray], None],
-                 on_error: Callable[[BaseException], None], offset: float = 0.0, batch: int = 1):
-        self._pipe = _Pipe()
-        self._on_frames, self._on_error = on_frames, on_error
-        self._offset, self._batch = offset, batch
-        self._fed = 0
-        self._done = threading.Event()
-        self._aborted = False
-        self._progress = threading.Condition()
-        self._consumed = 0
-        self._thread = threading.Thread(target=self._run, name="sparrow-live-decode", daemon=True)
-        self._thread.start()
-
-    @property
-    def finished(self) -> bool:
-        return self._done.is_set()
-
-    def feed(self, chunk: bytes) -> None:
-        if chunk:
-            self._fed += 1
-            self._pipe.write_chunk(chunk)
-
-    def close(self) -> None:
-        self._pipe.write_chunk(None)
-
-    def abort(self) -> None:
-        self._aborted = True
-        self._pipe.write_chunk(None)
-
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
-
-    def drain(self, timeout: float | None = None) -> None:
-        """Wait until the decoder has read every chunk fed so far (or finished)."""
-        end = None if timeout is None else time.monotonic() + timeout
-        with self._progress:
-            while not self._done.is_set() and self._pipe._chunks.qsize() > 0:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    return
-                self._progress.wait(timeout=0.05 if left is None else min(0.05, left))
-
-    def _run(self) -> None:
-        frames, times = [], []
-        origin = None
-        try:
-            with av.open(self._pipe, mode="r", options={"probesize": "4096", "analyzeduration": "0"}) as container:
-                if not container.streams.video:
-                    raise VideoUnreadable("the live media has no video stream")
-                stream = container.streams.video[0]
-                stream.thread_type = "AUTO"
-                for frame in container.decode(stream):
-                    if self._aborted:
-                        return
-                    if frame.pts is None:
-                        continue
-                    t = float(frame.pts * stream.time_base)
-                    origin = t if origin is None else origin
-                    frames.append(frame.to_ndarray(format="rgb24"))
-                    times.append(t - origin + self._offset)
-                    if len(frames) >= self._batch:
-                        self._flush(frames, times)
-                    with self._progress:
-                        self._progress.notify_all()
-            self._flush(frames, times)
-        except _SinkError as exc:             # the session refused the frames: its own error, as is
-            if not self._aborted:
-                self._on_error(exc.error)
-        except (av.error.FFmpegError, VideoUnreadable, ValueError) as exc:
-            try:
-                self._flush(frames, times)
-            except _SinkError:
-                pass
-            if not self._aborted:
-                error = exc if isinstance(exc, VideoUnreadable) else VideoUnreadable(
-                    f"the live media could not be decoded: {exc}")
-                self._on_error(error)
-        except BaseException as exc:  # noqa: BLE001 - e.g. the session closed under it
-            if not self._aborted:
-                self._on_error(exc)
-        finally:
-            self._done.set()
-            with self._progress:
-                self._progress.notify_all()
-
-    def _flush(self, frames: list, times: list) -> None:
-        if frames:
-            batch, stamps = np.stack(frames), np.array(times)
-            frames.clear()
-            times.clear()
-            try:
-                self._on_frames(batch, stamps)
-            except Exception as exc:  # noqa: BLE001 - told apart from a decode failure above
-                raise _SinkError(exc) from exc
-
-
-class _SinkError(Exception):
-    def __init__(self, error: Exception):
-        super().__init__(str(error))
-        self.error = error
-
-
-__all__ = ["LiveConfig", "LiveSession", "LiveAnswer", "LiveEvent", "LiveStats", "LiveDecoder"]
+__all__ = ["LiveSession", "LiveAnswer", "LiveEvent", "LiveStats"]

@@ -26,7 +26,8 @@ class SpecMetrics:
     decode_seconds: float = 0.0           # after prefill until the last token
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-    draft_max_keys: int = 0               # most keys one draft query attended to
+    draft_max_keys: int = 0               # most keys one draft query attended to (DraftState.max_keys)
+    draft_kv_bytes: int = 0               # draft KV memory the request held at its end (DraftState.kv_bytes)
 
     def record_step(self, proposed: int, accepted: int, nodes: int | None = None) -> None:
         """proposed: the draft's depth (a chain's k); nodes: its draft tokens when a tree has

@@ -12,6 +12,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import SamplingParams
+from .metrics import SpecMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """What a request's reader receives per step: the tokens it added and the text they made final."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """A finished request: its tokens, text, why it ended, and its metrics."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str               # "stop" | "length" | "abort"
+    metrics: SpecMetrics
 
 
 @dataclass(frozen=True, slots=True)

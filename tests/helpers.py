@@ -15,14 +15,20 @@ from sparrow.config import SamplingParams, SpecConfig
 from sparrow.models.draft import SparrowDraft
 from sparrow.models.target import FeatureNeeds
 from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer
-from sparrow.speculative.proposer import Proposal
+from sparrow.speculative.proposer import DraftState, Proposal
 from sparrow.speculative.sampling import new_generator
 from sparrow.training.unroll import unroll
 
 
 @dataclass(slots=True)
-class _OracleState:
+class _OracleState(DraftState):
     pos: int
+
+    def kv_bytes(self) -> int:
+        return 0                            # no draft model, no KV
+
+    def max_keys(self) -> int:
+        return 0
 
 
 class OracleProposer:

@@ -13,20 +13,23 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/ is a repo folder, not installed
-from benchmarks import concurrency as cb  # noqa: E402
+from benchmarks import concurrency as cb, concurrency_report as cr, concurrency_streams as cs  # noqa: E402
+from benchmarks import concurrency_videos as cv  # noqa: E402
+from benchmarks.concurrency_config import PATHS, ConcurrencyConfig  # noqa: E402
+from benchmarks.tiny_models import save_tiny_models  # noqa: E402
 
 TOKENS = 6
 
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
-    return cb.save_tiny_models(tmp_path_factory.mktemp("bench-models"))
+    return save_tiny_models(tmp_path_factory.mktemp("bench-models"))
 
 
-def _config(models_dir, **kw) -> cb.ConcurrencyConfig:
+def _config(models_dir, **kw) -> ConcurrencyConfig:
     base = dict(models=str(models_dir), lengths=((84, 8),), streams=(1, 2), tokens=TOKENS, reps=1, warmup_tokens=2,
                 prefill_video=(112, 16), prefill_streams=2, prefill_reps=1, prefill_stream_tokens=400, before_s=0.1)
-    return cb.ConcurrencyConfig(**{**base, **kw})
+    return ConcurrencyConfig(**{**base, **kw})
 
 
 def test_result_structure_and_identity(models_dir):
@@ -36,7 +39,7 @@ def test_result_structure_and_identity(models_dir):
     assert result["identical"] and result["mismatches"] == []
     # 84 px x 8 frames: 4 frame pairs of 3x3 visual tokens
     cells = {(r["path"], r["method"], r["streams"]): r for r in result["summary"]}
-    assert set(cells) == {(p, m, n) for p in cb.PATHS for m in ("plain", "sparrow") for n in (1, 2)}
+    assert set(cells) == {(p, m, n) for p in PATHS for m in ("plain", "sparrow") for n in (1, 2)}
     assert len(result["runs"]) == len(cells)
     for r in result["runs"]:
         assert r["visual_tokens"] == 36 and r["rep"] == 0
@@ -58,7 +61,7 @@ def test_result_structure_and_identity(models_dir):
         assert row["long_ttft_s"] >= row["long_prefill_s"] > 0
     json.dumps(result)                                            # --json writes it as is
 
-    text = cb.report(result)
+    text = cr.report(result)
     assert "Output identity: every output" in text and "prefill arrives" in text
     assert "| 0 | 36 | gRPC | Sparrow | 2 |" in text and "load average (1/5/15 min) before" in text
     assert "**T = 0, gRPC.**" in text                            # the methods side by side
@@ -67,7 +70,7 @@ def test_result_structure_and_identity(models_dir):
 
 def _corrupt_concurrent(monkeypatch):
     """The last concurrent stream emits a wrong last token (one at a time stays right)."""
-    real = cb.run_concurrent
+    real = cs.run_concurrent
 
     def corrupted(calls):
         traces = real(calls)
@@ -75,7 +78,7 @@ def _corrupt_concurrent(monkeypatch):
         last[-1] = (last[-1] + 1) % 512                # the tiny target's vocabulary
         return traces
 
-    monkeypatch.setattr(cb, "run_concurrent", corrupted)
+    monkeypatch.setattr(cs, "run_concurrent", corrupted)
 
 
 def test_corrupted_concurrent_output_fails_identity(models_dir, monkeypatch):
@@ -86,7 +89,7 @@ def test_corrupted_concurrent_output_fails_identity(models_dir, monkeypatch):
     assert [(b["streams"], b["request"], b["index"]) for b in result["mismatches"]] == [(1, 0, TOKENS - 1),
                                                                                          (2, 1, TOKENS - 1)]
     assert {b["reference"] for b in result["mismatches"]} == {"plain/in-process"}
-    assert "MISMATCHES" in cb.report(result)
+    assert "MISMATCHES" in cr.report(result)
     assert cb.mismatch_lines(result["mismatches"])[0].startswith("MISMATCH at T=0: plain in-process (1 streams")
 
 
@@ -112,13 +115,13 @@ def test_baselines_at_two_temperatures_from_one_shared_prefill(models_dir, monke
     and T=1 (seeded), the in-process engines answering from one prefill per video (SpecVLM, whose
     small VLM reads the pixels, from its own); every output checked against its reference."""
     shared = []
-    real_share = cb.sb.share_prefix
+    real_share = cv.share_prefix
 
     def counting(target, processed, prompt, engines, cache, tag):
         shared.append(sorted(engines))
         return real_share(target, processed, prompt, engines, cache, tag)
 
-    monkeypatch.setattr(cb.sb, "share_prefix", counting)
+    monkeypatch.setattr(cv, "share_prefix", counting)
     methods = ("plain", "eagle", "specvlm", "sparrow-tree")
     cfg = _config(models_dir, methods=methods, paths=("in-process",), prefill_video=None, temperatures=(0.0, 1.0),
                   share_prefill=True)
@@ -131,7 +134,7 @@ def test_baselines_at_two_temperatures_from_one_shared_prefill(models_dir, monke
     for (t, m, n), row in cells.items():
         assert row["tau"]["median"] >= 1.0 and (m != "plain" or row["tau"]["median"] == 1.0)   # random drafts
         assert (row["x_plain"] == 1.0) if m == "plain" else row["x_plain"] > 0
-    text = cb.report(result)
+    text = cr.report(result)
     for t in ("0", "1"):
         assert f"**T = {t}, in-process.**" in text
     assert "| visual tokens | streams | plain | EAGLE-style (all tokens) | SpecVLM-style | Sparrow tree |" in text
@@ -170,11 +173,11 @@ def test_runs_a_length_each_merge_into_one_report(models_dir, tmp_path):
     assert "| 36 | 1 | " in text and "| 64 | 1 | " in text
 
     parts = [json.loads(f.read_text()) for f in files]
-    merged = cb.merge(parts)
+    merged = cr.merge(parts)
     assert [r["visual_tokens"] for r in merged["summary"] if r["method"] == "plain"] == [36, 64]
     assert merged["config"]["lengths"] == [[84, 8], [112, 8]] and merged["identical"]
     parts[1]["config"]["reps"] = 2                       # the longest length may run fewer (or more) reps
-    assert "2 reps (84x8: 1)" in cb.report(cb.merge(parts))
+    assert "2 reps (84x8: 1)" in cr.report(cr.merge(parts))
     parts[1]["config"]["tokens"] = 4
     with pytest.raises(ValueError, match="tokens"):
-        cb.merge(parts)
+        cr.merge(parts)

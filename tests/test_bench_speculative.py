@@ -12,8 +12,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/ is a repo folder, not installed
-from benchmarks import speculative as sb  # noqa: E402
-from benchmarks.concurrency import save_tiny_models  # noqa: E402
+from benchmarks import speculative as sb, speculative_report as sr  # noqa: E402
+from benchmarks.engines import BenchConfig  # noqa: E402
+from benchmarks.step_costs import step_costs  # noqa: E402
+from benchmarks.tiny_models import save_tiny_models  # noqa: E402
 
 # 84 px x 24 frames = 12 frame pairs x 3x3 tokens = 108 visual tokens; 112 px x 8 frames = 64.
 VIDEOS = ((84, 24), (112, 8))
@@ -26,8 +28,8 @@ def models_dir(tmp_path_factory):
     return save_tiny_models(tmp_path_factory.mktemp("bench-models"))
 
 
-def _config(models_dir, methods, videos=VIDEOS, **kw) -> sb.BenchConfig:
-    return sb.BenchConfig(models=str(models_dir), videos=videos, temperatures=(0.0,), reps=1, max_new_tokens=12,
+def _config(models_dir, methods, videos=VIDEOS, **kw) -> BenchConfig:
+    return BenchConfig(models=str(models_dir), videos=videos, temperatures=(0.0,), reps=1, max_new_tokens=12,
                           methods=methods, warmup_tokens=0, **kw)
 
 
@@ -62,11 +64,11 @@ def test_result_structure_identity_and_report(models_dir, tmp_path):
     assert cells[("eagle", 108)]["draft_max_keys"] > 108 > cells[("sparrow", 108)]["draft_max_keys"]
     json.dumps(result)                                           # --json writes it as is
 
-    text = sb.report(result, "speculative.png")
+    text = sr.report(result, "speculative.png")
     assert "Output identity at T=0: all methods' tokens equal plain decoding's" in text
     assert "| 108 |" in text and "SpecVLM" in text and "Bars" in text and "ablation-none" in text
-    assert {b["bar"].split(" ")[0] for b in sb.bars(result)} == {"Sparrow"} and len(sb.bars(result)) == 5
-    sb.plot(result, tmp_path / "plot.png")
+    assert {b["bar"].split(" ")[0] for b in sr.bars(result)} == {"Sparrow"} and len(sr.bars(result)) == 5
+    sr.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -89,7 +91,7 @@ def test_corrupted_output_fails_identity(models_dir, monkeypatch):
     assert not result["identical"]
     [bad] = result["mismatches"]
     assert bad["method"] == "sparrow" and bad["index"] == 11 and bad["visual_tokens"] == 64
-    assert "MISMATCHES" in sb.report(result)
+    assert "MISMATCHES" in sr.report(result)
 
 
 def test_cli_exit_status(models_dir, monkeypatch, tmp_path, capsys):
@@ -113,6 +115,6 @@ def test_cli_exit_status(models_dir, monkeypatch, tmp_path, capsys):
 def test_step_costs_smoke_on_cpu():
     """The --gpu timing code, on a tiny shape on CPU (the 7B shape needs CUDA)."""
     shape = dict(hidden=64, layers=4, heads=4, kv_heads=2, intermediate=128, vocab=256)
-    c = sb.step_costs(torch.device("cpu"), torch.float32, shape, context=300, k=3, reps=2)
+    c = step_costs(torch.device("cpu"), torch.float32, shape, context=300, k=3, reps=2)
     assert c["decode_ms"] > 0 and c["verify_ms"] > 0 and c["draft_step_ms"] > 0 and c["draft_commit_ms"] > 0
     assert c["draft_step_ms"] == pytest.approx(c["draft_propose_ms"] / 3)

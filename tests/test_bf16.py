@@ -10,7 +10,10 @@ a 5-token verify and a 1-token decode step, so the target's own bf16 logits diff
 bits between the two shapes, and HF's greedy with another batch shape would differ the same way.
 What the engine guarantees exactly is that each emitted token is the argmax of the target's
 logits in the verify pass; where HF's and ours part, the two tokens' HF logits must lie within
-a few bf16 steps of each other (a wrong token is not a near tie). On CPU the match is exact."""
+a few bf16 steps of each other (a wrong token is not a near tie). CPUs differ the same way: on
+some (an AMD EPYC with AVX-512 BF16, 2026-11-25) the oneDNN bf16 matmul for a 5-row verify and a
+1-row decode step round differently, and the LLaVA-OneVision golden runs part from HF's at such a
+tie; elsewhere the match is exact."""
 
 import os
 
@@ -53,11 +56,10 @@ TIE_ULPS = 4
 
 
 def assert_target_greedy(target, engine, video, prompt, got: list[int], max_new_tokens: int) -> None:
-    """got == HF's greedy tokens; on CUDA, up to a first difference that is a bf16 tie (module doc)."""
+    """got == HF's greedy tokens, up to a first difference that is a bf16 tie (module doc)."""
     scores: list[torch.Tensor] = []
     want = hf_greedy(target, engine, video, prompt, max_new_tokens, scores)
-    if got == want or DEVICE.type != "cuda":
-        assert got == want
+    if got == want:
         return
     i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     assert i < len(got) and i < len(want), (got, want)          # one stopped early: not a tie

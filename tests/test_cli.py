@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sparrow.services.cli import _settings, build_parser, main, models_line
+from sparrow.services.cli import build_parser, main
+from sparrow.services.cli_serve import app_settings, models_line
 from sparrow.training.world_demo import DEFAULT_MODELS
 
 WORLD = DEFAULT_MODELS / "target" / "config.json"
@@ -105,7 +106,7 @@ def test_random_demo_honours_frames_and_size(capsys):
 
 # ----- serve's default models ----------------------------------------------------------------------------
 def _serve_settings(*argv: str):
-    return _settings(build_parser().parse_args(["serve", *argv]))
+    return app_settings(build_parser().parse_args(["serve", *argv]))
 
 
 @needs_world

@@ -112,7 +112,7 @@ def test_greedy_output_equals_plain_decoding(qwen_target, llava_target, small_vi
 
 
 def test_draft_keys_grow_with_the_video_in_all_but_not_in_text(qwen_target):
-    keys = {}
+    keys, memory = {}, {}
     for context in ("text", "all", "pruned"):
         s = spec(context, prune_keep=0.25)
         engine = Engine(qwen_target, tiny_draft(qwen_target), s)
@@ -120,8 +120,12 @@ def test_draft_keys_grow_with_the_video_in_all_but_not_in_text(qwen_target):
             m = engine.generate(synthetic_frames(frames, 56, 56), PROMPT,
                                 SamplingParams(max_new_tokens=12, ignore_eos=True)).metrics
             keys[context, frames] = (m.visual_tokens, m.draft_max_keys)
+            memory[context, frames] = m.draft_kv_bytes
     (v4, text4), (v32, text32) = keys["text", 4], keys["text", 32]
     assert v32 >= 8 * v4 and text4 == text32 <= 5 + 4 + 2
+    # the draft's KV buffers: the same for any video with "text", growing with it otherwise
+    assert 0 < memory["text", 4] == memory["text", 32] < memory["pruned", 32] < memory["all", 32]
+    assert memory["all", 4] < memory["all", 32] and memory["pruned", 4] < memory["pruned", 32]
     grow_all = keys["all", 32][1] - keys["all", 4][1]
     grow_pruned = keys["pruned", 32][1] - keys["pruned", 4][1]
     # every visual token is a key (up to where the last draft step of each run happened to end)

@@ -75,16 +75,24 @@ def test_other_layouts_are_refused(tmp_path, qwen_target, drop):
 
 
 def test_cached_steps_equal_one_pass(tmp_path, qwen_target):
-    """begin over n entries then commits of 2 and 3 == one forward over all of them."""
+    """begin over n entries then commits of 2 and 3 == one forward over all of them, in a cache
+    that grows (doubling) as in one sized for them; rollback is a length move."""
     write_eagle3(tmp_path, qwen_target, seed=3)
     draft = Eagle3Draft.from_pretrained(tmp_path, qwen_target)
     g = torch.Generator().manual_seed(0)
     ids, hidden = torch.randint(0, 500, (12,), generator=g), torch.randn(12, 64, generator=g)
+    cpu = torch.device("cpu")
     with torch.inference_mode():
-        whole = draft.forward_entries(ids, hidden, draft.empty_kv(torch.device("cpu")))
-        kv = draft.empty_kv(torch.device("cpu"))
+        whole = draft.forward_entries(ids, hidden, draft.empty_kv(cpu, 12))
+        kv = draft.empty_kv(cpu)
         parts = torch.cat([draft.forward_entries(ids[a:b], hidden[a:b], kv) for a, b in ((0, 7), (7, 9), (9, 12))])
+        kv.truncate(9)
+        again = draft.forward_entries(ids[9:], hidden[9:], kv)
     torch.testing.assert_close(parts, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(again, parts[9:])
+    c = draft.config
+    assert (len(kv), kv.capacity, kv.max_visible) == (12, 14, 12)           # capacity 1 -> 7 -> 14
+    assert kv.nbytes == 2 * c.num_kv_heads * 14 * c.head_dim * kv.keys[0].element_size()
 
 
 @pytest.mark.parametrize("own_embed", [False, True])
@@ -94,7 +102,12 @@ def test_eagle3_is_lossless_and_drafts_from_its_vocabulary(tmp_path, any_target,
     engine = Engine(any_target, spec=SPEC, proposer=proposer)
     out = engine.generate(small_video, PROMPT, SamplingParams(max_new_tokens=20))
     assert out.token_ids == hf_greedy(any_target, engine, small_video, 20)
-    assert out.metrics.draft_tokens > 0
+    m, c = out.metrics, proposer.draft.config
+    assert m.draft_tokens > 0
+    # Its KV buffers, sized at begin for every prompt entry + 20 new tokens + 3 drafts + 1 (never grown).
+    per_entry = 2 * c.num_kv_heads * c.head_dim * proposer.draft.fc.weight.element_size()
+    assert m.draft_kv_bytes == per_entry * (m.prompt_tokens + 20 + 3 + 1)
+    assert m.prompt_tokens < m.draft_max_keys < m.prompt_tokens + 20 + 3
     drafted = []
     real = proposer.propose
     proposer.propose = lambda batch: drafted.extend(out := real(batch)) or out

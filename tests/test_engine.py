@@ -6,7 +6,7 @@ import torch
 from helpers import OracleProposer, check_seeded_sampling
 
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.scheduler import EngineConfig
+from sparrow.config import EngineConfig
 from sparrow.errors import ContextOverflow, InvalidRequest, VideoError
 from sparrow.models import SparrowDraft, TargetModel
 from sparrow.tiny import synthetic_frames, tiny_draft
@@ -103,11 +103,13 @@ def test_draft_attention_span_is_bounded_by_anchors_window_glimpse(qwen_target):
     spans = {}
     for frames in (4, 64):
         out = engine.generate(synthetic_frames(frames, 56, 56), PROMPTS[1], SamplingParams(max_new_tokens=20))
-        spans[frames] = (out.metrics.visual_tokens, out.metrics.draft_max_keys)
+        spans[frames] = (out.metrics.visual_tokens, out.metrics.draft_max_keys, out.metrics.draft_kv_bytes)
     assert spans[64][0] >= 8 * spans[4][0]                       # many more visual tokens...
     bound = spec.anchors + spec.window + spec.glimpse
     assert spans[4][1] <= bound and spans[64][1] <= bound        # ...same bounded span
     assert spans[64][1] == spans[4][1]
+    assert spans[64][2] == spans[4][2] > 0                       # ...and the same draft KV memory
+    assert out.metrics.to_dict()["draft_kv_bytes"] == spans[64][2]
 
 
 def test_save_load_round_trip(tmp_path, any_target, small_video):

@@ -28,7 +28,8 @@ from sparrow import SamplingParams, SpecConfig
 from sparrow.services.client import SparrowClient
 from sparrow.services.protos import pb
 from sparrow.services.server import BackgroundServer
-from sparrow.services.servicer import ServiceConfig, SparrowService
+from sparrow.services.config import ServiceConfig
+from sparrow.services.servicer import SparrowService
 from sparrow.services.settings import AppSettings, build_engine
 from sparrow.state_cache import RedisStateCache
 

@@ -9,11 +9,13 @@ import threading
 import av
 import numpy as np
 import pytest
+import torch
 
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.engine import Engine
 from sparrow.errors import InvalidRequest, NoFrames, VideoUnreadable
-from sparrow.live import LiveConfig, LiveSession
+from sparrow.live import LiveSession
+from sparrow.live_window import LiveConfig
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 from sparrow.video import VideoOptions
 from sparrow.video.options import Frames
@@ -69,6 +71,24 @@ def test_incremental_prefill_equals_one_shot(engine):
     assert (stats.pairs_prefilled, stats.window_pairs, stats.visual_tokens, stats.frames_dropped) == (7, 7, 84, 0)
     session.close()
     early.close()
+
+
+def test_live_positions_are_the_one_shot_video_positions(target):
+    """The family's rule for appended pairs (live_positions) gives each pair of a whole video
+    the positions HF's own get_rope_index gives it, so appending never depends on the future."""
+    frames, _ = frames_at(10)
+    video = target.processor.process(Frames(frames, np.arange(10) / 2.0, 2.0, OPTIONS))
+    inputs = target.build_inputs(video, QUESTION)
+    one_shot_pos, _ = target.family.prefill_positions(target.hf, inputs)
+    ids = inputs["input_ids"][0]
+    visual = (ids == target.video_token_id).nonzero().view(-1)
+    s, n = int(visual[0]), int(visual.shape[0])
+    pairs, height, width = (int(x) for x in video.model_kwargs["video_grid_thw"][0])
+    grid = (height // target.processor.merge_size, width // target.processor.merge_size)
+    interval = target.processor.tokens_per_second * LiveConfig(fps=2.0).pair_s
+    whole = target.family.live_positions(s, range(pairs), interval, grid)
+    one_by_one = torch.cat([target.family.live_positions(s, [p], interval, grid) for p in range(pairs)], dim=-1)
+    assert pairs == 5 and torch.equal(whole, one_shot_pos[:, :, s:s + n]) and torch.equal(one_by_one, whole)
 
 
 def test_speculative_live_answers_equal_plain(target):

@@ -216,7 +216,7 @@ def test_a_pooled_clip_is_the_clip_through_the_tower():
 
     from sparrow.training.live_target import LiveData, LiveTargetConfig, encoded_clip, new_live_target
     from sparrow.training.live_world import Clip
-    from sparrow.training.world_target import conversation_batch, conversation_loss, pooled_loss
+    from sparrow.training.world_target_data import conversation_batch, conversation_loss, pooled_loss
     from sparrow.video import Frames
 
     c = LiveTargetConfig(pool=2, stream_s=40, layers=2, batch=3, pairs=(2, 6))
@@ -249,7 +249,7 @@ def test_a_pooled_clip_is_the_clip_through_the_tower():
             b = conversation_loss(target, *conversation_batch(target, pixels[i:i + 1], chats[i:i + 1]))
             assert torch.allclose(a, b, atol=1e-5), (i, float(a), float(b))
     # a training step's batch: clips of one length, questions of the stage's kinds
-    from sparrow.training.world_target import training_stages
+    from sparrow.training.world_target_data import training_stages
     stages = training_stages(LiveTargetConfig(steps=1, stages=("present_now@1:1:short",)), data.kinds)
     batch = data.clips(random.Random(0), short=True)
     assert len({v.embeds.shape[0] for v, _ in batch}) == 1 and batch[0][0].embeds.shape[0] <= 6 * 9
@@ -309,7 +309,7 @@ def test_training_puts_answers_where_the_engine_decodes_them():
     from sparrow.config import SamplingParams, SpecConfig
     from sparrow.engine import Engine
     from sparrow.training.live_target import LiveData, LiveTargetConfig, new_live_target
-    from sparrow.training.world_target import pooled_logits
+    from sparrow.training.world_target_data import pooled_logits
 
     c = LiveTargetConfig(pool=1, stream_s=40, layers=2, seed=3)
     target = new_live_target(c)

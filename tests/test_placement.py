@@ -9,7 +9,8 @@ import yaml
 from sparrow.errors import InvalidRequest
 from sparrow.models.placement import check_placement, parse_device, parse_dtype
 from sparrow.services import ray_entry
-from sparrow.services.cli import _settings, build_parser
+from sparrow.services.cli import build_parser
+from sparrow.services.cli_serve import app_settings
 from sparrow.services.models import load_draft, load_heads, load_target
 from sparrow.services.settings import AppSettings, build_engine
 from sparrow.tiny import tiny_draft
@@ -55,12 +56,12 @@ def test_verify_attention_auto_follows_the_device(qwen_target):
 
 def test_serve_flags_become_settings():
     args = build_parser().parse_args(["serve", "--dtype", "bfloat16", "--device", "auto", "--device-map", "auto"])
-    settings = _settings(args)
+    settings = app_settings(args)
     assert (settings.dtype, settings.device, settings.device_map) == ("bfloat16", "auto", "auto")
-    defaults = _settings(build_parser().parse_args(["serve"]))
+    defaults = app_settings(build_parser().parse_args(["serve"]))
     assert (defaults.dtype, defaults.device, defaults.device_map) == ("float32", "cpu", None)
     assert defaults.verify_attention == "auto"
-    assert _settings(build_parser().parse_args(["serve", "--verify-attention", "triton"])).verify_attention == "triton"
+    assert app_settings(build_parser().parse_args(["serve", "--verify-attention", "triton"])).verify_attention == "triton"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--verify-attention", "flash"])
     with pytest.raises(SystemExit):

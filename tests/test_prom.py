@@ -291,7 +291,7 @@ def test_observe_stream_records_what_the_host_streams(requests_done, endpoint):
     import asyncio
 
     from sparrow.services.protos import pb
-    from sparrow.services.servicer import completion
+    from sparrow.services.completion import completion
 
     recorder, server = endpoint
     output = requests_done[1][0]

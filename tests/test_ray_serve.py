@@ -53,7 +53,7 @@ def app(ray_instance, tiny_model_dirs, clips, tmp_path_factory):
     from ray import serve
 
     from sparrow.services import ray_app
-    from sparrow.services.servicer import ServiceConfig
+    from sparrow.services.config import ServiceConfig
     from sparrow.services.settings import AppSettings
 
     redis = start_redis(tmp_path_factory.mktemp("ray-redis"))
@@ -288,7 +288,7 @@ def two_targets(app, tiny_model_dirs, clips):
     from ray import serve
 
     from sparrow.services import ray_app
-    from sparrow.services.servicer import ServiceConfig
+    from sparrow.services.config import ServiceConfig
     from sparrow.services.settings import AppSettings
 
     settings = AppSettings(
@@ -330,8 +330,8 @@ def test_a_live_session_through_ray_answers_as_the_library_and_is_freed(app, rem
     from test_service_live import OPEN, QUESTION, GREEDY, Reader, answers, library_answer, prefilled, ts_bytes
 
     from sparrow.live import LiveSession
-    from sparrow.services.live import live_config
-    from sparrow.services.servicer import ServiceConfig
+    from sparrow.services.live_messages import live_config
+    from sparrow.services.config import ServiceConfig
     from sparrow.tiny import synthetic_frames
 
     data = ts_bytes(synthetic_frames(16, 84, 112, seed=8))

@@ -8,8 +8,9 @@ import pytest
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest, ResourceExhausted, VideoError
-from sparrow.scheduler import EngineConfig
-from sparrow.speculative.proposer import PROPOSERS, Proposer, build_proposer
+from sparrow.config import EngineConfig
+from sparrow.speculative.proposer import Proposer
+from sparrow.speculative.registry import PROPOSERS, build_proposer
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 
 SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)
@@ -88,7 +89,7 @@ def test_concurrent_mixed_requests_equal_their_solo_runs(qwen_target):
     aborted_tokens, aborted = results["aborted"]
     assert aborted.finish_reason == "abort" and 3 <= len(aborted_tokens) < 200
     assert engine.scheduler.stats["max_batch"] > 1                      # they really ran together
-    arena = engine.scheduler.arena
+    arena = engine.runner.arena
     assert arena.free_tokens == arena.tokens                           # every slot came back
     # The arena holds only a few requests: the ones that waited got the aborted and finished slots.
     assert engine.scheduler.stats["waited_for_memory"] > 0

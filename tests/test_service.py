@@ -22,7 +22,8 @@ from sparrow.services.client import SparrowClient
 from sparrow.services.errors import VideoNotFound, status_for
 from sparrow.services.protos import SERVICE_NAME, pb, pb_grpc
 from sparrow.services.server import BackgroundServer
-from sparrow.services.servicer import ServiceConfig, SparrowService
+from sparrow.services.config import ServiceConfig
+from sparrow.services.servicer import SparrowService
 from sparrow.services.settings import AppSettings, build_engine
 
 MiB = 1 << 20

@@ -29,10 +29,11 @@ from sparrow import SpecConfig
 from sparrow.live import LiveSession
 from sparrow.services import cli, prom
 from sparrow.services.client import SparrowClient
-from sparrow.services.live import live_config
+from sparrow.services.live_messages import live_config
 from sparrow.services.protos import pb, pb_grpc
 from sparrow.services.server import BackgroundServer
-from sparrow.services.servicer import ServiceConfig, SparrowService
+from sparrow.services.config import ServiceConfig
+from sparrow.services.servicer import SparrowService
 from sparrow.services.settings import AppSettings, build_engine
 from sparrow.tiny import synthetic_frames, tiny_target
 from sparrow.video import write_synthetic_video

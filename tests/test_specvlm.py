@@ -12,7 +12,7 @@ from sparrow.models import TargetModel
 from sparrow.prefix_cache import PrefixCache
 from sparrow.speculative.glimpse import text_to_visual_attention
 from sparrow.speculative.prune import prune_visual
-from sparrow.speculative.specvlm import SpecVLMProposer, draft_memory_bytes
+from sparrow.speculative.specvlm import SpecVLMProposer
 from sparrow.tiny import tiny_target
 from sparrow.tokenizer import llava_ov_tokenizer
 from sparrow.video import processor_for
@@ -45,11 +45,13 @@ class Recording(SpecVLMProposer):
         super().__init__(*args, **kwargs)
         self.states, self.committed = [], 0
 
-    def begin_request(self, pre, inputs, video, first_token, video_key=None):
-        state = super().begin_request(pre, inputs, video, first_token, video_key)
+    def begin(self, start):
+        state = super().begin(start)
         self.states.append(state)
-        self.prompt_len = inputs["input_ids"].shape[1]
+        self.prompt_len = start.inputs["input_ids"].shape[1]
+        self.room = start.room
         self.committed = 1                                   # the first token, from prefill
+        assert state.kv_bytes() > 0                          # the cache is allocated for the whole request
         return state
 
     def commit_one(self, state, tokens, features=None):
@@ -63,8 +65,10 @@ class Recording(SpecVLMProposer):
         assert 1 <= len(state.pending) <= 2
 
     def end(self, state):
+        self.final_bytes = state.kv_bytes()                  # what the request held at its end
+        self.final_capacity = state.capacity
         super().end(state)
-        self.final_bytes = draft_memory_bytes(state)        # what the request held at its end
+        assert state.kv_bytes() == 0                         # freed
 
 
 def plain_tokens(target, video, sampling, prompt=PROMPT):
@@ -80,9 +84,17 @@ def test_greedy_equals_plain_decoding(qwen_target, small_vlms, video_name, small
     out = Engine(qwen_target, spec=SpecConfig(num_draft_tokens=4), proposer=proposer).generate(video, PROMPT, sampling)
     assert out.token_ids == plain_tokens(qwen_target, video, sampling)
     assert out.metrics.steps > 0 and out.metrics.draft_tokens > 0
-    assert proposer.final_bytes > 0
-    assert proposer.final_bytes == proposer.states[-1].released_bytes
-    assert proposer.states[-1].cache is None                 # released at the end of the request
+    # The draft's KV memory: the small VLM's preallocated buffers, sized at begin for the kept
+    # prompt + every new token + one step's drafts + 1, and never grown.
+    small = small_vlms[small_index]
+    state, c = proposer.states[-1], small.text_config
+    size = torch.empty(0, dtype=small.hf.dtype).element_size()
+    per_entry = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * size
+    assert proposer.room == sampling.max_new_tokens + 4 + 1
+    assert proposer.final_capacity == state.prompt_entries + proposer.room
+    assert out.metrics.draft_kv_bytes == proposer.final_bytes == proposer.final_capacity * per_entry
+    assert state.prompt_entries < out.metrics.draft_max_keys <= state.prompt_entries + sampling.max_new_tokens
+    assert state.cache is None                               # released at the end of the request
 
 
 def test_llava_onevision_greedy_equals_plain_decoding(llava_target, large_video):
@@ -166,16 +178,14 @@ def test_keep_ratio_cuts_visual_tokens_by_90_percent(qwen_target, small_vlms, la
 
 def test_sampling_is_seeded_and_reproducible(qwen_target, small_vlms, small_video):
     engine = specvlm_engine(qwen_target, small_vlms[1], keep_ratio=0.1, num_draft_tokens=3)
-    held = []
-    engine.proposer.on_end = lambda state: held.append(draft_memory_bytes(state))
     s = SamplingParams(max_new_tokens=16, temperature=1.0, seed=11)
     a, b = engine.generate(small_video, PROMPT, s), engine.generate(small_video, PROMPT, s)
     assert a.token_ids == b.token_ids and a.metrics.draft_tokens > 0
-    samples = {tuple(engine.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16, temperature=1.0,
-                                                                         seed=seed)).token_ids)
-               for seed in range(3)}
-    assert len(samples) > 1
-    assert len(held) == 5 and all(b > 0 for b in held)
+    outs = [engine.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16, temperature=1.0, seed=seed))
+            for seed in range(3)]
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    held = [o.metrics.draft_kv_bytes for o in [a, b, *outs]]
+    assert all(b > 0 for b in held) and len(set(held)) == 1      # one video, one prompt: the same buffers
     # The target as its own draft at T=1: q == p, so (almost) every draft token is accepted.
     own = specvlm_engine(qwen_target, qwen_target, keep_ratio=1.0, num_draft_tokens=3)
     torch.manual_seed(0)
@@ -235,3 +245,28 @@ def test_prefix_cache_hits_reuse_the_small_vlms_visual_tokens(qwen_target, small
     assert engine.generate(None, PROMPT, sampling, video_key="clip").token_ids == plain   # still serving
     with pytest.raises(InvalidRequest, match="video_cache_entries"):
         SpecVLMProposer(qwen_target, small_vlms[0], video_cache_entries=-1)
+
+
+def test_a_cache_sized_too_small_grows_and_gives_the_same_logits(qwen_target, small_vlms, small_video):
+    """begin sizes the draft cache for the request; fed past that (a direct caller), it doubles,
+    keeps what it held, and the draft's logits are those of a cache that had room."""
+    engine = Engine(qwen_target, spec=SpecConfig(method="none"))
+    inputs = engine.prepare(small_video, PROMPT)
+    proposer = SpecVLMProposer(qwen_target, small_vlms[0], keep_ratio=0.5)
+    pre = qwen_target.prefill(inputs, capacity=inputs["input_ids"].shape[1] + 8,
+                              bridge_layer=proposer.needs.bridge_layer)
+    first = int(pre.logits.argmax())
+    tight = proposer.begin_request(pre, inputs, None, first, room=1)
+    roomy = proposer.begin_request(pre, inputs, None, first, room=16)
+    bytes_before, capacity = tight.kv_bytes(), tight.capacity
+    assert capacity == tight.prompt_entries + 1 and roomy.capacity == roomy.prompt_entries + 16
+    with torch.inference_mode():
+        for ids in ([first], [5, 6], [7]):
+            torch.testing.assert_close(proposer._feed(tight, ids), proposer._feed(roomy, ids))
+        tight.cache.crop(-2)                                 # rollback is a length move, in the grown cache too
+        roomy.cache.crop(-2)
+        tight.next_index, roomy.next_index = tight.next_index - 2, roomy.next_index - 2
+        torch.testing.assert_close(proposer._feed(tight, [9]), proposer._feed(roomy, [9]))
+    assert tight.capacity == 2 * capacity and tight.kv_bytes() == 2 * bytes_before
+    assert tight.cached == roomy.cached == tight.prompt_entries + 3
+    assert tight.max_keys() == roomy.max_keys() == tight.prompt_entries + 4

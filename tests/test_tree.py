@@ -11,7 +11,7 @@ from helpers import OracleTreeProposer
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.prefix_cache import PrefixCache
-from sparrow.scheduler import EngineConfig
+from sparrow.config import EngineConfig
 from sparrow.speculative.accept import accept_tree_speculative
 from sparrow.speculative.sampling import logits_to_probs
 from sparrow.speculative.specvlm import SpecVLMProposer
@@ -261,7 +261,8 @@ def test_best_nodes_keep_their_ancestors():
 
 
 def test_tree_trim_follows_the_measured_verify_cost():
-    from sparrow.scheduler import Request, TreeTrim
+    from sparrow.draft_policy import TreeTrim
+    from sparrow.request import Request
 
     def request(greedy=True):
         return Request(0, None, "q", SamplingParams(temperature=0.0 if greedy else 1.0), None, None, None, print)

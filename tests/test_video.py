@@ -28,6 +28,7 @@ from sparrow.video import (
     write_synthetic_video,
 )
 from sparrow.video.sampling import pick_nearest
+from sparrow.video.stream import decoded_frames, video_stream
 from sparrow.video.synthetic import BACKGROUND, PALETTE
 
 FPS, N, SIDE = 8, 64, 112  # the shared clip: 64 frames at 8 fps = 8 s, 112x112
@@ -108,6 +109,22 @@ def test_path_bytes_and_array_give_the_same_frames(clip, clip_file):
     np.testing.assert_array_equal(from_bytes.timestamps, np.arange(16) * 0.5 + 0.25)
     np.testing.assert_array_equal(everything.timestamps, np.arange(N) / FPS)
     np.testing.assert_array_equal(from_bytes.frames, everything.frames[2::4])
+
+
+def test_decoded_frames_is_every_frame_timed_from_the_first(clip):
+    """The one demux/decode loop (video/stream.py): every frame once, in order, at seconds from
+    the first frame; each packet's size goes to on_packet before it is decoded."""
+    sizes = []
+    with av.open(io.BytesIO(clip.data)) as container:
+        stream = video_stream(container)
+        timed = [(t, frame.to_ndarray(format="rgb24")) for t, frame in
+                 decoded_frames(container, stream, on_packet=sizes.append)]
+    assert [t for t, _ in timed] == pytest.approx(np.arange(N) / FPS)
+    everything = load_frames(clip.data, VideoOptions(num_frames=N))
+    np.testing.assert_array_equal(np.stack([image for _, image in timed]), everything.frames)
+    assert sum(sizes) > 0 and len(sizes) >= N          # the closing empty packet is decoded too
+    with av.open(io.BytesIO(_audio_only_mp4())) as container, pytest.raises(NoVideoStream, match="the feed .*audio"):
+        video_stream(container, "the feed")
 
 
 @pytest.mark.parametrize(

@@ -115,8 +115,9 @@ def test_readable_vision_code_is_background_centred_and_shows_the_shape():
 def test_pooled_training_loss_equals_the_pixel_path():
     import torch
 
-    from sparrow.training.world_target import (WorldTargetConfig, conversation_batch, conversation_loss,
-                                               new_world_target, pooled_loss, video_pool, world_sample, world_turns)
+    from sparrow.training.world_target import WorldTargetConfig, new_world_target, world_sample
+    from sparrow.training.world_target_data import (conversation_batch, conversation_loss, pooled_loss, video_pool,
+                                                    world_turns)
 
     c = WorldTargetConfig(pool=3, frames=(8,), sizes=(84,), long_frames=(), layers=2)
     target = new_world_target(c)
@@ -173,8 +174,9 @@ def test_demo_streams_lossless_answers_with_real_acceptance(world_pair):
 
 def test_training_stages_ask_their_kinds_and_restart_the_schedule():
     from sparrow.training.world import CAPTION_PROMPTS, QUESTIONS
-    from sparrow.training.world_target import (WorldTargetConfig, focus_step, lr_factor, stage_at, step_turns,
-                                               training_stages)
+    from sparrow.training.world_target import WorldTargetConfig
+    from sparrow.training.world_target_data import focus_step, stage_at, step_turns, training_stages
+    from sparrow.training.world_target_train import lr_factor
 
     c = WorldTargetConfig(steps=100, warmup=10, lr=1e-3, stage_lr=5e-4, stage_warmup=5,
                           stages=("present@1:30:short", "present+vanish@0.5:50"))
@@ -232,7 +234,7 @@ def test_training_stages_ask_their_kinds_and_restart_the_schedule():
 
 
 def test_short_stages_draw_only_short_pooled_videos():
-    from sparrow.training.world_target import PooledVideo, length_groups, pool_batch
+    from sparrow.training.world_target_data import PooledVideo, length_groups, pool_batch
 
     import torch
     pool = [PooledVideo(torch.zeros(n, 2), {}, []) for n in (36, 144, 36, 72, 576, 144)]
@@ -251,7 +253,8 @@ def test_tune_target_trains_on_from_a_saved_target_and_keeps_its_report(tmp_path
     import torch
 
     from sparrow.models import TargetModel
-    from sparrow.training.world_target import WorldTargetConfig, train_world_target_cli
+    from sparrow.training.world_target import WorldTargetConfig
+    from sparrow.training.world_target_train import train_world_target_cli
 
     tiny = dict(hidden=64, layers=1, heads=2, intermediate=64, batch=2, pool=4, frames=(8,), sizes=(84,),
                 long_frames=(), eval_every=0, log_every=1)

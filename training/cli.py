@@ -95,7 +95,8 @@ def _cmd_world_make_data(args: argparse.Namespace) -> int:
 
 def _cmd_world_train_target(args: argparse.Namespace) -> int:
     """train-target (from scratch) and tune-target (on from --target, with the TUNE preset)."""
-    from .world_target import TUNE, WorldTargetConfig, train_world_target_cli
+    from .world_target import TUNE, WorldTargetConfig
+    from .world_target_train import train_world_target_cli
 
     init = getattr(args, "target", None)
     c = _config(WorldTargetConfig, args, **(TUNE if init else {}))
@@ -131,7 +132,8 @@ def _cmd_world_train_baselines(args: argparse.Namespace) -> int:
     """The benchmark's other drafts (EAGLE-style, ablations), each through `world train-draft`'s
     recipe with one change, and the SpecVLM-style small VLM through `world train-target`."""
     from .world_data import VARIANT_DIRS, VARIANTS, make_world_data, world_draft_config
-    from .world_target import SMALL_TARGET, WorldTargetConfig, train_world_target_cli
+    from .world_target import SMALL_TARGET, WorldTargetConfig
+    from .world_target_train import train_world_target_cli
 
     names = args.only or [*VARIANTS, "small-target"]
     for name in names:

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparrow.config import SpecConfig
-from sparrow.errors import InvalidRequest
+from sparrow.config import SpecConfig, check
 
 RESPONSE_SOURCES = ("target", "answer")
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise InvalidRequest(message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,16 +66,16 @@ class TrainConfig:
     save_every: int = 100               # 0: only at the end
 
     def __post_init__(self) -> None:
-        _check(self.steps >= 1 and self.grad_accum >= 1, "steps and grad_accum must be >= 1")
-        _check(self.lr > 0 and self.warmup >= 0 and self.grad_clip >= 0, "bad lr / warmup / grad_clip")
-        _check(1 <= self.unroll <= 16, f"unroll must be in [1, 16], got {self.unroll}")
-        _check(0 < self.step_decay <= 1, "step_decay must be in (0, 1]")
-        _check(self.ce_weight >= 0 and self.hidden_weight >= 0 and self.ce_weight + self.hidden_weight > 0,
+        check(self.steps >= 1 and self.grad_accum >= 1, "steps and grad_accum must be >= 1")
+        check(self.lr > 0 and self.warmup >= 0 and self.grad_clip >= 0, "bad lr / warmup / grad_clip")
+        check(1 <= self.unroll <= 16, f"unroll must be in [1, 16], got {self.unroll}")
+        check(0 < self.step_decay <= 1, "step_decay must be in (0, 1]")
+        check(self.ce_weight >= 0 and self.hidden_weight >= 0 and self.ce_weight + self.hidden_weight > 0,
                "ce_weight and hidden_weight must be >= 0, not both 0")
-        _check(self.bridge_tokens >= 0, "bridge_tokens must be >= 0")
-        _check(0.0 <= self.bridge_dropout <= 1.0, "bridge_dropout must be in [0, 1]")
-        _check(self.responses in RESPONSE_SOURCES, f"responses must be one of {RESPONSE_SOURCES}")
-        _check(self.max_new_tokens >= 2, "max_new_tokens must be >= 2 (a chain needs two tokens)")
+        check(self.bridge_tokens >= 0, "bridge_tokens must be >= 0")
+        check(0.0 <= self.bridge_dropout <= 1.0, "bridge_dropout must be in [0, 1]")
+        check(self.responses in RESPONSE_SOURCES, f"responses must be one of {RESPONSE_SOURCES}")
+        check(self.max_new_tokens >= 2, "max_new_tokens must be >= 2 (a chain needs two tokens)")
         self.spec()          # window / anchors / glimpse / context / layers are validated by SpecConfig
 
     def spec(self, num_draft_tokens: int | None = None) -> SpecConfig:

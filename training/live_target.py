@@ -38,8 +38,9 @@ from sparrow.video.live_world import LiveStream
 
 from .live_world import (LIVE_CAPTION_PROMPTS, LIVE_KINDS, STANDING_KINDS, Clip, clip_frames, live_caption,
                          live_questions, live_tokenizer)
-from .world_target import (EVAL_SEED, WORLD_TARGET_HELP, PooledVideo, Stage, WorldTargetConfig, lm_parameters,
-                           new_world_target, pooled_loss, train_world_target)
+from .world_target import EVAL_SEED, WORLD_TARGET_HELP, WorldTargetConfig, lm_parameters, new_world_target
+from .world_target_data import PooledVideo, Stage, pooled_loss
+from .world_target_train import train_world_target
 
 
 @dataclass(frozen=True, slots=True)

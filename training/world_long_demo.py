@@ -23,7 +23,8 @@ from typing import Callable, TextIO
 import torch
 
 from sparrow.config import SamplingParams, SpecConfig
-from sparrow.engine import Engine, GenerationOutput
+from sparrow.engine import Engine
+from sparrow.output import GenerationOutput
 from sparrow.errors import InvalidRequest
 from sparrow.models.draft import CONFIG_NAME as DRAFT_CONFIG, SparrowDraft
 from sparrow.models.target import TargetModel

@@ -145,6 +145,12 @@ class DraftKV:
         return self._pos.shape[0]
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the key/value buffers as allocated (every layer, the whole capacity, filled
+        or not); the entries' positions and pinned flags (9 bytes an entry) are not counted."""
+        return sum(b.nbytes for bufs in (self._k, self._v) for b in bufs)
+
+    @property
     def pos(self) -> torch.Tensor:          # (N,) views of the filled part
         return self._pos[: self.length]
 

@@ -8,6 +8,8 @@ model between calls (`model.model.rope_deltas` would be shared by concurrent req
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..errors import InvalidRequest
@@ -16,6 +18,9 @@ from ..errors import InvalidRequest
 class Family:
     model_type: str
     video_token_attr: str
+    # Whether a video's frames sit at positions of real time (a live stream can be appended
+    # to: live_positions), or are placed by their count (a video is whole before it is read).
+    real_time_video: bool = False
 
     def video_token_id(self, config) -> int:
         return int(getattr(config, self.video_token_attr))
@@ -33,7 +38,7 @@ class Family:
 
     def text_positions(self, index: torch.Tensor, delta: int, time_shift: int = 0) -> torch.Tensor:
         """Positions of text tokens at sequence indices `index` (n,) after the prompt: (1, n).
-        time_shift: added on the temporal axis (families with one; a live window, live.py)."""
+        time_shift: added on the temporal axis (families with one; a live window, live_window.py)."""
         if time_shift:
             raise InvalidRequest(f"{self.model_type} positions have no temporal axis to shift")
         return (index + delta).view(1, -1)
@@ -42,6 +47,15 @@ class Family:
         """A copy of prefill `position_ids` with `shift` added on the temporal axis from
         sequence index `start` on."""
         raise InvalidRequest(f"{self.model_type} positions have no temporal axis to shift")
+
+    def live_positions(self, start: int, pairs: Sequence[int], interval: float, grid: tuple[int, int]) -> torch.Tensor:
+        """Positions (3, 1, len(pairs) * rows * cols) of frame pairs appended to a live video
+        that follows `start` text positions (real-time families only; see QwenVLFamily)."""
+        raise InvalidRequest(f"{self.model_type} places a video's frames by count, not real time")
+
+    def pair_time(self, pair: int, interval: float) -> int:
+        """The temporal position of frame pair `pair` counted from the video's first pair."""
+        raise InvalidRequest(f"{self.model_type} places a video's frames by count, not real time")
 
     def video_embeds(self, hf, inputs: dict) -> torch.Tensor:
         """(Nv, H) the visual tokens' embeddings in prompt order, from the model's public
@@ -70,6 +84,7 @@ class Family:
 class QwenVLFamily(Family):
     model_type = "qwen2_5_vl"
     video_token_attr = "video_token_id"
+    real_time_video = True
 
     def extra_inputs(self, input_ids: torch.Tensor, video_token_id: int) -> dict[str, torch.Tensor]:
         # transformers 5 builds 3-axis positions only when it sees these (0 text, 1 image, 2 video).
@@ -103,6 +118,22 @@ class QwenVLFamily(Family):
         out = position_ids.clone()
         out[0, :, start:] += shift
         return out
+
+    def pair_time(self, pair: int, interval: float) -> int:
+        # HF (transformers 5) puts pair t at floor(t x tokens_per_second x seconds per pair).
+        return int(pair * interval)
+
+    def live_positions(self, start: int, pairs: Sequence[int], interval: float, grid: tuple[int, int]) -> torch.Tensor:
+        """Pair p (counted from the video's first pair) at temporal position start +
+        pair_time(p, interval) (interval: tokens_per_second x seconds per pair); its merged
+        patch (r, c) of the grid (rows, cols) at height start + r and width start + c. These
+        are the positions HF gives the same pairs of a whole video: they never depend on the
+        pairs still to come, so pairs appended one by one read as the video prefilled at once."""
+        rows, cols = grid
+        h = torch.arange(rows).view(rows, 1).expand(rows, cols) + start
+        w = torch.arange(cols).view(1, cols).expand(rows, cols) + start
+        return torch.cat([torch.stack([torch.full_like(h, start + self.pair_time(p, interval)), h, w])
+                          .view(3, 1, rows * cols) for p in pairs], dim=-1)
 
 
 class LlavaOnevisionFamily(Family):

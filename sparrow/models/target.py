@@ -22,8 +22,10 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from ..chat import Prompt, chat_template_messages
 from ..errors import ContextOverflow, InvalidRequest
-from ..video import ProcessedVideo, VideoProcessor, processor_for, processor_from_hf
+from ..video import ProcessedVideo, VideoProcessor, processor_for
 from . import gqa
+from .checkpoint import (HF_VIDEO_PROCESSOR_FILE, SPARROW_ONLY_FIELDS, VIDEO_PROCESSOR_FILE, read_chat_template,
+                         read_processor)
 from .families import FAMILIES, Family
 from .kv_cache import new_kv_cache
 from .ragged import RaggedBatch, RaggedSegment, VerifyFn, verify_kernel
@@ -37,7 +39,7 @@ class TargetState:
     kv: object            # transformers Cache
     length: int           # tokens in the KV cache
     rope_delta: int       # position of sequence index i (after the prompt) is i + rope_delta
-    time_shift: int = 0   # added to the temporal axis of those positions (a live window, live.py)
+    time_shift: int = 0   # added to the temporal axis of those positions (a live window, live_window.py)
 
 
 @dataclass(slots=True)
@@ -81,16 +83,20 @@ class FeatureCollector:
 
     For every text token t >= 1: features at t-1 (the draft's input pairs x_t with h_{t-1}) and
     bridge-layer states at t; for the visual tokens: bridge-layer states at each, and (only
-    with needs.visual_features) features at t-1 for t >= 1.
+    with needs.visual_features) features at t-1 for t >= 1. `before`: the features at the
+    position before ids[0], for ids that continue a sequence (pairs appended to a live window),
+    so that position 0 has its t-1 row too.
     """
 
-    def __init__(self, ids: torch.Tensor, video_token_id: int, needs: FeatureNeeds, prefix: "VideoPrefix | None" = None):
+    def __init__(self, ids: torch.Tensor, video_token_id: int, needs: FeatureNeeds, prefix: "VideoPrefix | None" = None,
+                 before: torch.Tensor | None = None):
         n = ids.shape[0]
         pos = torch.arange(n, device=ids.device)
         visual = ids == video_token_id
-        self.ids, self.needs = ids, needs
-        self.text_pos = pos[~visual & (pos >= 1)]        # (n_text,)
-        self.visual_pos = pos[visual & (pos >= 1)]       # visual entries (their t-1 exists)
+        first = 0 if before is not None else 1           # the first position whose t-1 row exists
+        self.ids, self.video_token_id, self.needs = ids, video_token_id, needs
+        self.text_pos = pos[~visual & (pos >= first)]    # (n_text,)
+        self.visual_pos = pos[visual & (pos >= first)]   # visual entries (their t-1 exists)
         self.visual_all = pos[visual]                    # every visual position (bridge states)
         self.features: list[torch.Tensor] = []
         self.visual_features: list[torch.Tensor] = []
@@ -105,6 +111,11 @@ class FeatureCollector:
             if needs.bridge_layer is not None and prefix.bridge_text is None:
                 raise ValueError("this video prefix was prefilled without bridge-layer states")
             self._extend(prefix.features, prefix.visual_features, prefix.bridge_text, prefix.bridge_visual)
+        if before is not None and needs.feature_layers and n:     # the t-1 row of position 0
+            if not bool(visual[0]):
+                self.features.append(before[None])
+            elif needs.visual_features:
+                self.visual_features.append(before[None])
 
     def _extend(self, feats, vfeats, btext, bvis) -> None:
         needs = self.needs
@@ -146,7 +157,7 @@ class FeatureCollector:
         visual = {}
         if self.needs.feature_layers and self.needs.visual_features:
             visual = dict(text_positions=self.text_pos, visual_positions=self.visual_pos,
-                          visual_features=self._cat(self.visual_features), video_token_id=None)
+                          visual_features=self._cat(self.visual_features), video_token_id=self.video_token_id)
         return PrefillOutput(state, logits, self.ids[self.text_pos], self._cat(self.features), self.last,
                              self._cat(self.bridge_text), self._cat(self.bridge_visual), **visual)
 
@@ -173,10 +184,14 @@ class PrefillJob:
     whole video), then the language model runs over them chunk by chunk on top of the
     request's KV cache. With `prefix` the cache starts as a copy of the video prefix's and
     only the rest of the prompt runs. `end` stops early (a video-prefix prefill).
+    `time_shift` moves the prompt later on the temporal axis (a live window's text before
+    its video, re-positioned after eviction: sparrow/live_window.py); with `prefix`, the prefix's
+    shift applies to what follows it.
     """
 
     def __init__(self, target: "TargetModel", inputs: dict, kv, needs: FeatureNeeds = FeatureNeeds(),
-                 prefix: "VideoPrefix | None" = None, chunk_tokens: int = 1 << 30, end: int | None = None):
+                 prefix: "VideoPrefix | None" = None, chunk_tokens: int = 1 << 30, end: int | None = None,
+                 time_shift: int = 0):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.target, self.inputs, self.kv, self.needs = target, inputs, kv, needs
@@ -188,9 +203,10 @@ class PrefillJob:
             if not prefix.matches(self.ids, target.video_token_id):
                 raise ValueError("this video prefix was prefilled for a different prompt start")
             self.cursor = prefix.load_into(kv)
-            if prefix.time_shift:       # a live window's text sits later in time (sparrow/live.py)
-                self.position_ids = target.family.shift_time(self.position_ids, self.cursor, prefix.time_shift)
-        self.time_shift = prefix.time_shift if prefix is not None else 0
+            time_shift = prefix.time_shift      # a live window's text sits later in time
+        if time_shift:
+            self.position_ids = target.family.shift_time(self.position_ids, self.cursor, time_shift)
+        self.time_shift = time_shift
         self.start = self.cursor
         self.collector = FeatureCollector(self.ids, target.video_token_id, needs, prefix)
         self.chunk_tokens = chunk_tokens
@@ -232,10 +248,7 @@ class PrefillJob:
 
     def output(self) -> "PrefillOutput":
         state = TargetState(kv=self.kv, length=self.end, rope_delta=self.rope_delta, time_shift=self.time_shift)
-        pre = self.collector.output(state, self._logits)
-        if pre.visual_features is not None:
-            pre.video_token_id = self.target.video_token_id
-        return pre
+        return self.collector.output(state, self._logits)
 
     def video_prefix(self) -> "VideoPrefix":
         """The prompt through its last video token, for the prefix cache (after the run)."""
@@ -259,7 +272,7 @@ class VideoPrefix:
     bridge_visual: torch.Tensor | None    # (Nv, H) bridge-layer states at the visual tokens
     visual_features: torch.Tensor | None = None   # (Nv', F*H) features at t-1 for the visual tokens t >= 1
                                                   # (only when prefilled with visual_features=True)
-    # A live window (sparrow/live.py) whose oldest frames were evicted: the text after it sits
+    # A live window (sparrow/live_window.py) whose oldest frames were evicted: the text after it sits
     # this much later on the temporal rope axis, as the text before it was re-positioned.
     time_shift: int = 0
 
@@ -284,66 +297,6 @@ class VideoPrefix:
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             kv.update(k, v, i)
         return self.length
-
-
-VIDEO_PROCESSOR_FILE = "sparrow_video_processor.json"
-# HF's processor files, in the order HF's video processor looks for them: a processor_config.json
-# with a nested "video_processor" (transformers 5), then the video processor's own file, then the
-# image processor's (which Qwen2.5-VL-7B ships alone, and HF's video processor then reads).
-HF_PROCESSOR_FILE = "processor_config.json"
-HF_VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
-HF_IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
-
-
-def _read_json(file: Path) -> dict:
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise InvalidRequest(f"{file} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"{file} must hold a JSON object")
-    return data
-
-
-def read_hf_processor_config(path: Path) -> dict | None:
-    """The video processor settings HF would load from this checkpoint, or None if it has none."""
-    nested = path / HF_PROCESSOR_FILE
-    if nested.is_file():
-        video = _read_json(nested).get("video_processor")
-        if isinstance(video, dict):
-            return video
-    for name in (HF_VIDEO_PROCESSOR_FILE, HF_IMAGE_PROCESSOR_FILE):
-        if (path / name).is_file():
-            return _read_json(path / name)
-    return None
-
-
-def _read_processor(path: Path, hf_config) -> VideoProcessor:
-    """The checkpoint's own processor, read as HF reads it (so visual token counts equal HF's
-    for this checkpoint), with Sparrow's additions from sparrow_video_processor.json on top
-    (fields HF has none for, e.g. temporal_positions). A checkpoint with neither file gets the
-    model config's defaults; one saved before the HF file was written keeps every field in
-    Sparrow's file, which is read as before."""
-    file = path / VIDEO_PROCESSOR_FILE
-    hf = read_hf_processor_config(path)
-    settings, kind = {}, None
-    if file.is_file():
-        settings = _read_json(file)
-        kind = settings.pop("processor", None)
-        if kind is None:
-            raise InvalidRequest(f"{file} is not a valid video processor file: no 'processor' entry")
-    try:
-        overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
-        processor = processor_for(hf_config, **overrides) if hf is None else processor_from_hf(hf_config, hf, **overrides)
-    except (ValueError, KeyError, TypeError) as e:
-        raise InvalidRequest(f"{path}: the video processor settings are not valid: {e}") from e
-    if kind is not None and type(processor).__name__ != kind:
-        raise InvalidRequest(f"{file} is for a {kind}, but the model needs a {type(processor).__name__}")
-    return processor
-
-
-# What HF's processor files cannot say; saved beside them in sparrow_video_processor.json.
-_SPARROW_ONLY_FIELDS = ("temporal_positions", "tokens_per_second")
 
 
 class TargetModel:
@@ -405,7 +358,7 @@ class TargetModel:
         config = AutoConfig.from_pretrained(path)
         if config.model_type not in FAMILIES:
             raise InvalidRequest(f"unsupported target model type {config.model_type!r}")
-        processor = _read_processor(path, config)      # before the weights: a bad file fails fast
+        processor = read_processor(path, config)      # before the weights: a bad file fails fast
         place = {"device_map": device_map} if device_map is not None else {}
         if device_map is not None:
             check_device_map(device_map)
@@ -415,7 +368,7 @@ class TargetModel:
             hf = hf.to(parse_device(device))
         tokenizer = AutoTokenizer.from_pretrained(path)
         if tokenizer.chat_template is None:
-            tokenizer.chat_template = _read_chat_template(path)
+            tokenizer.chat_template = read_chat_template(path)
         return cls(hf, tokenizer, processor)
 
     def save_pretrained(self, path: str | Path, max_shard_size: str | int | None = None) -> None:
@@ -427,7 +380,7 @@ class TargetModel:
         self.tokenizer.save_pretrained(path)
         if dataclasses.is_dataclass(self.processor):
             Path(path, HF_VIDEO_PROCESSOR_FILE).write_text(json.dumps(self.processor.to_hf_dict(), indent=2) + "\n")
-            extra = {k: v for k, v in dataclasses.asdict(self.processor).items() if k in _SPARROW_ONLY_FIELDS}
+            extra = {k: v for k, v in dataclasses.asdict(self.processor).items() if k in SPARROW_ONLY_FIELDS}
             settings = {"processor": type(self.processor).__name__, **extra}
             Path(path, VIDEO_PROCESSOR_FILE).write_text(json.dumps(settings, indent=2) + "\n")
 
@@ -473,15 +426,17 @@ class TargetModel:
         return ids[:i] + [self.video_token_id] * num_visual_tokens + ids[i + 1:]
 
     def build_inputs(self, video: ProcessedVideo, prompt: Prompt) -> dict[str, torch.Tensor]:
-        input_ids = torch.tensor([self.prompt_ids(prompt, video.num_visual_tokens)], device=self.device)
-        inputs = {
-            "input_ids": input_ids,
-            "attention_mask": torch.ones_like(input_ids),
-            "pixel_values_videos": video.pixel_values_videos.to(self.device, self.hf.dtype),
-        }
-        inputs.update({k: v.to(self.device) for k, v in video.model_kwargs.items()})
-        inputs.update(self.family.extra_inputs(input_ids, self.video_token_id))
-        return inputs
+        return {**self.text_inputs(self.prompt_ids(prompt, video.num_visual_tokens)), **self._video_inputs(video)}
+
+    def text_inputs(self, ids: list[int]) -> dict[str, torch.Tensor]:
+        """The model's inputs for token ids (a prompt's, with its video placeholders if any)."""
+        input_ids = torch.tensor([ids], device=self.device)
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                **self.family.extra_inputs(input_ids, self.video_token_id)}
+
+    def _video_inputs(self, video: ProcessedVideo) -> dict[str, torch.Tensor]:
+        return {"pixel_values_videos": video.pixel_values_videos.to(self.device, self.hf.dtype),
+                **{k: v.to(self.device) for k, v in video.model_kwargs.items()}}
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, extra: int = 0) -> None:
         need = prompt_len + max_new_tokens + extra
@@ -494,14 +449,41 @@ class TargetModel:
     # ----- forward passes ----------------------------------------------------------------
     def prefill(self, inputs: dict, capacity: int, feature_layers: tuple[int, ...] = (),
                 bridge_layer: int | None = None, kv_cache: str = "static",
-                prefix: VideoPrefix | None = None, visual_features: bool = False) -> PrefillOutput:
+                prefix: VideoPrefix | None = None, visual_features: bool = False, time_shift: int = 0) -> PrefillOutput:
         """The whole prompt in one go into a fresh cache of `capacity` slots (the engine's
         scheduler runs a PrefillJob over an arena slot instead, chunk by chunk).
         With `prefix` the cache starts as a copy of the video prefix's. visual_features: also
-        the features at t-1 of the visual positions (drafts whose context holds visual entries)."""
+        the features at t-1 of the visual positions (drafts whose context holds visual entries).
+        time_shift: the prompt moved later on the temporal axis (PrefillJob)."""
         needs = FeatureNeeds(tuple(feature_layers or ()), bridge_layer, visual_features)
         kv = new_kv_cache(kv_cache, self.num_layers, capacity)
-        return PrefillJob(self, inputs, kv, needs, prefix).run().output()
+        return PrefillJob(self, inputs, kv, needs, prefix, time_shift=time_shift).run().output()
+
+    @torch.inference_mode()
+    def video_embeds(self, video: ProcessedVideo) -> torch.Tensor:
+        """(Nv, H) the video's visual tokens as the model's own forward embeds them (the vision
+        tower alone), in the model's dtype."""
+        embeds = self.family.video_embeds(self.hf, self._video_inputs(video))
+        if embeds.shape[0] != video.num_visual_tokens:
+            raise InvalidRequest(f"the vision tower made {embeds.shape[0]} visual tokens, "
+                                 f"expected {video.num_visual_tokens}")
+        return embeds.to(self.hf.dtype)
+
+    @torch.inference_mode()
+    def prefill_visual(self, kv, embeds: torch.Tensor, position_ids: torch.Tensor, needs: FeatureNeeds,
+                       before: torch.Tensor | None = None) -> PrefillOutput:
+        """Visual tokens appended to a cache (the frame pairs of a live window, as they come):
+        embeds (N, H) at position_ids (3, 1, N), in one forward on top of `kv`. The rows the
+        draft reads are the FeatureCollector's, as in any prefill; `before`: the features at
+        the position just before these tokens (the t-1 row of the first)."""
+        ids = torch.full((embeds.shape[0],), self.video_token_id, device=self.device)
+        rows = FeatureCollector(ids, self.video_token_id, needs, before=before)
+        out = self.hf(inputs_embeds=embeds[None], position_ids=position_ids.to(self.device), past_key_values=kv,
+                      use_cache=True, output_hidden_states=needs.hidden, logits_to_keep=1)
+        if needs.hidden:
+            rows.add(out.hidden_states, 0)
+        state = TargetState(kv=kv, length=kv.get_seq_length(), rope_delta=0)   # positions: the caller's
+        return rows.output(state, out.logits[0, -1].float())
 
     def prefill_prefix(self, inputs: dict, feature_layers: tuple[int, ...] = (),
                        bridge_layer: int | None = None, visual_features: bool = False) -> VideoPrefix:
@@ -588,11 +570,3 @@ def _eos_ids(hf, tokenizer) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
-
-
-def _read_chat_template(path: Path) -> str | None:
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
-    if (path / "chat_template.json").is_file():
-        return json.loads((path / "chat_template.json").read_text()).get("chat_template")
-    return None

@@ -41,12 +41,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from ..config import SamplingParams
+from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.target import FeatureNeeds
 from .sparrow_proposer import DraftContext, build_context
-from ..models.draft import RMSNorm, rope  # the same norm and rotary embedding as the Sparrow draft
-from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
+from ..models.draft import DraftKV, RMSNorm, rope  # the Sparrow draft's cache, norm and rotary embedding
+from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
 from .sampling import draft_probs, sample
 
 WEIGHTS = "model.safetensors"
@@ -123,21 +123,6 @@ class _MidLayer(nn.Module):
         self.mlp = _MLP(c)
 
 
-@dataclass(slots=True)
-class Eagle3KV:
-    """One request's draft cache: keys/values (1, Hkv, N, D) of every entry so far."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    max_visible: int = 0         # most keys a query attended to (the engine's draft_max_keys metric)
-
-    def __len__(self) -> int:
-        return self.keys.shape[2]
-
-    def truncate(self, n: int) -> None:
-        self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]
-
-
 class Eagle3Draft(nn.Module):
     """The published EAGLE-3 draft: one decoder layer over [embedding ; fused hidden]."""
 
@@ -190,9 +175,10 @@ class Eagle3Draft(nn.Module):
         return (self.embed_tokens if self.embed_tokens is not None else self._shared[0])(ids)
 
     # ----- one forward over new entries ---------------------------------------------------------------
-    def forward_entries(self, ids: torch.Tensor, hidden: torch.Tensor, kv: Eagle3KV) -> torch.Tensor:
+    def forward_entries(self, ids: torch.Tensor, hidden: torch.Tensor, kv: DraftKV) -> torch.Tensor:
         """(m,) tokens with (m, H) hidden inputs (fused target features or draft outputs), after
-        the len(kv) entries cached; appends their keys. Returns the (m, H) pre-norm outputs."""
+        the len(kv) entries cached; appends their keys. Returns the (m, H) pre-norm outputs.
+        kv: a one-layer DraftKV (empty_kv) whose entries are all pinned: nothing is evicted."""
         c, layer = self.config, self.midlayer
         m, start = ids.shape[0], len(kv)
         pos = torch.arange(start, start + m, device=ids.device)
@@ -202,11 +188,14 @@ class Eagle3Draft(nn.Module):
         k = att.k_proj(x).view(1, m, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = att.v_proj(x).view(1, m, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta)
-        kv.keys, kv.values = torch.cat([kv.keys, k], 2), torch.cat([kv.values, v], 2)
+        kv.reserve(m)                   # doubles in the rare case begin did not size it for the request
+        kv.append_meta(pos, torch.ones(m, dtype=torch.bool, device=ids.device))
+        keys, values = kv.write(0, k, v)                                                            # (1, hkv, N, d)
+        kv.advance(m)
         kv.max_visible = max(kv.max_visible, len(kv))
         # causal: query i (entry start + i) sees entries [0, start + i]
         mask = torch.arange(start + m, device=ids.device)[None, :] <= pos[:, None]                  # (m, N)
-        o = F.scaled_dot_product_attention(q, kv.keys, kv.values, attn_mask=mask, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         r = att.o_proj(o.transpose(1, 2).reshape(m, -1)) + hidden
         return layer.mlp(layer.post_attention_layernorm(r)) + r
 
@@ -217,10 +206,10 @@ class Eagle3Draft(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def empty_kv(self, device: torch.device) -> Eagle3KV:
-        c, p = self.config, self.fc.weight
-        shape = (1, c.num_kv_heads, 0, c.head_dim)
-        return Eagle3KV(*(torch.empty(shape, device=device, dtype=p.dtype) for _ in range(2)))
+    def empty_kv(self, device: torch.device, capacity: int = 0) -> DraftKV:
+        """An empty one-layer cache with room for `capacity` entries (it grows past them if it must)."""
+        c = self.config
+        return DraftKV(1, c.num_kv_heads, c.head_dim, capacity, self.fc.weight.dtype, device)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -239,10 +228,17 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 @dataclass(slots=True)
-class Eagle3State:
-    kv: Eagle3KV
+class Eagle3State(DraftState):
+    kv: DraftKV
     committed: int               # entries in kv that hold target-verified inputs
     last_out: torch.Tensor       # (H,) pre-norm output at the last committed entry
+
+    def kv_bytes(self) -> int:
+        """The draft cache's key/value buffers as allocated (DraftKV.nbytes: capacity, not fill)."""
+        return self.kv.nbytes
+
+    def max_keys(self) -> int:
+        return self.kv.max_visible
 
 
 class Eagle3Proposer:
@@ -256,13 +252,21 @@ class Eagle3Proposer:
         self.needs = FeatureNeeds(tuple(draft.config.feature_layers), None, draft_context != "text")
         self.vocab_size = draft.config.vocab_size
 
+    @classmethod
+    def from_spec(cls, target, draft, spec: SpecConfig) -> "Eagle3Proposer":
+        """The registry's "eagle3": an Eagle3Draft (Eagle3Draft.from_pretrained(path, target)),
+        over the EAGLE context spec.draft_context names ("text" is EAGLE-3 without visual entries)."""
+        if not isinstance(draft, Eagle3Draft):
+            raise InvalidRequest(f"method 'eagle3' needs an Eagle3Draft, got {type(draft).__name__}")
+        return cls(draft, spec.draft_context, spec.draft_mass, spec.draft_max_candidates)
+
     @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.needs.feature_layers
 
     # ----- the Proposer contract ----------------------------------------------------------------------
     def begin(self, start: BeginInput) -> Eagle3State:
-        return self.begin_context(build_context(start.prefill, start.first_token, 0, self.context))
+        return self.begin_context(build_context(start.prefill, start.first_token, 0, self.context), start.room)
 
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
         return [self.propose_one(r.state, r.k, r.sampling, r.generator) for r in batch]
@@ -276,9 +280,11 @@ class Eagle3Proposer:
 
     # ----- one request --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def begin_context(self, ctx: DraftContext) -> Eagle3State:
+    def begin_context(self, ctx: DraftContext, room: int = 0) -> Eagle3State:
+        """Run the context's entries through the draft into a cache sized for them and `room`
+        more (BeginInput.room: the request's new tokens and one step's drafts)."""
         d = self.draft
-        kv = d.empty_kv(ctx.features.device)
+        kv = d.empty_kv(ctx.features.device, ctx.token_ids.shape[0] + room)
         out = d.forward_entries(ctx.token_ids.to(ctx.features.device), d.fc(ctx.features), kv)
         return Eagle3State(kv, len(kv), out[-1])
 
@@ -318,15 +324,3 @@ class Eagle3Proposer:
         state.committed = len(state.kv)
         state.last_out = out[-1]
 
-
-def _eagle3(target, draft, spec) -> Eagle3Proposer:
-    """The registry's "eagle3": an Eagle3Draft (Eagle3Draft.from_pretrained(path, target)),
-    over the EAGLE context spec.draft_context names ("text" is EAGLE-3 without visual entries)."""
-    from ..errors import InvalidRequest
-
-    if not isinstance(draft, Eagle3Draft):
-        raise InvalidRequest(f"method 'eagle3' needs an Eagle3Draft, got {type(draft).__name__}")
-    return Eagle3Proposer(draft, spec.draft_context, spec.draft_mass, spec.draft_max_candidates)
-
-
-register_proposer("eagle3", _eagle3)

@@ -1,30 +1,32 @@
-"""The Proposer contract: what every draft method gives the engine, and the registry that
-builds one by name (SpecConfig.method).
+"""The Proposer contract: what every draft method gives the engine (the registry that builds
+one by name, SpecConfig.method, is registry.py).
 
 A proposer declares what it needs from the target's prefill (`needs`), starts a request
 from what that prefill produced (`begin`), drafts for a whole batch of requests at once
 (`propose`), and learns the verdict of each request's step (`commit`, with the AcceptResult
 and the tokens the step emitted). Everything a proposer keeps for a request lives in the
-state `begin` returned, so one proposer serves every request of an engine.
+DraftState `begin` returned, so one proposer serves every request of an engine.
 
     needs                 FeatureNeeds: feature layers, bridge layer, visual features
-    begin(start)          -> state                     per request, after its prefill
+    begin(start)          -> DraftState                per request, after its prefill
     propose(batch)        -> [Proposal]                one batched draft pass for the step
     commit(states, steps) -> None                      what each step emitted
     end(state)            -> None                      the request is over (done or not)
 
-Every proposal goes through the one acceptance path (accept.py); no proposer accepts.
+The engine reads a DraftState through its two measures only (`kv_bytes`, `max_keys`), into
+the request's metrics before `end`. Every proposal goes through the one acceptance path
+(accept.py); no proposer accepts.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..config import SamplingParams, SpecConfig
-from ..errors import InvalidRequest
+from ..config import SamplingParams
 from ..models.target import FeatureNeeds, PrefillOutput
 from .accept import AcceptResult
 from .tree import DraftTree
@@ -32,6 +34,22 @@ from .tree import DraftTree
 
 # A proposal is a draft tree (tree.py): Proposal(tokens, probs) is a chain.
 Proposal = DraftTree
+
+
+class DraftState(ABC):
+    """One request's draft-side state, as `begin` returns it: each proposer's own subclass.
+    The engine reads these two measures when the request ends (before `end` frees it)."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def kv_bytes(self) -> int:
+        """Bytes of draft KV memory this request holds now (0 once released, or when it lives
+        elsewhere): what the subclass's docstring says it counts."""
+
+    @abstractmethod
+    def max_keys(self) -> int:
+        """The most keys one draft query of this request has attended to so far."""
 
 
 @dataclass(slots=True)
@@ -44,13 +62,20 @@ class BeginInput:
     inputs: dict[str, torch.Tensor] | None = None   # the prompt's model inputs (pixels only on a prefix miss)
     video: Any = None                   # the ProcessedVideo
     video_key: str | None = None        # names the video when the prefix cache serves it
+    draft_tokens: int = 0               # the most draft tokens (tree nodes) one step proposes for it
+
+    @property
+    def room(self) -> int:
+        """Draft cache entries a request may add after its prompt: every new token, one
+        step's draft tokens, and one more (a draft cache sized with it never grows)."""
+        return self.max_new_tokens + self.draft_tokens + 1
 
 
 @dataclass(slots=True)
 class DraftRequest:
     """One request's part of a batched propose: its state, how many tokens, how to draw."""
 
-    state: Any
+    state: DraftState
     k: int                              # depth (a chain's length)
     sampling: SamplingParams
     generator: torch.Generator
@@ -71,37 +96,10 @@ class StepResult:
 class Proposer(Protocol):
     needs: FeatureNeeds
 
-    def begin(self, start: BeginInput) -> Any: ...
+    def begin(self, start: BeginInput) -> DraftState: ...
 
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]: ...
 
-    def commit(self, states: list[Any], results: list[StepResult]) -> None: ...
+    def commit(self, states: list[DraftState], results: list[StepResult]) -> None: ...
 
-    def end(self, state: Any) -> None: ...
-
-
-# name -> builder(target, draft, spec): the draft is whatever the method drafts with (a
-# SparrowDraft, a small TargetModel for "specvlm", None for "none").
-ProposerBuilder = Callable[[Any, Any, SpecConfig], "Proposer | None"]
-PROPOSERS: dict[str, ProposerBuilder] = {}
-
-
-def register_proposer(name: str, builder: ProposerBuilder) -> None:
-    PROPOSERS[name] = builder
-
-
-def build_proposer(spec: SpecConfig, target, draft) -> Proposer | None:
-    """The proposer SpecConfig.method names, or None for plain decoding ("none")."""
-    _ensure_builtin()
-    builder = PROPOSERS.get(spec.method)
-    if builder is None:
-        raise InvalidRequest(f"unknown speculative method {spec.method!r}; registered: {sorted(PROPOSERS)}")
-    return builder(target, draft, spec)
-
-
-register_proposer("none", lambda target, draft, spec: None)
-
-
-def _ensure_builtin() -> None:
-    """The built-in methods register on first use (their modules import this one)."""
-    from . import eagle3, propose, specvlm  # noqa: F401
+    def end(self, state: DraftState) -> None: ...

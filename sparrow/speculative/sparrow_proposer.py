@@ -16,7 +16,7 @@ from ..errors import InvalidRequest
 from ..models.draft import DraftKV, DraftSegment, SparrowDraft
 from ..models.target import FeatureNeeds
 from .glimpse import select_glimpse, text_to_visual_attention
-from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
+from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
 from .prune import prune_budget, prune_visual
 from .sampling import draft_probs
 
@@ -120,11 +120,18 @@ def build_context(prefill, first_token: int, glimpse: int, context: str = "text"
 
 
 @dataclass(slots=True)
-class SparrowState:
+class SparrowState(DraftState):
     kv: DraftKV
     next_pos: int                # draft position of the next entry
     committed: int               # entries in kv that hold target-verified inputs
     last_hidden: torch.Tensor    # (H,) draft output at the last committed entry
+
+    def kv_bytes(self) -> int:
+        """The draft cache's key/value buffers as allocated (DraftKV.nbytes: capacity, not fill)."""
+        return self.kv.nbytes
+
+    def max_keys(self) -> int:
+        return self.kv.max_visible
 
 
 # Room the draft cache keeps beyond its visible entries: one step's drafts and commits.
@@ -150,6 +157,15 @@ class SparrowProposer:
                                   draft.config.bridge_layer if needs_bridge else None,
                                   spec.draft_context != "text")
         self.window = draft_attention(spec.draft_context, spec.window, spec.anchors, 0)[0]
+
+    @classmethod
+    def from_spec(cls, target, draft, spec: SpecConfig) -> "SparrowProposer":
+        """The registry's "sparrow" and "eagle-style": a SparrowDraft, bound to the target."""
+        if not isinstance(draft, SparrowDraft):
+            raise InvalidRequest(f"method {spec.method!r} needs a Sparrow draft, got {type(draft).__name__}")
+        if not draft.bound:
+            draft.bind(target)
+        return cls(draft, spec)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -367,15 +383,3 @@ class _TreeGrowth:
             return Proposal(tokens, probs, scores=scores)
         return Proposal(tokens, probs, torch.tensor(self.parents, dtype=torch.long),
                         torch.tensor(self.draw, dtype=torch.long), scores=scores)
-
-
-def _sparrow(target, draft, spec: SpecConfig) -> SparrowProposer:
-    if not isinstance(draft, SparrowDraft):
-        raise InvalidRequest(f"method {spec.method!r} needs a Sparrow draft, got {type(draft).__name__}")
-    if not draft.bound:
-        draft.bind(target)
-    return SparrowProposer(draft, spec)
-
-
-register_proposer("sparrow", _sparrow)
-register_proposer("eagle-style", _sparrow)     # the same draft over a context with visual entries

@@ -30,6 +30,10 @@ fed: nothing would read its keys before the verdict). commit(tokens = accepted a
 the target's correction/bonus token): the first min(a, k-1) fed drafts are right and stay,
 the other fed drafts are cropped off (`cache.crop(-n)`), and `pending` becomes the emitted
 tokens not in the cache: [correction] if a < k, [d_k, bonus] if a == k.
+
+The draft cache is the target's kind (kv_cache.py: a preallocated buffer per layer plus a
+length, so a crop is a length move), sized at `begin` for the kept prompt + BeginInput.room;
+fed past that (a direct caller), it grows by doubling.
 """
 
 from __future__ import annotations
@@ -37,25 +41,25 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
+from transformers.cache_utils import Cache
 
 from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.kv_cache import new_kv_cache
 from ..models.target import FeatureNeeds, PrefillOutput, TargetModel
 from .glimpse import text_to_visual_attention
-from .proposer import BeginInput, DraftRequest, Proposal, StepResult, register_proposer
+from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
 from .prune import prune_budget, prune_visual
 from .sampling import draw_token
 
 
 @dataclass(slots=True)
-class SpecVLMState:
+class SpecVLMState(DraftState):
     """One request's draft-side state (the proposer itself holds none)."""
 
-    cache: object                    # the small VLM's transformers Cache
+    cache: Cache | None              # the small VLM's KV: PreallocatedLayers (kv_cache.py); None once ended
     next_index: int                  # full-sequence index of the next token fed (position = index + rope_delta)
     rope_delta: int
     pending: list[int]               # emitted tokens not yet fed to the draft
@@ -64,7 +68,7 @@ class SpecVLMState:
     prompt_entries: int              # draft cache entries after its prefill (text + kept visual)
     fed_drafts: int = 0              # draft tokens of the last proposal that are in the cache
     drafted: list[int] = field(default_factory=list)   # the last proposal
-    released_bytes: int = 0          # KV bytes the cache held when the request ended
+    max_visible: int = 0             # most keys one draft query attended to (the cache's length after a feed)
 
     @property
     def num_kept(self) -> int:
@@ -74,19 +78,30 @@ class SpecVLMState:
     def cached(self) -> int:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
+    @property
+    def capacity(self) -> int:
+        return self.cache.layers[0].capacity if self.cache is not None else 0
 
-def draft_memory_bytes(state: SpecVLMState) -> int:
-    """KV-cache bytes the draft holds for this request (a preallocated cache counts whole);
-    after the request ended, what it held at the end."""
-    if state.cache is None:
-        return state.released_bytes
-    total = 0
-    for layer in state.cache.layers:
-        bufs = [getattr(layer, "k_buf", None), getattr(layer, "v_buf", None)]
-        if bufs[0] is None:
-            bufs = [getattr(layer, "keys", None), getattr(layer, "values", None)]
-        total += sum(t.numel() * t.element_size() for t in bufs if isinstance(t, torch.Tensor))
-    return total
+    def kv_bytes(self) -> int:
+        """The small VLM's key/value buffers as allocated (every layer, the whole capacity,
+        filled or not); 0 once the request ended and they were freed."""
+        if self.cache is None:
+            return 0
+        return sum(layer.k_buf.nbytes + layer.v_buf.nbytes for layer in self.cache.layers if layer.is_initialized)
+
+    def max_keys(self) -> int:
+        return self.max_visible
+
+    def reserve(self, n: int) -> None:
+        """Room for n more entries: a cache that would overflow is copied into one of twice
+        the capacity (or what n needs), through the layers' own update."""
+        need = self.cached + n
+        if need <= self.capacity:
+            return
+        grown = new_kv_cache("static", len(self.cache.layers), max(need, 2 * self.capacity))
+        for old, new in zip(self.cache.layers, grown.layers):
+            new.update(old.keys, old.values)
+        self.cache = grown
 
 
 class SpecVLMProposer:
@@ -98,15 +113,13 @@ class SpecVLMProposer:
     mass: stage-1 attention mass of the two-stage pruning.
     bridge_layer: the target hidden-state index whose text->video attention guides pruning
         (default num_layers // 2, as the Sparrow draft's glimpse).
-    on_end: called with each request's state when it ends, before its cache is freed (e.g. a
-        benchmark collecting `draft_memory_bytes(state)` per request).
     video_cache_entries: keyed videos whose small-VLM visual tokens are kept for prefix-cache
         hits (which carry no pixels); the prefix cache's own entry budget is a good value.
     """
 
     def __init__(self, target: TargetModel, small: TargetModel, keep_ratio: float = 0.1, mass: float = 0.5,
-                 bridge_layer: int | None = None, on_end: Callable[[SpecVLMState], None] | None = None,
-                 video_cache_entries: int = 32, draft_mass: float = 1.0, draft_max_candidates: int = 0):
+                 bridge_layer: int | None = None, video_cache_entries: int = 32, draft_mass: float = 1.0,
+                 draft_max_candidates: int = 0):
         _check_compatible(target, small)
         self.draft_mass, self.draft_max_candidates = draft_mass, draft_max_candidates     # sampling.draft_probs
         if not isinstance(keep_ratio, (int, float)) or not 0.0 <= keep_ratio <= 1.0:
@@ -122,22 +135,30 @@ class SpecVLMProposer:
         self.bridge_layer = bridge_layer if keep_ratio < 1.0 else None
         self.needs = FeatureNeeds(bridge_layer=self.bridge_layer)
         self.video_token_id = target.video_token_id
-        self.on_end = on_end
         if video_cache_entries < 0:
             raise InvalidRequest(f"video_cache_entries must be >= 0, got {video_cache_entries}")
         self.video_cache_entries = video_cache_entries
         self._visual: OrderedDict[str, torch.Tensor] = OrderedDict()   # video key -> (Nv, H) visual tokens
         self._visual_lock = threading.Lock()
 
+    @classmethod
+    def from_spec(cls, target: TargetModel, small: TargetModel, spec: SpecConfig) -> "SpecVLMProposer":
+        """The registry's "specvlm": the draft is the small VLM; spec.prune_keep is the share of
+        visual tokens it sees."""
+        return cls(target, small, keep_ratio=spec.prune_keep, draft_mass=spec.draft_mass,
+                   draft_max_candidates=spec.draft_max_candidates)
+
     # ----- per request ------------------------------------------------------------------------
     def begin(self, start: BeginInput) -> SpecVLMState:
-        return self.begin_request(start.prefill, start.inputs, start.video, start.first_token, start.video_key)
+        return self.begin_request(start.prefill, start.inputs, start.video, start.first_token, start.video_key,
+                                  start.room)
 
     @torch.inference_mode()
     def begin_request(self, pre: PrefillOutput, inputs: dict[str, torch.Tensor], video,
-                      first_token: int, video_key: str | None = None) -> SpecVLMState:
+                      first_token: int, video_key: str | None = None, room: int = 1) -> SpecVLMState:
         """Prune, prefill the small VLM on text + kept visual tokens; `first_token` is pending.
-        With a video_key the small VLM's visual tokens are kept for later prefix-cache hits."""
+        With a video_key the small VLM's visual tokens are kept for later prefix-cache hits.
+        room: entries the cache is sized for beyond the prompt's (BeginInput.room)."""
         small = self.small
         dev = small.device
         ids = inputs["input_ids"][0].to(dev)
@@ -161,12 +182,11 @@ class SpecVLMProposer:
                                      f"for a prompt with {n_vis}: its vision config does not match the target's")
             embeds[0, is_vis[keep_mask]] = visual[kept].to(embeds.dtype)
         length = embeds.shape[1]
-        kind, capacity = _cache_plan(pre, ids.shape[0], length)
-        cache = new_kv_cache(kind, small.num_layers, capacity)
+        cache = new_kv_cache("static", small.num_layers, length + room)
         small.hf(inputs_embeds=embeds, position_ids=position_ids[..., keep_mask.to(position_ids.device)].to(dev),
                  past_key_values=cache, use_cache=True, logits_to_keep=1)
         return SpecVLMState(cache=cache, next_index=ids.shape[0], rope_delta=rope_delta, pending=[int(first_token)],
-                            num_visual=n_vis, kept_visual=kept.cpu(), prompt_entries=length)
+                            num_visual=n_vis, kept_visual=kept.cpu(), prompt_entries=length, max_visible=length)
 
     def _visual_tokens(self, sm_inputs: dict[str, torch.Tensor], video_key: str | None) -> torch.Tensor:
         """The small VLM's visual tokens: from the pixels (kept under video_key), or, on a
@@ -264,20 +284,17 @@ class SpecVLMProposer:
 
     def end(self, state: SpecVLMState) -> None:
         """The request is over (done, aborted or closed): free its KV cache now."""
-        if state.cache is None:
-            return
-        if self.on_end is not None:
-            self.on_end(state)
-        state.released_bytes = draft_memory_bytes(state)
         state.cache = None
 
     def _feed(self, state: SpecVLMState, ids: list[int]) -> torch.Tensor:
         """Run tokens through the small LM on top of its cache; (V,) logits after the last."""
         small, n = self.small, len(ids)
         position_ids = small.family.step_positions(state.next_index, n, state.rope_delta).to(small.device)
+        state.reserve(n)
         out = small.hf(input_ids=torch.tensor([ids], device=small.device), position_ids=position_ids,
                        past_key_values=state.cache, use_cache=True, logits_to_keep=1)
         state.next_index += n
+        state.max_visible = max(state.max_visible, state.cached)
         return out.logits[0, -1].float()
 
 
@@ -299,22 +316,3 @@ def _check_compatible(target: TargetModel, small: TargetModel) -> None:
         raise InvalidRequest(f"the small VLM must take the target's video inputs: processors differ "
                              f"({small.processor} vs {target.processor})")
 
-
-def _cache_plan(pre: PrefillOutput, prompt_len: int, draft_prompt_len: int) -> tuple[str, int]:
-    """The draft's cache kind and capacity: preallocated like the target's when the target's is
-    (the draft needs at most what the target needs beyond its prompt: new tokens + k + 1)."""
-    layers = getattr(pre.state.kv, "layers", None) or []
-    capacity = getattr(layers[0], "capacity", None) if layers else None
-    if capacity is None:
-        return "dynamic", 0
-    return "static", draft_prompt_len + max(1, capacity - prompt_len)
-
-
-def _specvlm(target: TargetModel, small: TargetModel, spec: SpecConfig) -> SpecVLMProposer:
-    """The registry's "specvlm": the draft is the small VLM; spec.prune_keep is the share of
-    visual tokens it sees."""
-    return SpecVLMProposer(target, small, keep_ratio=spec.prune_keep, draft_mass=spec.draft_mass,
-                           draft_max_candidates=spec.draft_max_candidates)
-
-
-register_proposer("specvlm", _specvlm)

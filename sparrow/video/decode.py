@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, BinaryIO
 import av
 import numpy as np
 
-from sparrow.errors import (InvalidRequest, NoFrames, NoVideoStream, SourceUnavailable, SparrowError,
-                            VideoTimeout, VideoTooLarge, VideoUnreadable, VideoUnsupported)
+from sparrow.errors import (InvalidRequest, NoFrames, SourceUnavailable, SparrowError, VideoTimeout, VideoTooLarge,
+                            VideoUnreadable, VideoUnsupported)
 from sparrow.video.live import LiveSnapshot, LiveSource
 from sparrow.video.options import DEFAULT_ARRAY_FPS, Frames, VideoOptions
 from sparrow.video.policy import SourcePolicy, is_url
 from sparrow.video.sampling import TIE_S, check_kept, pad_to_multiple, pick_nearest, sample_count, sample_times
 from sparrow.video.sources import Deadline, Media, open_media
+from sparrow.video.stream import decoded_frames, video_stream
 
 if TYPE_CHECKING:
     from sparrow.video.processors import VideoProcessor
@@ -133,13 +134,6 @@ class _StreamInfo:
         return 1.0 / self.rate if self.rate else 0.04
 
 
-def _video_stream(container: av.container.InputContainer) -> av.VideoStream:
-    if not container.streams.video:
-        kinds = sorted({s.type for s in container.streams}) or ["none"]
-        raise NoVideoStream(f"the file has no video stream (streams: {', '.join(kinds)})")
-    return container.streams.video[0]
-
-
 def _stream_info(container: av.container.InputContainer, stream: av.VideoStream, first: av.VideoFrame,
                  live: LiveSnapshot | None) -> _StreamInfo:
     time_base = stream.time_base or Fraction(1, av.time_base)
@@ -165,7 +159,7 @@ def _scan_duration(media: Media, info: _StreamInfo, options: VideoOptions, deadl
     decoding is cheap, and max_bytes already bounds the work."""
     end = 0.0
     with media.open() as container:
-        for packet in container.demux(_video_stream(container)):
+        for packet in container.demux(video_stream(container)):
             deadline.check()
             if packet.size == 0:
                 continue  # the demuxer's end-of-stream marker
@@ -216,7 +210,7 @@ def _jump_s(stream: av.VideoStream, info: _StreamInfo, options: VideoOptions) ->
 
 def _decode(media: Media, options: VideoOptions, processor: VideoProcessor | None, deadline: Deadline) -> Frames:
     with media.open() as container:
-        stream = _video_stream(container)
+        stream = video_stream(container)
         sized = _prepare_decoder(stream, options)
         decoder = _Decoder(container, stream, deadline, options.max_bytes if media.streamed else None)
         first = _first_frame(decoder, sized, options)
@@ -303,14 +297,16 @@ class _Decoder:
         self._back: list[av.VideoFrame] = []
 
     def _decode(self) -> Iterator[av.VideoFrame]:
-        for packet in self.container.demux(self.stream):
-            self.deadline.check()
-            self.bytes_read += packet.size
-            if self.max_bytes is not None and self.bytes_read > self.max_bytes:
-                raise VideoTooLarge(f"the video stream sent over {self.max_bytes} bytes (max_bytes)")
-            for frame in packet.decode():
-                self.frames_decoded += 1
-                yield frame
+        # The frames' times are _timed_frames' (_StreamInfo: untimed streams, a live origin).
+        for _, frame in decoded_frames(self.container, self.stream, on_packet=self._read):
+            self.frames_decoded += 1
+            yield frame
+
+    def _read(self, size: int) -> None:
+        self.deadline.check()
+        self.bytes_read += size
+        if self.max_bytes is not None and self.bytes_read > self.max_bytes:
+            raise VideoTooLarge(f"the video stream sent over {self.max_bytes} bytes (max_bytes)")
 
     def next(self) -> av.VideoFrame | None:
         if self._back:

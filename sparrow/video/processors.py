@@ -93,7 +93,7 @@ def processor_for(hf_config: Any, **overrides: Any) -> VideoProcessor:
 
 def processor_from_hf(hf_config: Any, hf: dict, **overrides: Any) -> VideoProcessor:
     """The processor a checkpoint's own HF processor config describes (see
-    `sparrow.models.target.read_processor` for which file that is); `overrides` (Sparrow's
+    `sparrow.models.checkpoint.read_processor` for which file that is); `overrides` (Sparrow's
     additions, e.g. temporal_positions) go on top."""
     cls = _processor_class(hf_config)
     _check_hf_steps(hf)

@@ -1,0 +1,151 @@
+"""The methods the speculative benchmarks compare, and an engine for each: the methods table,
+the benchmark's configuration, the models under --models and the engine built per method
+(every one sharing a prefix cache), with the probes that read a draft's memory per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparrow import Engine, SpecConfig
+from sparrow.models.draft import CONFIG_NAME as DRAFT_CONFIG, SparrowDraft
+from sparrow.models.target import TargetModel
+from sparrow.prefix_cache import PrefixCache
+from sparrow.training.world import LADDER   # (168 px frames, 504 ... 25,056 visual tokens)
+
+# (frame side px, frames): with 14-px patches merged 2x2 and no upscaling, a frame pair of an
+# S-px square is (S/28)^2 visual tokens: 504, 1512, 8064, 16992, 25056.
+QUICK_LADDER = (LADDER[0], LADDER[-1])
+BENCH_SEED = 2 * 10**9          # world videos: training seeds < 1e9, held-out evaluation from 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    name: str
+    label: str                       # column header
+    ablation: bool = False           # ablation drafts: T=0, smallest and largest video only
+
+
+METHODS = {m.name: m for m in (
+    Method("plain", "plain"),
+    Method("eagle", "EAGLE (all tokens)"),
+    Method("specvlm", "SpecVLM"),
+    Method("specvlm-eagle", "EAGLE + SpecVLM pruning"),
+    Method("sparrow", "Sparrow"),
+    Method("sparrow-glimpse", "Sparrow + glimpse"),
+    Method("sparrow-tree", "Sparrow tree"),
+    Method("sparrow-tree-auto", "Sparrow tree, cut by cost"),   # opt-in: SpecConfig.adaptive_tree
+    Method("sparrow-adaptive", "Sparrow, adaptive k"),      # the concurrency benchmark's; opt-in here
+    Method("ablation-none", "none", ablation=True),
+    Method("ablation-window", "window", ablation=True),
+    Method("ablation-mtp", "mtp", ablation=True),
+    Method("ablation-bridge", "bridge", ablation=True),
+)}
+# Ablation draft -> the context it attends to: "none" and "bridging without window" attend to
+# every token (full attention); "window" and "window + MTP" use the text-anchored window.
+ABLATIONS = {"none": "all", "window": "text", "mtp": "text", "bridge": "all"}
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    models: str = "models"
+    videos: tuple[tuple[int, int], ...] = QUICK_LADDER
+    temperatures: tuple[float, ...] = (0.0,)
+    reps: int = 3
+    max_new_tokens: int = 48
+    k: int = 4
+    glimpse: int = 16
+    window: int = 16   # the world drafts are trained with window 16, anchors 32 (training/world_data.py)
+    anchors: int = 32
+    tree: tuple[int, int, int] = (4, 2, 16)   # sparrow-tree: width, branch, node budget (depth: k)
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m not in ("sparrow-adaptive", "sparrow-tree-auto"))
+    seed: int = BENCH_SEED
+    warmup_tokens: int = 8           # one untimed request per method first (0: none)
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; known: {list(METHODS)}")
+        if "plain" not in self.methods:
+            raise ValueError("plain is the reference of every ratio: include it in methods")
+        if self.reps < 1 or self.max_new_tokens < 2:
+            raise ValueError("need reps >= 1 and max_new_tokens >= 2")
+
+
+class Skip(Exception):
+    """A method that cannot run here (a model or an API is missing): reported, not fatal."""
+
+
+# ----- models and engines ---------------------------------------------------------------------
+class Models:
+    """The models under --models, loaded on first use and shared between engines."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        path = self.root / "world" / "target"
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no target model at {path} (expected a save_pretrained directory; "
+                                    f"--models DIR must hold world/target)")
+        self.target = TargetModel.from_pretrained(path)
+        self._drafts: dict[str, SparrowDraft] = {}
+        self._small: TargetModel | None = None
+
+    def draft(self, rel: str) -> SparrowDraft:
+        if rel not in self._drafts:
+            path = self.root / rel
+            if not (path / DRAFT_CONFIG).is_file():
+                raise Skip(f"no draft at {path}")
+            self._drafts[rel] = SparrowDraft.from_pretrained(path, self.target)
+        return self._drafts[rel]
+
+    def small_target(self) -> TargetModel:
+        if self._small is None:
+            path = self.root / "bench" / "small-target"
+            if not (path / "config.json").is_file():
+                raise Skip(f"no small target at {path}")
+            self._small = TargetModel.from_pretrained(path)
+        return self._small
+
+
+def _spec(cfg: BenchConfig, **kw) -> SpecConfig:
+    return SpecConfig(num_draft_tokens=cfg.k, window=cfg.window, anchors=cfg.anchors, **kw)
+
+
+def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache, keyed_videos: int = 0) -> Engine:
+    """The engine of one method, sharing `cache` (the videos' prefixes) with all the others.
+    keyed_videos (SpecVLM only): 0, no prefix cache (its whole prefill is timed, as here); > 0,
+    answers from `cache` and keeps that many videos' small-VLM visual tokens for its hits (the
+    serving case: the concurrency benchmark)."""
+    target = models.target
+    if name == "plain":
+        return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache)
+    if name == "sparrow":
+        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0), prefix_cache=cache)
+    if name in ("sparrow-tree", "sparrow-tree-auto"):
+        width, branch, budget = cfg.tree
+        return Engine(target, models.draft("world/draft"),
+                      _spec(cfg, glimpse=0, tree_width=width, tree_branch=branch, tree_budget=budget,
+                            adaptive_tree=name == "sparrow-tree-auto"), prefix_cache=cache)
+    if name == "sparrow-adaptive":       # k chosen per step from measured costs and acceptance (scheduler.DraftPolicy)
+        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0, adaptive_k=True), prefix_cache=cache)
+    if name == "sparrow-glimpse":
+        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=cfg.glimpse), prefix_cache=cache)
+    if name == "eagle":
+        return Engine(target, models.draft("bench/draft-eagle"), _spec(cfg, draft_context="all"), prefix_cache=cache)
+    if name == "specvlm-eagle":
+        return Engine(target, models.draft("bench/draft-eagle"),
+                      _spec(cfg, draft_context="pruned", prune_keep=0.1), prefix_cache=cache)
+    if name == "specvlm":
+        from sparrow.speculative.specvlm import SpecVLMProposer
+
+        # Its small VLM reads the video's pixels, which a cached prefix drops: a prefix-cache hit
+        # needs the small VLM's visual tokens kept from the video's first request (keyed_videos).
+        proposer = SpecVLMProposer(target, models.small_target(), keep_ratio=0.1, mass=0.5,
+                                   video_cache_entries=keyed_videos)
+        return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=cfg.k), proposer=proposer,
+                      prefix_cache=cache if keyed_videos else None)
+    if name.startswith("ablation-"):
+        kind = name.removeprefix("ablation-")
+        return Engine(target, models.draft(f"bench/ablation/{kind}"), _spec(cfg, draft_context=ABLATIONS[kind]),
+                      prefix_cache=cache)
+    raise ValueError(name)

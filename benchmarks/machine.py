@@ -1,0 +1,27 @@
+"""What a benchmark ran on, in one line each: the machine and the target model."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from sparrow.models.target import TargetModel
+
+
+def machine() -> str:
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                     platform.processor())
+    except OSError:
+        model = platform.processor() or platform.machine()
+    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", CPU only"
+    return (f"{model}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads), load average "
+            f"{os.getloadavg()[0]:.1f} at start, torch {torch.__version__}{gpu}")
+
+
+def describe_target(target: TargetModel) -> str:
+    c = target.text_config
+    return (f"{target.hf.config.model_type} (hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
+            f"vocab {target.vocab_size}), {str(target.hf.dtype).removeprefix('torch.')}")

@@ -1,0 +1,178 @@
+"""The side-by-side benchmark's report: the acceptance bars, the markdown tables (methods,
+ablation, bars, GPU projection) and the plot of decode speedup and tau vs visual tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.engines import ABLATIONS, METHODS
+from benchmarks.step_costs import gpu_lines
+
+PAPER_ABLATION_TAU = {"none": (3.95, 2.95), "window": (3.95, 3.86), "mtp": (4.44, 3.51),
+                      "bridge": (4.53, 1.21), "all three": (4.51, 4.37)}   # DESIGN.md, 0.5k / 25k
+
+
+def _find(summary: list[dict], method: str, temp: float, n_vis: int) -> dict | None:
+    return next((r for r in summary if r["method"] == method and r["temperature"] == temp
+                 and r["visual_tokens"] == n_vis), None)
+
+
+def bars(result: dict) -> list[dict]:
+    """The acceptance bars of issue 6, at T=0, smallest vs largest video of the run."""
+    summary = result["summary"]
+    sizes = sorted({r["visual_tokens"] for r in summary if r["temperature"] == 0.0})
+    if not sizes:
+        return []
+    lo, hi = sizes[0], sizes[-1]
+    s_lo, s_hi = _find(summary, "sparrow", 0.0, lo), _find(summary, "sparrow", 0.0, hi)
+
+    def bar(name, measured, need, ok_if_ge=True, unit=""):
+        if measured is None or need is None:
+            return {"bar": name, "measured": None, "needed": need, "margin": None, "pass": None}
+        margin = measured - need if ok_if_ge else need - measured
+        return {"bar": name, "measured": measured, "needed": need, "margin": margin, "pass": margin >= 0, "unit": unit}
+
+    get = lambda r, k: r[k] if r is not None else None   # noqa: E731
+    out = [
+        bar(f"Sparrow tau @{_k(hi)} >= 95% of tau @{_k(lo)}", get(s_hi, "tau"),
+            0.95 * s_lo["tau"] if s_lo else None),
+        bar(f"Sparrow draft ms/step @{_k(hi)} <= 1.1x @{_k(lo)}", get(s_hi, "draft_ms_per_step"),
+            1.1 * s_lo["draft_ms_per_step"] if s_lo else None, ok_if_ge=False, unit=" ms"),
+        bar(f"Sparrow decode speedup @{_k(hi)} >= 2.5x", get(s_hi, "decode_speedup"), 2.5, unit="x"),
+    ]
+    for other in ("eagle", "specvlm"):
+        o = _find(summary, other, 0.0, hi)
+        out.append(bar(f"Sparrow speedup @{_k(hi)} >= 1.3x {other}'s", get(s_hi, "decode_speedup"),
+                       1.3 * o["decode_speedup"] if o else None, unit="x"))
+    return out
+
+
+# ----- report -----------------------------------------------------------------------------------------
+def _k(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _x(v: float | None) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
+
+
+def report(result: dict, plot_path: str | None = None) -> str:
+    cfg, summary = result["config"], result["summary"]
+    shown = [m for m in cfg["methods"] if m in {r["method"] for r in summary} and not METHODS[m].ablation]
+    lines = [f"Machine: {result['machine']}.", f"Target: {result['target']}. k = {cfg['k']}, window {cfg['window']}, "
+             f"anchors {cfg['anchors']}, glimpse (sparrow-glimpse) {cfg['glimpse']}; {cfg['max_new_tokens']} new "
+             f"tokens (answers end at the end of turn), {cfg['reps']} reps, methods interleaved per rep, medians; fresh world "
+             f"videos (seeds from {cfg['seed']}), caption prompts.", ""]
+    if result["skipped"]:
+        lines += ["Skipped: " + "; ".join(f"{m} ({why})" for m, why in result["skipped"].items()) + ".", ""]
+    ident = "all methods' tokens equal plain decoding's" if result["identical"] else \
+        f"**{len(result['mismatches'])} MISMATCHES**"
+    lines += [f"Output identity at T=0: {ident}.", ""]
+    for temp in cfg["temperatures"]:
+        sizes = sorted({r["visual_tokens"] for r in summary if r["temperature"] == temp})
+        lines += [f"**T = {temp:g}.** Cell: decode speedup / tau / draft ms per step / verify ms per step "
+                  f"(plain: its decode step) / draft KV per request.", "",
+                  "| visual tokens | " + " | ".join(METHODS[m].label for m in shown) + " |",
+                  "|---|" + "---|" * len(shown)]
+        for n in sizes:
+            cells = []
+            for m in shown:
+                r = _find(summary, m, temp, n)
+                draft_ms = "-" if m == "plain" else f"{r['draft_ms_per_step']:.2f}" if r else ""
+                cells.append("-" if r is None else f"{_x(r['decode_speedup'])} / {r['tau']:.2f} / {draft_ms} / "
+                             f"{r['verify_ms_per_step']:.2f} / {_bytes(r['draft_kv_bytes'])}")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines += ["", "| visual tokens | method | decode ms/token | decode speedup | end-to-end s | end-to-end speedup "
+                  "| tau | accepted/step | acceptance per position | draft keys |", "|---" * 10 + "|"]
+        for n in sizes:
+            for m in shown:
+                r = _find(summary, m, temp, n)
+                if r is not None:
+                    pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"]) or "-"
+                    lines.append(f"| {n} | {m} | {r['decode_ms_per_token']:.2f} | {_x(r['decode_speedup'])} | "
+                                 f"{r['e2e_seconds']:.2f} | {_x(r['e2e_speedup'])} | {r['tau']:.2f} | "
+                                 f"{r['accepted_per_step']:.2f} | {pos} | {r['draft_max_keys'] or '-'} |")
+        lines.append("")
+    lines += ablation_table(result) + bars_table(result)
+    if result.get("gpu"):
+        lines += gpu_lines(result["gpu"])
+    if plot_path:
+        lines += [f"![decode speedup and tau vs visual tokens]({plot_path})", ""]
+    return "\n".join(lines).rstrip("\n")
+
+
+def ablation_table(result: dict) -> list[str]:
+    summary = result["summary"]
+    sizes = sorted({r["visual_tokens"] for r in summary if r["temperature"] == 0.0})
+    rows = [(kind, f"ablation-{kind}") for kind in ABLATIONS] + [("all three", "sparrow")]
+    if not sizes or not any(_find(summary, m, 0.0, sizes[0]) for _, m in rows[:-1]):
+        return ["Ablation: no ablation draft ran (models under bench/ablation/ missing or not selected).", ""]
+    lo, hi = sizes[0], sizes[-1]
+    lines = [f"Ablation (T = 0): tau at {lo} and {hi} visual tokens. none: full attention, no MTP, no bridging; "
+             "window: text-anchored window only; mtp: window + multi-token unrolling; bridge: bridging without "
+             "window; all three: the world draft. Paper column: DESIGN.md's secondary-source figures (0.5k / 25k).",
+             "", f"| draft | tau @{_k(lo)} | tau @{_k(hi)} | @{_k(hi)} / @{_k(lo)} | paper 0.5k / 25k |",
+             "|---|---|---|---|---|"]
+    for kind, m in rows:
+        a, b = _find(summary, m, 0.0, lo), _find(summary, m, 0.0, hi)
+        ratio = f"{b['tau'] / a['tau']:.2f}" if a and b and a["tau"] else "-"
+        paper = PAPER_ABLATION_TAU[kind]
+        lines.append(f"| {kind} | {a['tau'] if a else float('nan'):.2f} | {b['tau'] if b else float('nan'):.2f} | "
+                     f"{ratio} | {paper[0]} / {paper[1]} |")
+    return lines + [""]
+
+
+def bars_table(result: dict) -> list[str]:
+    lines = ["Bars (T = 0, smallest vs largest video of this run):", "",
+             "| bar | measured | needed | margin | result |", "|---|---|---|---|---|"]
+    for b in bars(result):
+        if b["pass"] is None:
+            measured = "-" if b["measured"] is None else f"{b['measured']:.2f}"
+            needed = "-" if b["needed"] is None else f"{b['needed']:.2f}"
+            lines.append(f"| {b['bar']} | {measured} | {needed} | - | n/a (not measured) |")
+        else:
+            u = b["unit"]
+            lines.append(f"| {b['bar']} | {b['measured']:.2f}{u} | {b['needed']:.2f}{u} | {b['margin']:+.2f}{u} | "
+                         f"{'pass' if b['pass'] else 'miss'} |")
+    return lines + [""]
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """Decode speedup and tau vs visual tokens (log x), one line per method; T=0 solid, others dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    methods = [m for m in result["config"]["methods"] if not METHODS[m].ablation]
+    for temp in result["config"]["temperatures"]:
+        for i, m in enumerate(methods):
+            rows = sorted((r for r in summary if r["method"] == m and r["temperature"] == temp),
+                          key=lambda r: r["visual_tokens"])
+            if not rows:
+                continue
+            x = [r["visual_tokens"] for r in rows]
+            style = dict(color=f"C{i}", marker="o", linestyle="-" if temp == 0.0 else "--",
+                         label=f"{METHODS[m].label} (T={temp:g})")
+            ax1.plot(x, [r["decode_speedup"] for r in rows], **style)
+            ax2.plot(x, [r["tau"] for r in rows], **style)
+    for ax, title in ((ax1, "decode speedup vs plain"), (ax2, "mean acceptance length tau")):
+        ax.set_xscale("log")
+        ax.set_xlabel("visual tokens")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.axhline(1.0, color="grey", linewidth=0.8)
+    ax2.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,172 @@
+"""`sparrow serve`: sparrow.v1 over gRPC, embedded (grpc.aio around the in-process engine) or
+--ray (Ray Serve: the target as a deployment, and the draft as its own with --draft-placement
+remote). With no model options: the committed world pair."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from sparrow.errors import InvalidRequest
+
+
+def app_settings(args: argparse.Namespace):
+    """The serve options as the AppSettings both hosts run."""
+    from sparrow import SpecConfig
+    from sparrow.services.config import ServiceConfig
+    from sparrow.services.settings import AppSettings
+
+    MiB = 1 << 20
+    service = ServiceConfig(
+        max_new_tokens=args.max_new_tokens, default_max_new_tokens=min(128, args.max_new_tokens),
+        max_video_bytes=args.max_video_mb * MiB, max_message_bytes=args.max_message_mb * MiB,
+        max_concurrent=args.max_concurrent, media_root=args.media_root, max_live_sessions=args.max_live_sessions,
+        max_live_session_s=args.max_live_session_s, max_live_bytes=args.max_live_mb * MiB,
+        allowed_url_schemes=tuple(args.allow_url_scheme), allowed_url_hosts=tuple(args.allow_url_host))
+    deployments = json.loads(Path(args.ray_config).read_text()) if args.ray_config else {}
+    return AppSettings(
+        target=_target_spec(args), draft=_draft_spec(args),
+        draft_placement=args.draft_placement, spec=SpecConfig(num_draft_tokens=args.k), cache=args.cache,
+        service=service, target_deployment=deployments.get("target", {}), draft_deployment=deployments.get("draft", {}),
+        dtype=args.dtype, device=args.device, device_map=args.device_map, verify_attention=args.verify_attention)
+
+
+def _target_spec(args: argparse.Namespace) -> str:
+    """--target, else the committed world pair's target (random tiny: models only by name)."""
+    if args.target is not None:
+        return args.target
+    from sparrow.training.world_demo import DEFAULT_MODELS
+
+    if not (DEFAULT_MODELS / "target" / "config.json").is_file():
+        raise InvalidRequest(f"no --target given and no committed world pair at {DEFAULT_MODELS}: "
+                             f"name a model directory (or tiny:qwen2_5_vl for random weights)")
+    return str(DEFAULT_MODELS / "target")
+
+
+def _draft_spec(args: argparse.Namespace) -> str | None:
+    """--draft; without it the world pair's draft for the default target, a tiny draft for a
+    tiny target, and none for a target given by directory (a draft trained for it must be named)."""
+    if args.draft is not None:
+        return None if args.draft == "none" else args.draft
+    if args.target is None:
+        from sparrow.training.world_demo import DEFAULT_MODELS
+
+        return str(DEFAULT_MODELS / "draft")
+    return "tiny" if args.target.startswith("tiny:") else None
+
+
+def models_line(settings) -> str:
+    """What a server says at startup about the models it serves."""
+    target = settings.target + (" (RANDOM WEIGHTS: answers are noise)" if settings.target.startswith("tiny:") else "")
+    if settings.draft is None:
+        return f"sparrow: models: target {target}; no draft (plain decoding)"
+    draft = settings.draft + (" (random)" if settings.draft.startswith("tiny") else "")
+    return (f"sparrow: models: target {target}; draft {draft} ({settings.spec.method}, "
+            f"k={settings.spec.num_draft_tokens}, {settings.draft_placement})")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = app_settings(args)
+    if args.ray:
+        return _serve_ray(args, settings)
+    if settings.draft_placement == "remote":
+        print("sparrow serve: --draft-placement remote needs --ray", file=sys.stderr)
+        return 2
+    import asyncio
+
+    from sparrow.services.server import serve_forever
+    from sparrow.services.servicer import SparrowService
+    from sparrow.services.settings import build_engine
+
+    from sparrow.services import logs, prom
+
+    logs.configure_logging(args.log_level, json_format=args.log_format == "json")
+    prom.configure(prom.PrometheusSink(), model_name=settings.target)
+    if args.metrics_port is not None:
+        prom.start_metrics_server(args.metrics_host, args.metrics_port)
+    print(models_line(settings), flush=True)
+    engine, cache = build_engine(settings)
+    service = SparrowService(engine, cache, settings.service, host="embedded", draft_placement=settings.placement)
+    try:
+        asyncio.run(serve_forever(service, args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _serve_ray(args: argparse.Namespace, settings) -> int:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from sparrow.services import ray_app, ray_bind
+
+    # Serve's gRPC proxy reads its message limit from the environment of its process, and
+    # binds --host through the job's setup hook (services.ray_bind).
+    env = {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(settings.service.max_message_bytes)}
+    print(models_line(settings), flush=True)
+    ray.init(address=args.ray_address, runtime_env=ray_bind.runtime_env(args.host, env))
+    ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=args.http_port)
+    deployments = "TargetDeployment" + (" + DraftDeployment" if settings.placement == "remote" else "")
+    print(f"sparrow: serving sparrow.v1.Sparrow on {args.host}:{args.port} (Ray Serve gRPC proxy: {deployments}); "
+          f"draft {settings.placement}; Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
+
+
+def add_command(sub, common) -> None:
+    from sparrow.models.placement import add_placement_arguments
+
+    p = sub.add_parser("serve", parents=[common], help="serve sparrow.v1 over gRPC (embedded, or --ray)",
+                       description="Serve sparrow.v1 over gRPC. With no model options: the committed world pair "
+                                   "(models/world/target and models/world/draft).")
+    p.add_argument("--ray", action="store_true", help="run as a Ray Serve application (TargetDeployment; "
+                                                      "DraftDeployment too with --draft-placement remote)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (--ray: of Serve's gRPC and HTTP proxies; an existing "
+                                                              "cluster's proxies keep theirs)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0: any free port)")
+    p.add_argument("--target", help="target model directory, or tiny:<arch>[:seed] for random weights "
+                                    "(default: the committed world target, models/world/target)")
+    p.add_argument("--draft", help="Sparrow draft directory, tiny[:seed], or none (default: the world draft for the "
+                                   "default target, tiny for a tiny target, none for a target given by directory)")
+    p.add_argument("--draft-placement", choices=("colocated", "remote"), default="colocated",
+                   help="colocated: the draft runs in the target's process; remote (--ray only): a DraftDeployment")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step (default 4)")
+    add_placement_arguments(p, device_map=True)
+    from sparrow.models.ragged import VERIFY_KERNELS
+    p.add_argument("--verify-attention", choices=("auto", "sdpa", *VERIFY_KERNELS), default="auto",
+                   help="decode/verify attention over the cache: auto (Triton split-KV on CUDA, ragged SDPA on "
+                        "CPU), sdpa, split or triton")
+    p.add_argument("--cache", default="memory", help="state cache: memory or redis://host:port/db")
+    p.add_argument("--media-root", help="directory the server may read video paths from (default: no paths)")
+    p.add_argument("--allow-url-scheme", action="append", default=[], help="http, https or rtsp (repeat)")
+    p.add_argument("--allow-url-host", action="append", default=[], help="allowed URL host (repeat)")
+    p.add_argument("--max-new-tokens", type=int, default=2048, help="most new tokens a request may ask for (default 2048)")
+    p.add_argument("--max-video-mb", type=int, default=2048, help="largest video accepted, in MiB (default 2048)")
+    p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message, in MiB (default 64; "
+                                                                 "larger videos go through UploadVideo in chunks)")
+    p.add_argument("--max-concurrent", type=int, default=16, help="requests running at once; more get "
+                                                                 "RESOURCE_EXHAUSTED (default 16)")
+    p.add_argument("--max-live-sessions", type=int, default=4, help="live sessions open at once; more get "
+                                                                   "RESOURCE_EXHAUSTED (default 4; 0: none)")
+    p.add_argument("--max-live-session-s", type=float, default=4 * 3600.0,
+                   help="seconds a live session may stay open before it ends with RESOURCE_EXHAUSTED (default 14400)")
+    p.add_argument("--max-live-mb", type=int, default=16384, help="MiB of video a live session may send before it "
+                                                                  "ends with RESOURCE_EXHAUSTED (default 16384)")
+    p.add_argument("--ray-address", default=None, help="an existing cluster (default: start or join a local one)")
+    p.add_argument("--ray-config", help='JSON: {"target": {deployment options}, "draft": {...}}, e.g. '
+                                        'autoscaling_config, num_replicas, ray_actor_options')
+    p.add_argument("--http-port", type=int, default=8000, help="--ray: Serve's HTTP proxy port (default 8000)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="embedded: /metrics bind address")
+    p.add_argument("--metrics-port", type=int, default=None, help="embedded: serve Prometheus /metrics here")
+    p.add_argument("--log-format", choices=("json", "text"), default="json", help="server log lines (default json)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    p.set_defaults(func=run)

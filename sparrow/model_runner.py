@@ -1,0 +1,261 @@
+"""The model runner: every forward of one engine, apart from the scheduler that decides.
+
+The scheduler (scheduler.py) decides who runs and how many tokens each scores; the runner
+computes: a request's preparation (video, prompt, KV size), its prefill job and first token,
+and each decode step's phases over a batch,
+
+    propose  one batched draft pass for the requests that draft (after catching the draft up
+             on steps it sat out)
+    verify   one ragged target forward over every request's last token + its draft tree,
+             then acceptance through accept.py with the request's own generator, and the
+             target's cache kept to the accepted path
+    commit   the draft learns what each step emitted
+
+timing each into `StepTimes`, which the scheduler's draft policy reads. It owns the target,
+the proposer and the KV arena; it knows nothing of queues, admission or threads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .chat import as_messages
+from .config import EngineConfig, SamplingParams, SpecConfig
+from .errors import InvalidRequest, ResourceExhausted
+from .models.kv_cache import KVArena
+from .models.target import FeatureNeeds, PrefillJob, TargetModel
+from .output import GenerationOutput, OutputProcessor
+from .prefix_cache import PrefixCache, PrefixEntry
+from .request import Request
+from .speculative.accept import AcceptResult, accept_tree_greedy, accept_tree_speculative
+from .speculative.proposer import BeginInput, DraftRequest, Proposal, Proposer, StepResult
+from .speculative.sampling import draw_token, logits_to_probs, new_generator
+from .speculative.tree import DraftTree
+from .video import ProcessedVideo, VideoOptions, prepare_video
+
+MAX_DRAFT_TOKENS = 32
+_NO_DRAFT = torch.empty(0, dtype=torch.long)
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Seconds one decode step spent drafting (propose + commit) and verifying, and the
+    tokens it verified (every request's root + its draft nodes)."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    verified: int = 0
+
+
+class ModelRunner:
+    def __init__(self, target: TargetModel, proposer: Proposer | None, spec: SpecConfig, config: EngineConfig,
+                 prefix_cache: PrefixCache | None):
+        self.target, self.proposer, self.spec, self.config = target, proposer, spec, config
+        self.prefix_cache = prefix_cache
+        self.times = StepTimes()
+        self._arena: KVArena | None = None
+
+    @property
+    def arena(self) -> KVArena:
+        """The target's KV memory for every request, allocated on first use."""
+        if self._arena is None:
+            t = self.target
+            self._arena = KVArena.for_model(t.text_config, self.config.kv_cache_bytes, t.hf.dtype, t.device)
+        return self._arena
+
+    # ----- a request's start -----------------------------------------------------------------------
+    def process_video(self, video, options: VideoOptions | None = None) -> ProcessedVideo:
+        if callable(video):         # deferred: decoded only when no cached prefill can be used
+            video = video()
+        if isinstance(video, ProcessedVideo):
+            return video
+        return prepare_video(video, self.target.processor, options or VideoOptions())
+
+    def prepare(self, request: Request) -> None:
+        """On a worker thread: validate, decode the video (unless the prefix cache has its
+        prefill), build the prompt, size the request's KV slot."""
+        m = request.metrics
+        if isinstance(request.prompt, str) and not request.prompt.strip():
+            raise InvalidRequest("prompt must be a non-empty string")
+        as_messages(request.prompt)        # a conversation's turns are checked here, before any decoding
+        k = self.draft_tokens(request.requested_k)
+        request.k = k
+        request.pinned_k = request.requested_k is not None or request.sampling.replayable
+        m.num_draft_tokens = k
+        target = self.target
+        given = request.entry                                  # a live window's snapshot
+        use_prefix = given is None and self.prefix_cache is not None and request.video_key is not None
+        want = self.proposer is not None and (k > 0 or use_prefix)
+        needs = self.proposer.needs if want else FeatureNeeds()
+        t0 = time.perf_counter()
+        entry = given if given is not None else self.prefix_cache.get(request.video_key) if use_prefix else None
+        processed = entry.video if entry is not None else self.process_video(request.video, request.options)
+        inputs = target.build_inputs(processed, request.prompt)
+        if given is not None and not given.prefix.matches(inputs["input_ids"][0], target.video_token_id):
+            raise InvalidRequest("the question must follow the video (a live window's prompt starts with it)")
+        if given is None and entry is not None and (not entry.prefix.matches(inputs["input_ids"][0], target.video_token_id)
+                                                    or (needs.visual_features and entry.prefix.visual_features is None)):
+            entry, processed = None, self.process_video(request.video, request.options)   # text before the video
+            inputs = target.build_inputs(processed, request.prompt)
+        m.video_seconds = time.perf_counter() - t0
+        m.prompt_tokens, m.visual_tokens = inputs["input_ids"].shape[1], processed.num_visual_tokens
+        m.cached_prompt_tokens = entry.prefix.length if entry is not None else 0
+        target.check_fits(m.prompt_tokens, request.sampling.max_new_tokens)
+        # KV room: the answer, plus one verify step's root and draft tree (a chain: k tokens).
+        request.capacity = m.prompt_tokens + request.sampling.max_new_tokens + self.spec.max_tree_nodes(k) + 1
+        arena_tokens = self.arena.tokens
+        if request.capacity > arena_tokens:
+            raise ResourceExhausted(
+                f"the request needs {request.capacity} tokens of KV memory (prompt {m.prompt_tokens} incl. video + "
+                f"max_new_tokens {request.sampling.max_new_tokens} + {k + 1}), more than this engine's whole KV "
+                f"cache ({arena_tokens} tokens); use fewer frames, a smaller resolution or fewer new tokens")
+        request.needs, request.entry, request.processed, request.inputs = needs, entry, processed, inputs
+
+    def draft_tokens(self, requested: int | None) -> int:
+        """A request's k: its own (checked) or the engine's."""
+        if requested is None:
+            return self.spec.num_draft_tokens if self.proposer is not None else 0
+        if not 0 <= requested <= MAX_DRAFT_TOKENS:
+            raise InvalidRequest(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}], got {requested}")
+        if requested > 0 and self.proposer is None:
+            raise InvalidRequest("this engine has no draft: num_draft_tokens must be 0")
+        return requested
+
+    def prefill_job(self, request: Request) -> PrefillJob:
+        entry = request.entry
+        return PrefillJob(self.target, request.inputs, request.slot.cache, request.needs,
+                          prefix=entry.prefix if entry is not None else None,
+                          chunk_tokens=self.config.prefill_chunk_tokens)
+
+    def start_decoding(self, request: Request) -> int:
+        """After the prefill: keep the video's prefix for later questions, draw the first
+        token, start the draft. Returns the first token."""
+        t0 = time.perf_counter()
+        job, sampling = request.job, request.sampling
+        pre = job.output()
+        if self.prefix_cache is not None and request.video_key is not None and request.entry is None:
+            self.prefix_cache.put(request.video_key, PrefixEntry.of(request.processed, job.video_prefix()))
+        request.generator = new_generator(sampling.seed, self.target.device)   # sampling happens where the logits are
+        token = draw_token(pre.logits, sampling, request.generator)[0]
+        if self.proposer is not None and request.k > 0:
+            key = request.video_key if self.prefix_cache is not None else None
+            request.draft_state = self.proposer.begin(BeginInput(pre, token, sampling.max_new_tokens, request.inputs,
+                                                                 request.processed, key,
+                                                                 self.spec.max_tree_nodes(request.k)))
+        request.state = pre.state
+        request.job = request.inputs = request.processed = request.entry = None   # the pixels go now
+        request.output = OutputProcessor(self.target.tokenizer, sampling, self.target.eos_token_ids)
+        request.metrics.prefill_seconds += time.perf_counter() - t0
+        request.decode_start = time.perf_counter()
+        return token
+
+    # ----- a decode step's phases ------------------------------------------------------------------
+    def propose(self, batch: list[Request], ks: list[int]) -> list[Proposal | None]:
+        """One batched draft pass: request i drafts ks[i] tokens deep (0: it does not draft)."""
+        t0 = time.perf_counter()
+        self.times = StepTimes()
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        proposals: list[Proposal | None] = [None] * len(batch)
+        if drafting:
+            self._catch_up([batch[i] for i in drafting])
+            cap = self.config.step_draft_nodes
+            sharing = sum(not batch[i].sampling.replayable for i in drafting)
+            share = max(1, cap // sharing) if cap and sharing else None
+            calls = [DraftRequest(batch[i].draft_state, ks[i], batch[i].sampling, batch[i].generator,
+                                  None if batch[i].sampling.replayable else share) for i in drafting]
+            for i, proposal in zip(drafting, self.proposer.propose(calls)):
+                proposals[i] = proposal
+        self.times.draft_s += time.perf_counter() - t0
+        return proposals
+
+    def verify(self, batch: list[Request], proposals: list[Proposal | None]) -> list[StepResult]:
+        """One target forward over the batch; each request's acceptance; its cache kept to
+        the accepted path."""
+        t0 = time.perf_counter()
+        device = self.target.device
+        tokens = []
+        for request, proposal in zip(batch, proposals):
+            last = torch.tensor([request.output.token_ids[-1]], dtype=torch.long)
+            tokens.append(torch.cat([last, proposal.tokens]) if proposal is not None else last)
+        drafts = any(r.draft_state is not None for r in batch)
+        layers = self.proposer.needs.feature_layers if drafts else ()
+        logits, feats = self.target.verify([r.state for r in batch], [t.to(device) for t in tokens], layers,
+                                           trees=proposals)
+        results = []
+        for request, proposal, lg, ft in zip(batch, proposals, logits, feats):
+            accept = _accept(proposal, lg, request.sampling, request.generator)
+            self.target.keep_path(request.state, lg.shape[0], list(accept.path))
+            emitted = accept.tokens(proposal.tokens if proposal is not None else _NO_DRAFT)
+            # The target's features before each emitted token: at the root, then at each accepted node.
+            rows = [0] + [i + 1 for i in accept.path]
+            results.append(StepResult(accept, emitted, ft[rows] if ft is not None else None))
+        self.times.verify_s += time.perf_counter() - t0
+        self.times.verified += sum(1 + (p.size if p is not None else 0) for p in proposals)
+        return results
+
+    def commit(self, batch: list[Request], ks: list[int], results: list[StepResult]) -> None:
+        """The draft learns what each step emitted. A request that did not draft this step
+        keeps its results for later (`_catch_up`): plain steps cost the draft nothing."""
+        t0 = time.perf_counter()
+        pairs = []
+        for request, k, result in zip(batch, ks, results):
+            if request.draft_state is None:
+                continue
+            if k > 0:
+                pairs.append((request.draft_state, result))
+            else:
+                request.pending_commits.append(result)
+        if pairs:
+            self.proposer.commit([s for s, _ in pairs], [res for _, res in pairs])
+        self.times.draft_s += time.perf_counter() - t0
+
+    def _catch_up(self, drafting: list[Request]) -> None:
+        """Before a request drafts again: the steps it decoded without drafting, in one commit."""
+        late = [r for r in drafting if r.pending_commits]
+        if not late:
+            return
+        merged = [StepResult(None, [t for res in r.pending_commits for t in res.tokens],
+                             torch.cat([res.features for res in r.pending_commits])) for r in late]
+        self.proposer.commit([r.draft_state for r in late], merged)
+        for r in late:
+            r.pending_commits.clear()
+
+    # ----- a request's end -------------------------------------------------------------------------
+    def final(self, request: Request, finish: str) -> GenerationOutput:
+        """The request's output; read before `release` frees its draft state, so the draft's
+        memory is measured here."""
+        m, out = request.metrics, request.output
+        if request.decode_start:
+            m.decode_seconds = time.perf_counter() - request.decode_start
+        if request.draft_state is not None:
+            m.draft_kv_bytes = request.draft_state.kv_bytes()
+            m.draft_max_keys = request.draft_state.max_keys()
+        if out is None:                       # ended before its first token
+            return GenerationOutput([], "", finish, m)
+        m.completion_tokens = len(out.token_ids)
+        return GenerationOutput(list(out.token_ids), out.final_text, finish, m)
+
+    def release(self, request: Request) -> None:
+        """Free the request's KV slot and draft state (the proposer's `end`)."""
+        if request.slot is not None:
+            request.slot.release()
+        try:
+            if request.draft_state is not None:
+                self.proposer.end(request.draft_state)
+        finally:
+            request.state = request.draft_state = request.job = request.inputs = request.processed = None
+            request.slot = None
+
+
+def _accept(proposal: Proposal | None, logits: torch.Tensor, sampling: SamplingParams,
+            generator: torch.Generator) -> AcceptResult:
+    """The one acceptance path (trees, chains included); a step without drafts is acceptance
+    of an empty tree."""
+    tree = proposal if proposal is not None else DraftTree.chain(_NO_DRAFT)
+    if sampling.greedy:
+        return accept_tree_greedy(tree, logits)
+    p = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return accept_tree_speculative(tree, p, generator)

@@ -1,0 +1,65 @@
+"""A request's life inside the engine: what the scheduler, the runner and the draft policy read
+and write about one request between its submission and its end."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .config import SamplingParams
+from .metrics import SpecMetrics
+from .models.kv_cache import KVSlot
+from .models.target import FeatureNeeds, PrefillJob, TargetState
+from .output import OutputProcessor
+from .prefix_cache import PrefixEntry
+from .speculative.proposer import DraftState
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's life in the scheduler. Only the scheduler thread touches the fields
+    below `sink` once the request is queued; `abort()` is safe from any thread."""
+
+    id: int
+    video: Any
+    prompt: Any                             # the question: a string, or chat turns (sparrow.chat)
+    sampling: SamplingParams
+    options: Any
+    video_key: str | None
+    requested_k: int | None
+    sink: Callable[[Any], None]             # receives TokenDelta, then GenerationOutput or an exception
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    submitted: float = field(default_factory=time.monotonic)
+    aborted: threading.Event = field(default_factory=threading.Event)
+    k: int = 0                              # most draft tokens a step may give it
+    pinned_k: bool = False                  # seeded sampling (or an explicit k): k never adapts
+    needs: FeatureNeeds = FeatureNeeds()
+    inputs: dict | None = None
+    processed: Any = None
+    entry: PrefixEntry | None = None
+    capacity: int = 0
+    slot: KVSlot | None = None
+    job: PrefillJob | None = None
+    state: TargetState | None = None
+    draft_state: DraftState | None = None
+    generator: torch.Generator | None = None
+    output: OutputProcessor | None = None
+    accepted: int = 0                       # its draft tokens accepted so far ...
+    rejected: int = 0                       # ... and verify steps that rejected one
+    pending_commits: list = field(default_factory=list)   # StepResults not yet given to the draft
+    decode_start: float = 0.0
+    waited: bool = False                    # counted once in the scheduler's waited_for_memory
+    prefill_s_per_token: float = 0.0        # measured on its last prefill slice
+    done: bool = False
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance: accepted / (accepted + rejections), with a weak prior of 2/3."""
+        return (self.accepted + 2) / (self.accepted + self.rejected + 3)
