@@ -31,11 +31,11 @@ METHODS = {m.name: m for m in (
     Method("eagle", "EAGLE (all tokens)"),
     Method("specvlm", "SpecVLM"),
     Method("specvlm-eagle", "EAGLE + SpecVLM pruning"),
-    Method("sparrow", "Sparrow"),
+    Method("sparrow", "Sparrow"),                            # the default engine: k chosen per step
     Method("sparrow-glimpse", "Sparrow + glimpse"),
     Method("sparrow-tree", "Sparrow tree"),
     Method("sparrow-tree-auto", "Sparrow tree, cut by cost"),   # opt-in: SpecConfig.adaptive_tree
-    Method("sparrow-adaptive", "Sparrow, adaptive k"),      # the concurrency benchmark's; opt-in here
+    Method("sparrow-fixed", "Sparrow, fixed k"),             # k every step (adaptive_k=False); opt-in
     Method("ablation-none", "none", ablation=True),
     Method("ablation-window", "window", ablation=True),
     Method("ablation-mtp", "mtp", ablation=True),
@@ -58,7 +58,7 @@ class BenchConfig:
     window: int = 16   # the world drafts are trained with window 16, anchors 32 (training/world_data.py)
     anchors: int = 32
     tree: tuple[int, int, int] = (4, 2, 16)   # sparrow-tree: width, branch, node budget (depth: k)
-    methods: tuple[str, ...] = tuple(m for m in METHODS if m not in ("sparrow-adaptive", "sparrow-tree-auto"))
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m not in ("sparrow-fixed", "sparrow-tree-auto"))
     seed: int = BENCH_SEED
     warmup_tokens: int = 8           # one untimed request per method first (0: none)
 
@@ -108,7 +108,9 @@ class Models:
 
 
 def _spec(cfg: BenchConfig, **kw) -> SpecConfig:
-    return SpecConfig(num_draft_tokens=cfg.k, window=cfg.window, anchors=cfg.anchors, **kw)
+    """The baselines, trees and ablations draft k tokens every step (adaptive_k=False), as
+    measured before k became adaptive by default; "sparrow" is the default engine."""
+    return SpecConfig(**{"num_draft_tokens": cfg.k, "window": cfg.window, "anchors": cfg.anchors, "adaptive_k": False, **kw})
 
 
 def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache, keyed_videos: int = 0) -> Engine:
@@ -120,14 +122,14 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
     if name == "plain":
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache)
     if name == "sparrow":
-        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0), prefix_cache=cache)
+        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0, adaptive_k=True), prefix_cache=cache)
     if name in ("sparrow-tree", "sparrow-tree-auto"):
         width, branch, budget = cfg.tree
         return Engine(target, models.draft("world/draft"),
                       _spec(cfg, glimpse=0, tree_width=width, tree_branch=branch, tree_budget=budget,
                             adaptive_tree=name == "sparrow-tree-auto"), prefix_cache=cache)
-    if name == "sparrow-adaptive":       # k chosen per step from measured costs and acceptance (scheduler.DraftPolicy)
-        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0, adaptive_k=True), prefix_cache=cache)
+    if name == "sparrow-fixed":
+        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0), prefix_cache=cache)
     if name == "sparrow-glimpse":
         return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=cfg.glimpse), prefix_cache=cache)
     if name == "eagle":
@@ -142,7 +144,7 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
         # needs the small VLM's visual tokens kept from the video's first request (keyed_videos).
         proposer = SpecVLMProposer(target, models.small_target(), keep_ratio=0.1, mass=0.5,
                                    video_cache_entries=keyed_videos)
-        return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=cfg.k), proposer=proposer,
+        return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=cfg.k, adaptive_k=False), proposer=proposer,
                       prefix_cache=cache if keyed_videos else None)
     if name.startswith("ablation-"):
         kind = name.removeprefix("ablation-")

@@ -59,10 +59,12 @@ class SpecConfig:
     draft_context "all" unless "pruned" is asked for), "eagle3" (a published EAGLE-3 draft,
     sparrow.speculative.eagle3), "specvlm" (a small VLM on a pruned video), or "none" (plain autoregressive decoding through the same prefill and KV path:
     the baseline every benchmark compares against).
-    num_draft_tokens: the most draft tokens per step (k). adaptive_k (off by default: see
-    BENCHMARKS.md for where it pays on which machine): the engine chooses each
-    step's k in [0, num_draft_tokens] from the batch size and measured acceptance and costs
-    (draft_policy.DraftPolicy); seeded sampling and a request's explicit k keep k fixed.
+    num_draft_tokens: the most draft tokens per step (k). adaptive_k (on by default, so the
+    engine is never slower than plain decoding where drafting cannot pay): the engine chooses
+    each request's k in [0, num_draft_tokens] each step from its measured acceptance and the
+    step's measured costs on this machine and this batch (draft_policy.DraftPolicy,
+    step_costs.MeasuredCosts); seeded sampling and a request's explicit k keep k fixed.
+    False: every request drafts num_draft_tokens each step.
     tree_width/tree_branch/tree_budget: the shape of the draft tree (see the fields).
     adaptive_tree: each step, greedy requests' trees (chains too) are cut to the nodes worth
     their verify cost: the step's measured verify cost per token against each node's chance
@@ -82,7 +84,7 @@ class SpecConfig:
 
     method: str = "sparrow"
     num_draft_tokens: int = 4
-    adaptive_k: bool = False
+    adaptive_k: bool = True
     adaptive_tree: bool = False
     # Draft trees (EAGLE-2 style, dynamic): num_draft_tokens is the depth; each level expands
     # the tree_width most probable nodes (by cumulative draft probability) with tree_branch

@@ -5,100 +5,87 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
 
 from .request import Request
-
-
-class _LinearFit:
-    """y = a + b * x over the last `window` samples (least squares; a, b >= 0)."""
-
-    def __init__(self, window: int = 64):
-        self.samples: deque[tuple[float, float]] = deque(maxlen=window)
-
-    def add(self, x: float, y: float) -> None:
-        self.samples.append((float(x), float(y)))
-
-    def __bool__(self) -> bool:
-        return bool(self.samples)
-
-    def fit(self) -> tuple[float, float] | None:
-        xs = [x for x, _ in self.samples]
-        if len(set(xs)) < 2:
-            return None
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(y for _, y in self.samples) / n
-        var = sum((x - mx) ** 2 for x in xs)
-        b = max(0.0, sum((x - mx) * (y - my) for x, y in self.samples) / var)
-        return max(0.0, my - b * mx), b
+from .step_costs import CostModel, MeasuredCosts
 
 
 class DraftPolicy:
-    """k per request per step, from measured costs. A step's verify time is fitted as
-    a + b * (tokens verified), its draft time as d0 + d1 * k (k > 0: proposing k tokens and
-    committing to the draft what earlier steps emitted; a step without drafts defers its
-    commit, so k = 0 costs the draft nothing); each request's per-token acceptance alpha is
-    estimated from its accepted and rejected draft tokens. A common k for the adaptive
-    requests of a batch of n is the one that maximises the expected tokens per second,
+    """k per request per step, from what a step costs on this machine (a CostModel,
+    step_costs.py: fitted online by default) and each request's per-token acceptance alpha,
+    estimated from its accepted and rejected draft tokens. A request drafting k tokens is
+    expected to emit (1 - alpha^(k+1)) / (1 - alpha) tokens per step; the step's time is its
+    verify (every request's rows, each over its own cached length) plus the draft's (by
+    depth; none when nobody drafts). The policy picks the ks that maximise the batch's
+    expected tokens per second: for each common depth K it lowers each request's k, one at
+    a time, wherever that raises the rate (a request whose draft fails, or whose rows are
+    dear at its length, drafts less or not at all), and keeps the best. So drafting stops
+    where it cannot pay: a failing draft, a big batch, a slow verify.
 
-        sum_r (1 - alpha_r^(k+1)) / (1 - alpha_r)  /  (a + b * (n (k + 1) + pinned) + [k > 0] (d0 + d1 k))
-
-    so k shrinks, down to plain decoding, as the batch grows or acceptance falls. Until both
-    fits have seen distinct step sizes it explores k = 0 .. k_max in turn, and again now and
-    then, so a change of load is noticed. Requests whose k is pinned (seeded sampling, an
-    explicit k) always get their own k.
+    While the cost model cannot yet tell a row's cost from the step's, and now and then after
+    (the model asks: `wants_sample`), a step drafts a depth chosen to teach it: the deepest
+    and none in turn at first, then each depth in turn. Requests whose k is pinned (seeded
+    sampling, an explicit k) always get their own k.
     """
 
-    EXPLORE_EVERY = 50
-
-    def __init__(self, k_max: int, adaptive: bool):
+    def __init__(self, k_max: int, adaptive: bool, costs: CostModel | None = None):
         self.k_max, self.adaptive = k_max, adaptive
-        self.verify = _LinearFit()
-        self.draft = _LinearFit()
+        self.costs: CostModel = costs if costs is not None else MeasuredCosts()
         self._steps = itertools.count()
-
-    @property
-    def samples(self):
-        return self.verify.samples
+        self._samples = itertools.count()
 
     def choose(self, batch: list[Request]) -> list[int]:
         caps = [min(r.k, max(0, r.output.remaining - 1)) if r.draft_state is not None else 0 for r in batch]
         free = [i for i, r in enumerate(batch) if not r.pinned_k and caps[i] > 0]
         if not self.adaptive or not free:
             return caps
-        step = next(self._steps)
-        exploring = step < 3 * (self.k_max + 1) or step % self.EXPLORE_EVERY == 0
-        k = step % (self.k_max + 1) if exploring else self._best(batch, caps, free)
-        for i in free:
-            caps[i] = min(caps[i], k)
-        return caps
+        if self.costs.wants_sample(next(self._steps)):
+            n = next(self._samples)
+            k = (self.k_max if n % 2 == 0 else 0) if not self.costs.ready() else n % (self.k_max + 1)
+            return [min(c, k) if i in free else c for i, c in enumerate(caps)]
+        return self._best(batch, caps, free)
 
-    def _best(self, batch: list[Request], caps: list[int], free: list[int]) -> int:
-        verify, draft = self.verify.fit(), self.draft.fit()
-        if verify is None or draft is None:
-            return self.k_max
-        (a, b), (d0, d1) = verify, draft
-        pinned_tokens = sum(caps[i] + 1 for i in range(len(batch)) if i not in free)
-        best, best_rate = 0, -1.0
-        for k in range(self.k_max + 1):
-            emitted = sum(_expected_tokens(batch[i].alpha, min(k, caps[i])) for i in free)
-            cost = a + b * (pinned_tokens + len(free) * (k + 1)) + ((d0 + d1 * k) if k > 0 else 0.0)
-            rate = emitted / max(cost, 1e-9)
+    def _best(self, batch: list[Request], caps: list[int], free: list[int]) -> list[int]:
+        ctx = [r.context for r in batch]
+        alpha = [r.alpha for r in batch]
+        best, best_rate = None, -1.0
+        for depth in range(self.k_max + 1):
+            ks = [min(c, depth) if i in free else c for i, c in enumerate(caps)]
+            draft_s = self.costs.draft_s(max(ks))
+            rows = [k + 1 for k in ks]
+            tokens = sum(_expected_tokens(a, k) for a, k in zip(alpha, ks))
+            verify_s = self.costs.verify_s(rows, ctx)
+            for i in free:           # each request's own k, the others held: the verify model is linear
+                one = self.costs.verify_s([1], [ctx[i]])
+                row = self.costs.verify_s([2], [ctx[i]]) - one                # a row more, at its length
+                base_t, base_s = tokens - _expected_tokens(alpha[i], ks[i]), verify_s - row * ks[i]
+                ks[i] = max(range(ks[i] + 1), key=lambda k: (base_t + _expected_tokens(alpha[i], k))
+                            / max(base_s + row * k + draft_s, 1e-12))
+                tokens, verify_s = base_t + _expected_tokens(alpha[i], ks[i]), base_s + row * ks[i]
+            rate = tokens / max(verify_s + self.costs.draft_s(max(ks)), 1e-12)
             if rate > best_rate:
-                best, best_rate = k, rate
+                best, best_rate = ks, rate
         return best
 
-    def record(self, tokens_verified: int, verify_s: float, draft_positions: int, draft_s: float) -> None:
-        self.verify.add(tokens_verified, verify_s)
-        if draft_positions > 0:
-            self.draft.add(draft_positions, draft_s)
+    def linear_costs(self, batch: list[Request]) -> tuple[float, float] | None:
+        """The batch's step as a + b * (draft nodes verified): a plain step's verify time and
+        the mean cost of one more row (for TreeTrim); None until the model is ready."""
+        if not self.costs.ready():
+            return None
+        ctx = [r.context for r in batch]
+        plain = self.costs.verify_s([1] * len(batch), ctx)
+        return plain, (self.costs.verify_s([2] * len(batch), ctx) - plain) / len(batch)
+
+    def record(self, batch: list[Request], rows: list[int], verify_s: float, depth: int, draft_s: float) -> None:
+        self.costs.record(rows, [r.context for r in batch], verify_s, depth, draft_s)
 
 
 class TreeTrim:
     """Cut each step's greedy draft trees to the nodes worth verifying, from measured costs.
 
-    A step's verify time is a + b * (tokens verified) (DraftPolicy's fit, on this device: on
-    a CPU at 25k cached tokens b is a large share of a decode step, on a GPU near zero). A
+    A step's verify time is a + b * (draft nodes verified) (DraftPolicy.linear_costs, from the
+    measured cost model: on a CPU at 25k cached tokens b is a large share of a decode step, on
+    a GPU near zero). A
     node is accepted with about its path's draft probability exp(score) times a calibration
     c (accepted / predicted so far). Nodes are taken across the whole batch in order of that
     gain while a node's gain per second of verify cost beats the step's tokens per second so
@@ -133,7 +120,7 @@ class TreeTrim:
         a, b = fit
         c = self.calibration
         fixed = sum(p.size for i, p in enumerate(proposals) if p is not None and i not in cuttable)
-        cost = a + b * (len(batch) + fixed)
+        cost = a + b * fixed
         tokens = float(len(batch))
         candidates = sorted(((c * math.exp(float(s)), i, j) for i in cuttable
                              for j, s in enumerate(proposals[i].scores.tolist())), key=lambda t: (-t[0], t[1], t[2]))

@@ -31,6 +31,7 @@ from .request import Request
 from .scheduler import Scheduler
 from .speculative.proposer import Proposer
 from .speculative.registry import build_proposer
+from .step_costs import CostModel
 from .video import ProcessedVideo, VideoOptions
 
 __all__ = ["Engine", "Generation", "GenerationOutput", "TokenDelta"]
@@ -88,7 +89,7 @@ class Generation:
 class Engine:
     def __init__(self, target: TargetModel, draft=None, spec: SpecConfig | None = None,
                  proposer: Proposer | None = None, prefix_cache: PrefixCache | None = None,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, step_costs: CostModel | None = None):
         self.target = target
         self.prefix_cache = prefix_cache
         self.spec = spec or SpecConfig()
@@ -99,7 +100,7 @@ class Engine:
         self.proposer = proposer if self.spec.speculative else None
         self.config = config or EngineConfig()
         self.runner = ModelRunner(target, self.proposer, self.spec, self.config, prefix_cache)
-        self.scheduler = Scheduler(self.runner, self.config)
+        self.scheduler = Scheduler(self.runner, self.config, step_costs)   # None: measured online
 
     # ----- inputs ------------------------------------------------------------------------------
     def process_video(self, video, options: VideoOptions | None = None) -> ProcessedVideo:

@@ -42,12 +42,10 @@ _NO_DRAFT = torch.empty(0, dtype=torch.long)
 
 @dataclass(slots=True)
 class StepTimes:
-    """Seconds one decode step spent drafting (propose + commit) and verifying, and the
-    tokens it verified (every request's root + its draft nodes)."""
+    """Seconds one decode step spent drafting (propose + commit) and verifying."""
 
     draft_s: float = 0.0
     verify_s: float = 0.0
-    verified: int = 0
 
 
 class ModelRunner:
@@ -193,7 +191,6 @@ class ModelRunner:
             rows = [0] + [i + 1 for i in accept.path]
             results.append(StepResult(accept, emitted, ft[rows] if ft is not None else None))
         self.times.verify_s += time.perf_counter() - t0
-        self.times.verified += sum(1 + (p.size if p is not None else 0) for p in proposals)
         return results
 
     def commit(self, batch: list[Request], ks: list[int], results: list[StepResult]) -> None:
@@ -217,8 +214,8 @@ class ModelRunner:
         late = [r for r in drafting if r.pending_commits]
         if not late:
             return
-        merged = [StepResult(None, [t for res in r.pending_commits for t in res.tokens],
-                             torch.cat([res.features for res in r.pending_commits])) for r in late]
+        merged = [StepResult(None, [t for res in r.pending_commits for t in res.tokens], _features(r.pending_commits))
+                  for r in late]
         self.proposer.commit([r.draft_state for r in late], merged)
         for r in late:
             r.pending_commits.clear()
@@ -248,6 +245,14 @@ class ModelRunner:
         finally:
             request.state = request.draft_state = request.job = request.inputs = request.processed = None
             request.slot = None
+
+
+def _features(results: list[StepResult]) -> torch.Tensor | None:
+    """The target features of several steps' tokens, in order; None for a proposer that reads
+    none (SpecVLM's small VLM reads tokens only)."""
+    if results[0].features is None:
+        return None
+    return torch.cat([res.features for res in results])
 
 
 def _accept(proposal: Proposal | None, logits: torch.Tensor, sampling: SamplingParams,

@@ -38,6 +38,7 @@ from .model_runner import ModelRunner
 from .output import TokenDelta
 from .prefix_cache import PrefixEntry
 from .request import Request
+from .step_costs import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,10 @@ FIRST_SLICE = 256      # prompt positions of a prefill's first slice while strea
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, config: EngineConfig):
+    def __init__(self, runner: ModelRunner, config: EngineConfig, costs: CostModel | None = None):
         self.runner, self.config = runner, config
         spec, drafts = runner.spec, runner.proposer is not None
-        self.policy = DraftPolicy(spec.num_draft_tokens if drafts else 0, spec.adaptive_k)
+        self.policy = DraftPolicy(spec.num_draft_tokens if drafts else 0, spec.adaptive_k, costs)
         self.trim = TreeTrim() if spec.adaptive_tree and drafts else None
         self._ids = itertools.count()
         self._cv = threading.Condition()
@@ -260,7 +261,7 @@ class Scheduler:
         ks = self.policy.choose(batch)
         proposals = self.runner.propose(batch, ks)
         if self.trim is not None:
-            proposals = self.trim.cut(batch, proposals, self.policy.verify.fit())
+            proposals = self.trim.cut(batch, proposals, self.policy.linear_costs(batch))
         results = self.runner.verify(batch, proposals)
         self.runner.commit(batch, ks, results)
         self._record(batch, ks, proposals, results)
@@ -272,7 +273,8 @@ class Scheduler:
         times = self.runner.times
         self.stats["steps"] += 1
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
-        self.policy.record(times.verified, times.verify_s, max(ks), times.draft_s)
+        rows = [1 + (p.size if p is not None else 0) for p in proposals]
+        self.policy.record(batch, rows, times.verify_s, max(ks), times.draft_s)
         for request, k, proposal, result in zip(batch, ks, proposals, results):
             if self.trim is not None:
                 self.trim.record(proposal, result.accept.num_accepted)

@@ -28,7 +28,7 @@ from sparrow.speculative.sampling import logits_to_probs
 from sparrow.tiny import tiny_draft
 
 PROMPTS = ["What happens in the video?", "Which shape moves first, and where does it go?"]
-SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)
+SPEC = SpecConfig(adaptive_k=False, method="sparrow", num_draft_tokens=4, window=8, anchors=16)
 DEVICE = parse_device(os.environ.get("SPARROW_TEST_DEVICE", "cpu"))
 
 
@@ -111,7 +111,7 @@ def test_bf16_speculative_sampling_follows_the_target(qwen_target, tmp_path, sma
     token match the target's bf16 distribution there."""
     qwen_target.save_pretrained(tmp_path)
     target = TargetModel.from_pretrained(tmp_path, dtype=torch.bfloat16, device=DEVICE)
-    spec = SpecConfig(num_draft_tokens=1, window=8, anchors=16)
+    spec = SpecConfig(adaptive_k=False, num_draft_tokens=1, window=8, anchors=16)
     engine = Engine(target, tiny_draft(target, seed=2), spec)
     video = engine.process_video(small_video)          # processed once, reused by every request
     firsts, seconds = [], []

@@ -10,7 +10,7 @@ from sparrow.errors import InvalidRequest
 from sparrow.prefix_cache import PrefixCache
 from sparrow.tiny import tiny_draft
 
-SPEC = SpecConfig(num_draft_tokens=4, window=8, anchors=16)
+SPEC = SpecConfig(adaptive_k=False, num_draft_tokens=4, window=8, anchors=16)
 FIRST, FOLLOW_UP = "What happens in the video?", "And which way does it move?"
 ANSWER = "A red circle appears."
 

@@ -23,7 +23,7 @@ CONTEXTS = ("all", "pruned")
 
 
 def spec(context: str, **kw) -> SpecConfig:
-    return SpecConfig(**{"num_draft_tokens": 4, "window": 4, "anchors": 5, "glimpse": 2,
+    return SpecConfig(**{"adaptive_k": False, "num_draft_tokens": 4, "window": 4, "anchors": 5, "glimpse": 2,
                          "draft_context": context, "prune_keep": 0.3, **kw})
 
 

@@ -14,7 +14,7 @@ from sparrow.errors import InvalidRequest
 from sparrow.speculative.eagle3 import Eagle3Draft, Eagle3Proposer
 
 PROMPT = "What happens in the video?"
-SPEC = SpecConfig(num_draft_tokens=3, draft_context="all")
+SPEC = SpecConfig(adaptive_k=False, num_draft_tokens=3, draft_context="all")
 
 
 def write_eagle3(path, target, seed=0, own_embed=False, draft_vocab=None, drop=()):

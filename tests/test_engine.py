@@ -12,7 +12,7 @@ from sparrow.models import SparrowDraft, TargetModel
 from sparrow.tiny import synthetic_frames, tiny_draft
 
 PROMPTS = ["What happens in the video?", "Which shape moves first, and where does it go?"]
-SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)
+SPEC = SpecConfig(adaptive_k=False, method="sparrow", num_draft_tokens=4, window=8, anchors=16)
 
 
 def hf_greedy(target, engine, video, prompt, max_new_tokens):
@@ -60,7 +60,7 @@ def test_plain_and_speculative_decoding_match_hf_with_prefill_in_chunks(qwen_tar
         config = EngineConfig(prefill_chunk_tokens=chunk)
         plain = Engine(qwen_target, spec=SpecConfig(method="none"), config=config)
         assert plain.generate(large_video, prompt, SamplingParams(max_new_tokens=20)).token_ids == ref
-        spec = SpecConfig(num_draft_tokens=3)
+        spec = SpecConfig(adaptive_k=False, num_draft_tokens=3)
         sd = Engine(qwen_target, tiny_draft(qwen_target), spec, config=config)
         assert sd.generate(large_video, prompt, SamplingParams(max_new_tokens=20)).token_ids == ref
 
@@ -98,7 +98,7 @@ def test_interleaved_streams_equal_solo_runs(qwen_target, small_video, large_vid
 
 
 def test_draft_attention_span_is_bounded_by_anchors_window_glimpse(qwen_target):
-    spec = SpecConfig(num_draft_tokens=4, window=6, anchors=5, glimpse=3)
+    spec = SpecConfig(adaptive_k=False, num_draft_tokens=4, window=6, anchors=5, glimpse=3)
     engine = Engine(qwen_target, tiny_draft(qwen_target), spec)
     spans = {}
     for frames in (4, 64):
@@ -164,7 +164,7 @@ def test_bad_inputs_get_typed_errors(qwen_target, small_video):
     with pytest.raises(InvalidRequest):
         SamplingParams(temperature=-1)
     with pytest.raises(InvalidRequest):
-        SpecConfig(method="medusa")
+        SpecConfig(adaptive_k=False, method="medusa")
     # and the engine still serves afterwards
     assert engine.generate(small_video, PROMPTS[0], SamplingParams(max_new_tokens=4)).token_ids
 

@@ -62,7 +62,7 @@ def test_cuda_graph_draft_step_matches_forward_entries():
 
     target = tiny_target("qwen2_5_vl", seed=0)
     target.hf.to("cuda")
-    spec = SpecConfig(window=6, anchors=5, glimpse=2)
+    spec = SpecConfig(adaptive_k=False, window=6, anchors=5, glimpse=2)
     draft = tiny_draft(target, seed=2).to("cuda")
     step = DraftDecodeStep(draft, capacity=24, window=spec.window)
     assert step.graph is not None                                  # really captured

@@ -280,7 +280,7 @@ def _backends() -> list[str]:
 
 def test_draft_hidden_states_match_sdpa_with_every_backend(qwen_target):
     """Glimpse + anchors + window entries, then 3 drafted ones, through the real draft."""
-    spec = SpecConfig(window=6, anchors=5, glimpse=2)
+    spec = SpecConfig(adaptive_k=False, window=6, anchors=5, glimpse=2)
     pos, pinned = window_keys(2, 5, (20, 25))                     # 12 context entries
     outs = {}
     for name in ["sdpa"] + _backends():
@@ -308,7 +308,7 @@ def test_engine_greedy_output_is_the_targets_with_every_backend(qwen_target, sma
     prompt = "What happens in the video?"
     reference = None
     for name in ["sdpa"] + _backends():
-        spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, glimpse=2)
+        spec = SpecConfig(adaptive_k=False, num_draft_tokens=4, window=8, anchors=16, glimpse=2)
         target = _kernel_target(qwen_target, name)
         engine = Engine(target, tiny_draft(target, DraftArchitecture(attention_backend=name), seed=1), spec)
         reference = reference or _hf_greedy(target, engine, small_video, prompt, 12)
@@ -320,7 +320,7 @@ def test_engine_greedy_output_is_the_targets_with_every_backend(qwen_target, sma
 @pytest.mark.parametrize("backend", ["sdpa"] + (["triton"] if HAS_TRITON else []))
 def test_static_decode_step_matches_forward_entries(qwen_target, backend):
     """The CUDA-graph-ready step (run eagerly here) computes what the draft computes."""
-    spec = SpecConfig(window=6, anchors=5, glimpse=2)
+    spec = SpecConfig(adaptive_k=False, window=6, anchors=5, glimpse=2)
     draft = tiny_draft(_kernel_target(qwen_target, backend), DraftArchitecture(attention_backend=backend), seed=2)
     dev = draft.fuse.weight.device
     from sparrow.models.draft_graph import DraftDecodeStep
@@ -360,7 +360,7 @@ def test_target_tree_verify_with_each_verify_kernel(qwen_target, small_video, ke
     from sparrow.speculative.tree import DraftTree
 
     target = _kernel_target(qwen_target, kernel)
-    spec = SpecConfig(num_draft_tokens=3, tree_width=2, tree_branch=2, tree_budget=6)
+    spec = SpecConfig(adaptive_k=False, num_draft_tokens=3, tree_width=2, tree_branch=2, tree_budget=6)
     engine = Engine(target, tiny_draft(target, seed=1), spec)
     inputs = engine.prepare(small_video, "What happens?")
     dev = target.device

@@ -133,5 +133,5 @@ def test_remote_placement_cuts_the_drafts_q_unless_told():
     colocated = AppSettings(target="tiny:qwen2_5_vl", draft="tiny")
     assert (colocated.spec.draft_mass, colocated.spec.draft_max_candidates) == (1.0, 0)
     own = AppSettings(target="tiny:qwen2_5_vl", draft="tiny", draft_placement="remote",
-                      spec=SpecConfig(draft_mass=0.9))
+                      spec=SpecConfig(adaptive_k=False, draft_mass=0.9))
     assert (own.spec.draft_mass, own.spec.draft_max_candidates) == (0.9, 0)

@@ -20,7 +20,7 @@ from sparrow.metrics import SpecMetrics
 from sparrow.services import prom
 from sparrow.tiny import tiny_draft
 
-SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)
+SPEC = SpecConfig(adaptive_k=False, method="sparrow", num_draft_tokens=4, window=8, anchors=16)
 PROMPT = "What happens in the video?"
 
 

@@ -13,7 +13,7 @@ from sparrow.speculative.proposer import Proposer
 from sparrow.speculative.registry import PROPOSERS, build_proposer
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 
-SPEC = SpecConfig(method="sparrow", num_draft_tokens=4, window=8, anchors=16)
+SPEC = SpecConfig(adaptive_k=False, method="sparrow", num_draft_tokens=4, window=8, anchors=16)
 PROMPTS = ["What happens in the video?", "Which shape moves first, and where does it go?"]
 
 
@@ -137,7 +137,7 @@ def test_a_long_prefill_is_sliced_between_running_streams_steps(qwen_target):
 @pytest.mark.parametrize("method", ["sparrow", "eagle-style", "specvlm", "none"])
 def test_every_registered_method_is_a_proposer_and_lossless_through_the_scheduler(qwen_target, large_video, method):
     assert method in PROPOSERS
-    spec = SpecConfig(method=method, num_draft_tokens=3, window=8, anchors=16, prune_keep=0.5)
+    spec = SpecConfig(adaptive_k=False, method=method, num_draft_tokens=3, window=8, anchors=16, prune_keep=0.5)
     draft = (tiny_target("qwen2_5_vl", seed=6, hidden=32, layers=2, heads=2) if method == "specvlm"
              else tiny_draft(qwen_target, seed=2) if method != "none" else None)
     proposer = build_proposer(spec, qwen_target, draft)
@@ -158,19 +158,19 @@ def test_unknown_method_and_missing_draft_are_clear_errors(qwen_target):
     build_proposer(SpecConfig(method="none"), qwen_target, None)          # loads the built-in methods
     assert {"sparrow", "eagle-style", "eagle3", "specvlm", "none"} <= set(PROPOSERS)
     with pytest.raises(InvalidRequest, match="method"):
-        SpecConfig(method="medusa")
+        SpecConfig(adaptive_k=False, method="medusa")
     with pytest.raises(InvalidRequest, match="Eagle3Draft"):
-        Engine(qwen_target, tiny_draft(qwen_target), SpecConfig(method="eagle3"))
+        Engine(qwen_target, tiny_draft(qwen_target), SpecConfig(adaptive_k=False, method="eagle3"))
     with pytest.raises(InvalidRequest, match="needs a draft"):
-        Engine(qwen_target, spec=SpecConfig(method="sparrow"))
+        Engine(qwen_target, spec=SpecConfig(adaptive_k=False, method="sparrow"))
     with pytest.raises(InvalidRequest, match="Sparrow draft"):
-        Engine(qwen_target, tiny_target("qwen2_5_vl", seed=6, hidden=32, layers=2, heads=2), SpecConfig())
+        Engine(qwen_target, tiny_target("qwen2_5_vl", seed=6, hidden=32, layers=2, heads=2), SpecConfig(adaptive_k=False))
 
 
 def test_adaptive_k_stays_lossless_and_drops_to_plain_decoding_for_a_useless_draft(qwen_target, small_video):
     """A random draft is almost never accepted: the policy learns that and stops drafting,
     while greedy output stays the target's."""
-    spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, adaptive_k=True)
+    spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16)          # adaptive k: the default
     engine = Engine(qwen_target, tiny_draft(qwen_target, seed=3), spec)
     expected = hf_greedy(qwen_target, engine, small_video, PROMPTS[0], 60)
     sampling = SamplingParams(max_new_tokens=60, ignore_eos=True)
@@ -178,4 +178,4 @@ def test_adaptive_k_stays_lossless_and_drops_to_plain_decoding_for_a_useless_dra
     assert all(o.token_ids[: len(expected)] == expected for o in outs)
     late = outs[-1].metrics
     assert late.draft_tokens < late.steps * 4 / 2       # far fewer drafts than a fixed k = 4 would make
-    assert engine.scheduler.policy.samples                # it measured the verify costs it chose from
+    assert engine.scheduler.policy.costs.verify_samples   # it measured the verify costs it chose from

@@ -8,7 +8,7 @@ from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.prefix_cache import PrefixCache
 from sparrow.tiny import synthetic_frames, tiny_draft
 
-SPEC = SpecConfig(num_draft_tokens=4, window=8, anchors=16, glimpse=3)
+SPEC = SpecConfig(adaptive_k=False, num_draft_tokens=4, window=8, anchors=16, glimpse=3)
 PROMPTS = ["What happens in the video?", "Which shape moves first, and where does it go?"]
 
 

@@ -34,7 +34,7 @@ def specvlm_engine(target, small, keep_ratio=0.1, num_draft_tokens=4, prefix_cac
     the prefix cache keeps prefills."""
     proposer = SpecVLMProposer(target, small, keep_ratio=keep_ratio,
                                video_cache_entries=prefix_cache.max_entries if prefix_cache is not None else 0)
-    return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=num_draft_tokens), proposer=proposer,
+    return Engine(target, spec=SpecConfig(adaptive_k=False, method="specvlm", num_draft_tokens=num_draft_tokens), proposer=proposer,
                   prefix_cache=prefix_cache)
 
 
@@ -81,7 +81,7 @@ def test_greedy_equals_plain_decoding(qwen_target, small_vlms, video_name, small
     video = request.getfixturevalue(video_name)
     sampling = SamplingParams(max_new_tokens=24)
     proposer = Recording(qwen_target, small_vlms[small_index], keep_ratio=0.1)
-    out = Engine(qwen_target, spec=SpecConfig(num_draft_tokens=4), proposer=proposer).generate(video, PROMPT, sampling)
+    out = Engine(qwen_target, spec=SpecConfig(adaptive_k=False, num_draft_tokens=4), proposer=proposer).generate(video, PROMPT, sampling)
     assert out.token_ids == plain_tokens(qwen_target, video, sampling)
     assert out.metrics.steps > 0 and out.metrics.draft_tokens > 0
     # The draft's KV memory: the small VLM's preallocated buffers, sized at begin for the kept
@@ -111,7 +111,7 @@ def test_target_as_draft_accepts_every_token(any_target, large_video):
     k, sampling = 4, SamplingParams(max_new_tokens=31, ignore_eos=True)
     proposer = Recording(any_target, any_target, keep_ratio=1.0)
     assert proposer.needs.bridge_layer is None                     # no pruning: no hidden states asked for
-    out = Engine(any_target, spec=SpecConfig(num_draft_tokens=k), proposer=proposer).generate(
+    out = Engine(any_target, spec=SpecConfig(adaptive_k=False, num_draft_tokens=k), proposer=proposer).generate(
         large_video, PROMPT, sampling)
     m = out.metrics
     assert out.token_ids == plain_tokens(any_target, large_video, sampling)
@@ -143,7 +143,7 @@ def test_full_video_draft_prefill_matches_hf_forward(qwen_target, small_vlms, sm
 
 def test_keep_ratio_cuts_visual_tokens_by_90_percent(qwen_target, small_vlms, large_video):
     proposer = Recording(qwen_target, small_vlms[0], keep_ratio=0.1, mass=0.5)
-    engine = Engine(qwen_target, spec=SpecConfig(num_draft_tokens=3), proposer=proposer)
+    engine = Engine(qwen_target, spec=SpecConfig(adaptive_k=False, num_draft_tokens=3), proposer=proposer)
     seen = []                                                # the small LM's prefill inputs
     hook = small_vlms[0].hf.register_forward_pre_hook(
         lambda mod, args, kwargs: seen.append(kwargs) if kwargs.get("inputs_embeds") is not None else None,
@@ -171,7 +171,7 @@ def test_keep_ratio_cuts_visual_tokens_by_90_percent(qwen_target, small_vlms, la
     assert torch.equal(seen[0]["position_ids"], full_pos[..., keep])
     # A tenth of the visual tokens: a much smaller draft cache than the unpruned one.
     full = Recording(qwen_target, small_vlms[0], keep_ratio=1.0)
-    Engine(qwen_target, spec=SpecConfig(num_draft_tokens=3), proposer=full).generate(
+    Engine(qwen_target, spec=SpecConfig(adaptive_k=False, num_draft_tokens=3), proposer=full).generate(
         large_video, PROMPT, SamplingParams(max_new_tokens=8))
     assert proposer.final_bytes < full.final_bytes
 
@@ -209,9 +209,9 @@ def test_bad_config_raises(qwen_target, llava_target, small_vlms):
         SpecVLMProposer(qwen_target, TargetModel(small.hf, small.tokenizer, processor_for(small.hf.config,
                                                                                           merge_size=1)))
     with pytest.raises(InvalidRequest):
-        SpecConfig(method="specvlm", num_draft_tokens=0)
+        SpecConfig(adaptive_k=False, method="specvlm", num_draft_tokens=0)
     with pytest.raises(InvalidRequest, match="needs a draft"):
-        Engine(qwen_target, spec=SpecConfig(method="specvlm"))
+        Engine(qwen_target, spec=SpecConfig(adaptive_k=False, method="specvlm"))
 
 
 def test_prefix_cache_hits_reuse_the_small_vlms_visual_tokens(qwen_target, small_vlms, small_video):

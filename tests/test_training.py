@@ -15,7 +15,7 @@ from sparrow.training.signals import target_signals
 from sparrow.training.unroll import anchor_flags
 
 PROMPT = "What happens in the video?"
-SPEC = SpecConfig(num_draft_tokens=4, window=4, anchors=5, glimpse=3)
+SPEC = SpecConfig(adaptive_k=False, num_draft_tokens=4, window=4, anchors=5, glimpse=3)
 CFG = TrainConfig(steps=12, grad_accum=2, lr=3e-3, warmup=2, window=8, anchors=16, bridge_tokens=8,
                   max_new_tokens=12, log_every=100, eval_every=0, save_every=0)
 

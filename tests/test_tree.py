@@ -31,7 +31,7 @@ def hf_greedy(target, engine, video, prompt, n):
     (1, 1, 4, 0), (2, 2, 3, 0), (4, 1, 6, 0), (1, 4, 2, 0), (3, 2, 5, 12), (4, 4, 6, 24), (2, 3, 1, 0),
 ])
 def test_tree_greedy_equals_hf_generate(any_target, large_video, width, branch, depth, budget):
-    spec = SpecConfig(num_draft_tokens=depth, window=8, anchors=16, tree_width=width, tree_branch=branch,
+    spec = SpecConfig(adaptive_k=False, num_draft_tokens=depth, window=8, anchors=16, tree_width=width, tree_branch=branch,
                       tree_budget=budget)
     engine = Engine(any_target, tiny_draft(any_target, seed=4), spec)
     expected = hf_greedy(any_target, engine, large_video, PROMPT, 24)
@@ -48,7 +48,7 @@ def test_stub_trees_always_never_sometimes_accepted(qwen_target, small_video, mo
     sampling = SamplingParams(max_new_tokens=30, ignore_eos=True)
     reference = plain.generate(small_video, PROMPT, sampling).token_ids
     proposer = OracleTreeProposer(reference, qwen_target.vocab_size, width, mode)
-    engine = Engine(qwen_target, spec=SpecConfig(num_draft_tokens=4, tree_width=width), proposer=proposer)
+    engine = Engine(qwen_target, spec=SpecConfig(adaptive_k=False, num_draft_tokens=4, tree_width=width), proposer=proposer)
     out = engine.generate(small_video, PROMPT, sampling)
     m = out.metrics
     assert out.token_ids == reference
@@ -136,13 +136,13 @@ def test_engine_samples_the_targets_distribution_end_to_end(qwen_target, tree, t
     video = synthetic_frames(4, 56, 56, seed=1)
     config = EngineConfig(max_waiting=2000)
     if tree == "specvlm":
-        spec = SpecConfig(method="specvlm", num_draft_tokens=2)
+        spec = SpecConfig(adaptive_k=False, method="specvlm", num_draft_tokens=2)
         proposer = SpecVLMProposer(qwen_target, qwen_target, keep_ratio=0.5, video_cache_entries=4,
                                    draft_mass=mass, draft_max_candidates=cap)
         engine = Engine(qwen_target, spec=spec, proposer=proposer, prefix_cache=PrefixCache(), config=config)
     else:
         width, branch = tree
-        spec = SpecConfig(num_draft_tokens=2, window=8, anchors=16, tree_width=width, tree_branch=branch,
+        spec = SpecConfig(adaptive_k=False, num_draft_tokens=2, window=8, anchors=16, tree_width=width, tree_branch=branch,
                           draft_mass=mass, draft_max_candidates=cap)
         engine = Engine(qwen_target, tiny_draft(qwen_target, seed=5), spec, prefix_cache=PrefixCache(),
                         config=config)
@@ -183,7 +183,7 @@ def _fields(sampling: SamplingParams) -> dict:
 
 def test_accepted_path_kv_is_compacted_in_place(qwen_target, small_video):
     """After a tree step the target's cache equals a plain prefill of the same tokens."""
-    spec = SpecConfig(num_draft_tokens=3, tree_width=3, tree_branch=2, window=8, anchors=16)
+    spec = SpecConfig(adaptive_k=False, num_draft_tokens=3, tree_width=3, tree_branch=2, window=8, anchors=16)
     engine = Engine(qwen_target, tiny_draft(qwen_target, seed=4), spec)
     out = engine.generate(small_video, PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True))
     plain = Engine(qwen_target, spec=SpecConfig(method="none"))
@@ -193,7 +193,7 @@ def test_accepted_path_kv_is_compacted_in_place(qwen_target, small_video):
 
 def test_a_step_shares_its_node_budget_across_the_batch(qwen_target, large_video):
     """step_draft_nodes = 8 over 4 drafting requests: at most 2 nodes each per step; lossless."""
-    spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2)
+    spec = SpecConfig(adaptive_k=False, num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2)
     engine = Engine(qwen_target, tiny_draft(qwen_target, seed=4), spec,
                     config=EngineConfig(step_draft_nodes=8))
     expected = hf_greedy(qwen_target, engine, large_video, PROMPT, 40)
@@ -208,7 +208,7 @@ def test_a_step_shares_its_node_budget_across_the_batch(qwen_target, large_video
 def test_seeded_sampled_requests_keep_their_whole_tree_in_a_shared_step(qwen_target, large_video):
     """step_draft_nodes is shared by greedy and unseeded requests only: a seeded sampled
     request's tree decides its draws, so it keeps its whole tree and its solo run's tokens."""
-    spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2)
+    spec = SpecConfig(adaptive_k=False, num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2)
     engine = Engine(qwen_target, tiny_draft(qwen_target, seed=4), spec, config=EngineConfig(step_draft_nodes=8))
     samplings = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=i) for i in range(3)]
     solo = [engine.generate(large_video, PROMPT, s).token_ids for s in samplings]
@@ -231,7 +231,7 @@ def test_duplicate_sampled_paths_rank_by_their_first_score():
     from sparrow.speculative.sparrow_proposer import _Node, _TreeGrowth
     from sparrow.speculative.proposer import DraftRequest
 
-    spec = SpecConfig(num_draft_tokens=3, tree_width=1, tree_branch=2)
+    spec = SpecConfig(adaptive_k=False, num_draft_tokens=3, tree_width=1, tree_branch=2)
     growth = _TreeGrowth(DraftRequest(None, 3, SamplingParams(temperature=1.0, seed=0),
                                       torch.Generator().manual_seed(0)), spec)
     logits = torch.full((16,), -40.0)
@@ -285,7 +285,7 @@ def test_tree_trim_follows_the_measured_verify_cost():
 
 def test_adaptive_tree_greedy_equals_hf_generate(any_target, large_video):
     target = any_target
-    spec = SpecConfig(num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2, adaptive_tree=True)
+    spec = SpecConfig(adaptive_k=False, num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2, adaptive_tree=True)
     engine = Engine(target, tiny_draft(target, seed=4), spec)
     expected = hf_greedy(target, engine, large_video, PROMPT, 40)
     sizes = []

@@ -306,7 +306,7 @@ def test_seeded_tree_requests_batched_equal_their_solo_runs(world_pair):
     from sparrow.video import prepare_video
 
     target, draft = world_pair
-    engine = Engine(target, draft, SpecConfig(num_draft_tokens=4, window=16, anchors=32, tree_width=2,
+    engine = Engine(target, draft, SpecConfig(adaptive_k=False, num_draft_tokens=4, window=16, anchors=32, tree_width=2,
                                               tree_branch=2, tree_budget=12), prefix_cache=PrefixCache())
     world = WorldVideo(num_frames=28, size=168)                       # 504 visual tokens
     seed = 3 * 10**9                                                  # benchmarks.concurrency's first rep

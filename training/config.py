@@ -79,8 +79,8 @@ class TrainConfig:
         self.spec()          # window / anchors / glimpse / context / layers are validated by SpecConfig
 
     def spec(self, num_draft_tokens: int | None = None) -> SpecConfig:
-        """The inference settings this draft is trained for."""
-        return SpecConfig(method="sparrow", num_draft_tokens=num_draft_tokens or self.eval_draft_tokens,
+        """The inference settings this draft is trained for (k fixed: tau is measured at k)."""
+        return SpecConfig(method="sparrow", num_draft_tokens=num_draft_tokens or self.eval_draft_tokens, adaptive_k=False,
                           window=self.window, anchors=self.anchors, glimpse=self.glimpse,
                           draft_context=self.context, prune_keep=self.prune_keep)
 

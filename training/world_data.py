@@ -118,7 +118,7 @@ def untrained_like(draft: SparrowDraft, target: TargetModel, seed: int = 12345) 
 
 def tau_rows(target: TargetModel, draft: SparrowDraft, world: WorldVideo, seeds: list[int], k: int,
              window: int = 16, anchors: int = 32, on_video: Callable[[], None] | None = None) -> dict:
-    spec = SpecConfig(num_draft_tokens=k, window=window, anchors=anchors)
+    spec = SpecConfig(num_draft_tokens=k, window=window, anchors=anchors, adaptive_k=False)   # tau at k
     samples = caption_samples(world, seeds)
     untrained = untrained_like(draft, target)
     trained = held_out_tau(target, draft, samples, spec, 96, world.options(), on_sample=on_video)

@@ -1,0 +1,117 @@
+"""What a decode step costs on this machine, measured online: the model the draft policy
+(draft_policy.py) asks before it decides how much to draft.
+
+A step verifies rows_r = 1 + drafts_r tokens for each request r of the batch, whose target
+cache holds ctx_r tokens. Its verify time is fitted as
+
+    verify = a + b * sum_r rows_r + c * sum_r rows_r * ctx_r / 1000
+
+(a: the step's fixed cost; b: a row through the MLPs and the head; c: a row's attention over
+its cached keys, which on a CPU at 25k tokens is most of a step and on a GPU near nothing),
+and the draft's time for a step of depth k as d0 + d1 * k. Both are least squares over the
+last samples, coefficients kept >= 0. The model says when it needs a sample it cannot get
+from the steps the policy would choose anyway (`wants_sample`): until it can tell a row's
+cost from the step's, and now and then so that a change of load is noticed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol, Sequence
+
+import numpy as np
+
+WINDOW = 64            # samples kept per fit
+RESAMPLE_EVERY = 50    # steps between samples taken only to keep the fit current
+
+
+class CostModel(Protocol):
+    """Seconds a step would take; what the policy compares expected tokens against."""
+
+    def ready(self) -> bool: ...
+
+    def wants_sample(self, step: int) -> bool: ...
+
+    def verify_s(self, rows: Sequence[int], contexts: Sequence[int]) -> float: ...
+
+    def draft_s(self, depth: int) -> float: ...
+
+    def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
+               draft_s: float) -> None: ...
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: a coefficient the fit would make negative is
+    dropped (0) and the rest refitted (an active set, at most as many passes as columns)."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+class MeasuredCosts:
+    """The default CostModel: fitted from the steps this engine ran."""
+
+    def __init__(self, window: int = WINDOW, resample_every: int = RESAMPLE_EVERY):
+        self.verify_samples: deque[tuple[float, float, float]] = deque(maxlen=window)   # (rows, rows x ctx, s)
+        self.draft_samples: deque[tuple[float, float]] = deque(maxlen=window)           # (depth, s)
+        self.resample_every = resample_every
+        self._verify: np.ndarray | None = None        # (a, b, c), refitted lazily
+        self._draft: tuple[float, float] | None = None
+
+    def ready(self) -> bool:
+        return self._fit_verify() is not None
+
+    def wants_sample(self, step: int) -> bool:
+        return not self.ready() or step % self.resample_every == self.resample_every - 1
+
+    def verify_s(self, rows: Sequence[int], contexts: Sequence[int]) -> float:
+        a, b, c = self._fit_verify()
+        return float(a + b * sum(rows) + c * _attention(rows, contexts))
+
+    def draft_s(self, depth: int) -> float:
+        if depth <= 0:
+            return 0.0
+        d0, d1 = self._fit_draft()
+        return d0 + d1 * depth
+
+    def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
+               draft_s: float) -> None:
+        self.verify_samples.append((float(sum(rows)), _attention(rows, contexts), float(verify_s)))
+        self._verify = None
+        if depth > 0:
+            self.draft_samples.append((float(depth), float(draft_s)))
+            self._draft = None
+
+    def _fit_verify(self) -> np.ndarray | None:
+        if self._verify is None:
+            if len({s[0] for s in self.verify_samples}) < 2:     # a row's cost and the step's are not apart yet
+                return None
+            data = np.array(self.verify_samples)
+            x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+            self._verify = _nonnegative_lstsq(x, data[:, 2])
+        return self._verify
+
+    def _fit_draft(self) -> tuple[float, float]:
+        """(d0, d1); with one depth seen so far, proportional to the depth; none seen: free
+        (the verify samples decide, and the first drafting step measures it)."""
+        if self._draft is None:
+            if not self.draft_samples:
+                return 0.0, 0.0
+            data = np.array(self.draft_samples)
+            if len(set(data[:, 0])) < 2:
+                self._draft = (0.0, float(data[:, 1].mean() / data[:, 0].mean()))
+            else:
+                d0, d1 = _nonnegative_lstsq(np.column_stack([np.ones(len(data)), data[:, 0]]), data[:, 1])
+                self._draft = (float(d0), float(d1))
+        return self._draft
+
+
+def _attention(rows: Sequence[int], contexts: Sequence[int]) -> float:
+    """Thousands of (query row, cached key) pairs a step's attention reads."""
+    return float(sum(r * c for r, c in zip(rows, contexts))) / 1000.0

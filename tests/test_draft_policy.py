@@ -1,0 +1,140 @@
+"""The default draft policy: each request's k from what a step costs and what its draft earns.
+Stub cost models fix the costs (drafting always pays / never pays / pays for some requests of a
+batch only), so each test says which k the policy must pick; the measured model is checked
+against known costs; and through the engine, a cost model that says drafting never pays makes
+the default engine decode without a single draft while its output stays the target's."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.draft_policy import DraftPolicy, TreeTrim
+from sparrow.step_costs import MeasuredCosts
+from sparrow.tiny import tiny_draft
+
+K = 4
+
+
+class StubCosts:
+    """verify = a + sum over rows of (b + c * ctx / 1000); draft = d * depth. Always ready,
+    never asks for a sample, records what it is told."""
+
+    def __init__(self, a=0.0, b=0.0, c=0.0, d=0.0):
+        self.a, self.b, self.c, self.d = a, b, c, d
+        self.recorded = []
+
+    def ready(self):
+        return True
+
+    def wants_sample(self, step):
+        return False
+
+    def verify_s(self, rows, contexts):
+        return self.a + sum(r * (self.b + self.c * x / 1000) for r, x in zip(rows, contexts))
+
+    def draft_s(self, depth):
+        return self.d * depth
+
+    def record(self, rows, contexts, verify_s, depth, draft_s):
+        self.recorded.append((list(rows), list(contexts), depth))
+
+
+def request(alpha: float, context: int, k: int = K, pinned: bool = False, remaining: int = 100):
+    """What the policy reads of a request (sparrow.request.Request has these)."""
+    return SimpleNamespace(k=k, pinned_k=pinned, draft_state=object(), alpha=alpha, context=context,
+                           output=SimpleNamespace(remaining=remaining), sampling=SimpleNamespace(greedy=True))
+
+
+ALWAYS = StubCosts(a=0.010)                      # rows cost nothing, the draft nothing: draft all
+NEVER = StubCosts(a=0.001, b=0.010, d=0.005)     # every row as dear as a step, the draft dear too
+BY_LENGTH = StubCosts(a=0.002, b=0.0001, c=0.00002, d=0.0002)  # a row's attention is what costs
+
+
+def test_drafting_that_always_pays_drafts_to_the_cap():
+    policy = DraftPolicy(K, adaptive=True, costs=ALWAYS)
+    batch = [request(0.3, 500), request(0.9, 25_000), request(0.6, 8_000, remaining=3)]
+    assert policy.choose(batch) == [K, K, 2]        # the last may emit 2 more tokens at most
+
+
+def test_drafting_that_never_pays_is_off_for_every_request():
+    policy = DraftPolicy(K, adaptive=True, costs=NEVER)
+    assert policy.choose([request(0.95, 500), request(0.6, 25_000)]) == [0, 0]
+
+
+def test_each_request_drafts_what_pays_for_it():
+    """One batch, one cost model: a well-predicted request on a short video drafts deep; a
+    failing draft on a 25k-token video, whose rows read 25k keys each, does not draft; a good
+    draft on a 25k-token video drafts, but less deep than on the short one."""
+    policy = DraftPolicy(K, adaptive=True, costs=BY_LENGTH)
+    ks = policy.choose([request(0.9, 500), request(0.1, 25_000), request(0.9, 25_000)])
+    assert ks[0] == K and ks[1] == 0 and 0 < ks[2] < K
+
+
+def test_pinned_requests_keep_their_k_and_the_policy_can_be_off():
+    batch = [request(0.9, 500, k=3, pinned=True), request(0.3, 500)]
+    assert DraftPolicy(K, adaptive=True, costs=NEVER).choose(batch) == [3, 0]
+    assert DraftPolicy(K, adaptive=False, costs=NEVER).choose(batch) == [3, K]
+
+
+def test_measured_costs_recover_a_known_cost_and_stay_nonnegative():
+    costs = MeasuredCosts()
+    assert not costs.ready() and costs.wants_sample(0)
+    rng = np.random.default_rng(0)
+    a, b, c = 0.004, 0.0005, 0.0003
+    for _ in range(40):
+        rows = list(rng.integers(1, 6, size=3))
+        ctx = list(rng.integers(100, 25_000, size=3))
+        costs.record(rows, ctx, a + b * sum(rows) + c * sum(r * x for r, x in zip(rows, ctx)) / 1000,
+                     depth=max(rows) - 1, draft_s=0.001 + 0.0005 * (max(rows) - 1))
+    assert costs.ready() and not costs.wants_sample(1) and costs.wants_sample(49)
+    assert costs.verify_s([5], [25_000]) == pytest.approx(a + 5 * b + 5 * c * 25, rel=1e-6)
+    assert costs.draft_s(4) == pytest.approx(0.003, rel=1e-6) and costs.draft_s(0) == 0.0
+    flat = MeasuredCosts()                       # time falls with rows: no negative row cost
+    for rows, s in ((1, 0.010), (5, 0.009), (3, 0.0095)):
+        flat.record([rows], [1000], s, 0, 0.0)
+    assert flat.verify_s([5], [1000]) >= flat.verify_s([1], [1000]) >= 0
+
+
+def test_until_the_costs_are_known_it_samples_deep_and_plain_steps_in_turn():
+    policy = DraftPolicy(K, adaptive=True)
+    batch = [request(0.9, 1000)]
+    assert policy.choose(batch) == [K]
+    policy.record(batch, [K + 1], 0.020, K, 0.002)
+    assert policy.choose(batch) == [0]
+    policy.record(batch, [1], 0.010, 0, 0.0)
+    assert policy.costs.ready() and policy.linear_costs(batch) == pytest.approx((0.010, 0.0025))
+
+
+def test_tree_trim_reads_the_policys_costs():
+    """With a row as dear as the step, a greedy tree is cut to nothing; free rows keep it whole."""
+    class Tree(SimpleNamespace):
+        def best(self, n):
+            return Tree(size=n, scores=self.scores[:n])
+
+    import torch
+    tree = Tree(size=6, scores=torch.log(torch.tensor([0.9, 0.8, 0.5, 0.3, 0.2, 0.1])))
+    batch = [request(0.9, 1000)]
+    trim = TreeTrim()
+    trim.cut(batch, [tree], None)                  # its first step explores
+    dear = trim.cut(batch, [tree], DraftPolicy(K, True, StubCosts(a=0.01, b=0.1)).linear_costs(batch))
+    free = trim.cut(batch, [tree], DraftPolicy(K, True, StubCosts(a=0.01)).linear_costs(batch))
+    assert dear == [None] and free[0].size == 6
+
+
+def test_the_default_engine_never_drafts_where_drafting_cannot_pay(qwen_target, small_video):
+    """Adaptive k is the default; told that drafting never pays, the engine decodes plainly
+    (greedy output the target's); told it always pays, it drafts every step."""
+    draft = tiny_draft(qwen_target, seed=3)
+    spec = SpecConfig(num_draft_tokens=K, window=8, anchors=16)
+    assert spec.adaptive_k
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = Engine(qwen_target, spec=SpecConfig(method="none")).generate(small_video, "What happens?", sampling)
+    never = Engine(qwen_target, draft, spec, step_costs=StubCosts(a=0.001, b=0.01, d=0.01))
+    out = never.generate(small_video, "What happens?", sampling)
+    assert out.token_ids == plain.token_ids and out.metrics.draft_tokens == 0 and out.metrics.steps == 23
+    always = Engine(qwen_target, draft, spec, step_costs=StubCosts(a=0.01))
+    out = always.generate(small_video, "What happens?", sampling)
+    assert out.token_ids == plain.token_ids
+    assert out.metrics.draft_tokens >= K * (out.metrics.steps - K)   # all but the last steps draft k
