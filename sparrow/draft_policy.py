@@ -16,7 +16,10 @@ class DraftPolicy:
     estimated from its accepted and rejected draft tokens. A request drafting k tokens is
     expected to emit (1 - alpha^(k+1)) / (1 - alpha) tokens per step; the step's time is its
     verify (every request's rows, each over its own cached length) plus the draft's (by
-    depth; none when nobody drafts). The policy picks the ks that maximise the batch's
+    depth; none when nobody drafts). A request's alpha starts from the engine's (all its
+    requests' acceptance so far, decayed), worth PRIOR_WEIGHT of its own draft steps, so one
+    unlucky first step neither stops a good draft nor a failing draft's record keeps a new
+    request drafting. The policy picks the ks that maximise the batch's
     expected tokens per second: for each common depth K it lowers each request's k, one at
     a time, wherever that raises the rate (a request whose draft fails, or whose rows are
     dear at its length, drafts less or not at all), and keeps the best. So drafting stops
@@ -28,11 +31,24 @@ class DraftPolicy:
     sampling, an explicit k) always get their own k.
     """
 
+    PRIOR_WEIGHT = 3.0         # the engine's acceptance counts as this many of a request's own events
+    DECAY = 0.99               # per drafting step, on the engine's acceptance counts
+
     def __init__(self, k_max: int, adaptive: bool, costs: CostModel | None = None):
         self.k_max, self.adaptive = k_max, adaptive
         self.costs: CostModel = costs if costs is not None else MeasuredCosts()
         self._steps = itertools.count()
         self._samples = itertools.count()
+        self.accepted, self.rejected = 2.0, 1.0       # the engine's, decayed (a weak prior of 2/3)
+
+    @property
+    def engine_alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def alpha(self, request: Request) -> float:
+        """Per-token acceptance: accepted / (accepted + rejections), the engine's as a prior."""
+        w = self.PRIOR_WEIGHT
+        return (request.accepted + w * self.engine_alpha) / (request.accepted + request.rejected + w)
 
     def choose(self, batch: list[Request]) -> list[int]:
         caps = [min(r.k, max(0, r.output.remaining - 1)) if r.draft_state is not None else 0 for r in batch]
@@ -47,7 +63,7 @@ class DraftPolicy:
 
     def _best(self, batch: list[Request], caps: list[int], free: list[int]) -> list[int]:
         ctx = [r.context for r in batch]
-        alpha = [r.alpha for r in batch]
+        alpha = [self.alpha(r) for r in batch]
         best, best_rate = None, -1.0
         for depth in range(self.k_max + 1):
             ks = [min(c, depth) if i in free else c for i, c in enumerate(caps)]
@@ -76,8 +92,17 @@ class DraftPolicy:
         plain = self.costs.verify_s([1] * len(batch), ctx)
         return plain, (self.costs.verify_s([2] * len(batch), ctx) - plain) / len(batch)
 
-    def record(self, batch: list[Request], rows: list[int], verify_s: float, depth: int, draft_s: float) -> None:
+    def record(self, batch: list[Request], rows: list[int], verify_s: float, depth: int, draft_s: float,
+               ks: list[int], accepted: list[int]) -> None:
+        """What a step measured: its costs, and each drafting request's accepted drafts (a
+        rejection when fewer than its k), into the request's and the engine's acceptance."""
         self.costs.record(rows, [r.context for r in batch], verify_s, depth, draft_s)
+        for request, k, n in zip(batch, ks, accepted):
+            if k > 0:
+                request.accepted += n
+                request.rejected += n < k
+                self.accepted = self.DECAY * self.accepted + n
+                self.rejected = self.DECAY * self.rejected + (n < k)
 
 
 class TreeTrim:

@@ -63,8 +63,3 @@ class Request:
     def context(self) -> int:
         """Tokens in its target cache: the prompt (video included) and what it generated."""
         return self.metrics.prompt_tokens + (len(self.output.token_ids) if self.output is not None else 0)
-
-    @property
-    def alpha(self) -> float:
-        """Per-token acceptance: accepted / (accepted + rejections), with a weak prior of 2/3."""
-        return (self.accepted + 2) / (self.accepted + self.rejected + 3)

@@ -274,7 +274,8 @@ class Scheduler:
         self.stats["steps"] += 1
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
         rows = [1 + (p.size if p is not None else 0) for p in proposals]
-        self.policy.record(batch, rows, times.verify_s, max(ks), times.draft_s)
+        self.policy.record(batch, rows, times.verify_s, max(ks), times.draft_s, ks,
+                           [res.accept.num_accepted for res in results])
         for request, k, proposal, result in zip(batch, ks, proposals, results):
             if self.trim is not None:
                 self.trim.record(proposal, result.accept.num_accepted)
@@ -282,9 +283,6 @@ class Scheduler:
             m.draft_seconds += times.draft_s
             m.verify_seconds += times.verify_s
             m.record_step(k, result.accept.num_accepted, proposal.size if proposal is not None else 0)
-            if k > 0:
-                request.accepted += result.accept.num_accepted
-                request.rejected += result.accept.num_accepted < k
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         delta = request.output.push(tokens)

@@ -9,7 +9,9 @@ cache holds ctx_r tokens. Its verify time is fitted as
 (a: the step's fixed cost; b: a row through the MLPs and the head; c: a row's attention over
 its cached keys, which on a CPU at 25k tokens is most of a step and on a GPU near nothing),
 and the draft's time for a step of depth k as d0 + d1 * k. Both are least squares over the
-last samples, coefficients kept >= 0. The model says when it needs a sample it cannot get
+last samples, coefficients kept >= 0. The first step of each size (rows in all, or draft
+depth) is not a sample: it pays one-time costs (kernels chosen, buffers allocated for a new
+shape) that can be several times a warm step's. The model says when it needs a sample it cannot get
 from the steps the policy would choose anyway (`wants_sample`): until it can tell a row's
 cost from the step's, and now and then so that a change of load is noticed.
 """
@@ -63,6 +65,8 @@ class MeasuredCosts:
         self.resample_every = resample_every
         self._verify: np.ndarray | None = None        # (a, b, c), refitted lazily
         self._draft: tuple[float, float] | None = None
+        self._seen_rows: set[int] = set()             # step sizes run once already (warm)
+        self._seen_depths: set[int] = set()
 
     def ready(self) -> bool:
         return self._fit_verify() is not None
@@ -82,11 +86,16 @@ class MeasuredCosts:
 
     def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
                draft_s: float) -> None:
-        self.verify_samples.append((float(sum(rows)), _attention(rows, contexts), float(verify_s)))
-        self._verify = None
+        total = int(sum(rows))
+        if total in self._seen_rows:
+            self.verify_samples.append((float(total), _attention(rows, contexts), float(verify_s)))
+            self._verify = None
+        self._seen_rows.add(total)
         if depth > 0:
-            self.draft_samples.append((float(depth), float(draft_s)))
-            self._draft = None
+            if depth in self._seen_depths:
+                self.draft_samples.append((float(depth), float(draft_s)))
+                self._draft = None
+            self._seen_depths.add(depth)
 
     def _fit_verify(self) -> np.ndarray | None:
         if self._verify is None:

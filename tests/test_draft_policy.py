@@ -43,7 +43,8 @@ class StubCosts:
 
 def request(alpha: float, context: int, k: int = K, pinned: bool = False, remaining: int = 100):
     """What the policy reads of a request (sparrow.request.Request has these)."""
-    return SimpleNamespace(k=k, pinned_k=pinned, draft_state=object(), alpha=alpha, context=context,
+    return SimpleNamespace(k=k, pinned_k=pinned, draft_state=object(), context=context,
+                           accepted=round(alpha * 10_000), rejected=round((1 - alpha) * 10_000),   # its own record
                            output=SimpleNamespace(remaining=remaining), sampling=SimpleNamespace(greedy=True))
 
 
@@ -92,19 +93,33 @@ def test_measured_costs_recover_a_known_cost_and_stay_nonnegative():
     assert costs.verify_s([5], [25_000]) == pytest.approx(a + 5 * b + 5 * c * 25, rel=1e-6)
     assert costs.draft_s(4) == pytest.approx(0.003, rel=1e-6) and costs.draft_s(0) == 0.0
     flat = MeasuredCosts()                       # time falls with rows: no negative row cost
-    for rows, s in ((1, 0.010), (5, 0.009), (3, 0.0095)):
+    for rows, s in ((1, 0.010), (5, 0.009), (3, 0.0095)) * 2:
         flat.record([rows], [1000], s, 0, 0.0)
     assert flat.verify_s([5], [1000]) >= flat.verify_s([1], [1000]) >= 0
 
 
 def test_until_the_costs_are_known_it_samples_deep_and_plain_steps_in_turn():
+    """The first step of each size is a cold one (its cost is not a sample): two of each."""
     policy = DraftPolicy(K, adaptive=True)
     batch = [request(0.9, 1000)]
-    assert policy.choose(batch) == [K]
-    policy.record(batch, [K + 1], 0.020, K, 0.002)
-    assert policy.choose(batch) == [0]
-    policy.record(batch, [1], 0.010, 0, 0.0)
+    for cold in (10.0, 1.0):
+        assert policy.choose(batch) == [K]
+        policy.record(batch, [K + 1], 0.020 * cold, K, 0.002 * cold, [K], [K])
+        assert policy.choose(batch) == [0]
+        policy.record(batch, [1], 0.010 * cold, 0, 0.0, [0], [0])
     assert policy.costs.ready() and policy.linear_costs(batch) == pytest.approx((0.010, 0.0025))
+    assert policy.costs.draft_s(K) == pytest.approx(0.002)
+
+
+def test_a_requests_acceptance_starts_from_the_engines():
+    """One bad first step does not stop a request whose engine's draft does well; a request on
+    an engine whose draft keeps failing starts out expecting little."""
+    good, bad = DraftPolicy(K, adaptive=True, costs=ALWAYS), DraftPolicy(K, adaptive=True, costs=ALWAYS)
+    for _ in range(50):
+        good.record([request(0.9, 500)], [K + 1], 0.01, K, 0.001, [K], [K])
+        bad.record([request(0.9, 500)], [K + 1], 0.01, K, 0.001, [K], [0])
+    unlucky = SimpleNamespace(accepted=0, rejected=1)
+    assert good.alpha(unlucky) > 0.6 and bad.alpha(SimpleNamespace(accepted=0, rejected=0)) < 0.1
 
 
 def test_tree_trim_reads_the_policys_costs():
