@@ -23,10 +23,12 @@ stop ends that request only.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -43,6 +45,12 @@ from .step_costs import CostModel
 log = logging.getLogger(__name__)
 
 FIRST_SLICE = 256      # prompt positions of a prefill's first slice while streams decode
+EXIT_JOIN_S = 5.0      # at interpreter exit, how long each scheduler's threads get to stop
+
+# Every scheduler not yet collected: at interpreter exit their threads are stopped and joined
+# (_stop_all) before Python finalizes. A daemon thread still running then, or dropping the last
+# reference to a model's tensors, is killed mid-way in C++ and aborts the process.
+_SCHEDULERS: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
 
 
 class Scheduler:
@@ -61,6 +69,7 @@ class Scheduler:
         self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()   # call_soon work (live ingest)
         self._preparers = 0                          # worker threads preparing them
         self._thread: threading.Thread | None = None
+        self._threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()   # every thread it started
         self._closed = False
         self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
         # Counters for operators and tests: decode steps, the largest batch, requests that had
@@ -81,7 +90,7 @@ class Scheduler:
             self._to_prepare.append(request)
             if self._preparers < self.config.prepare_threads:
                 self._preparers += 1
-                threading.Thread(target=self._prepare_loop, name="sparrow-prepare", daemon=True).start()
+                self._start(threading.Thread(target=self._prepare_loop, name="sparrow-prepare", daemon=True))
         return request
 
     def call_soon(self, fn: Callable[[], Any]) -> Future:
@@ -107,6 +116,25 @@ class Scheduler:
             self._closed = True
             self._cv.notify_all()
 
+    def shutdown(self, timeout: float) -> bool:
+        """Close, abort every request it holds, and wait up to `timeout` seconds for its
+        threads to end. True when they all did."""
+        self.close()
+        with self._cv:
+            held = [*self._to_prepare, *self._ready, *self._waiting, *self._prefilling, *self._running]
+        for request in held:
+            request.abort()
+        deadline = time.monotonic() + timeout
+        for thread in list(self._threads):
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    def _start(self, thread: threading.Thread) -> None:
+        _SCHEDULERS.add(self)
+        self._threads.add(thread)
+        thread.start()
+
     # ----- preparation (at most prepare_threads worker threads, gone when idle) ---------------
     def _prepare_loop(self) -> None:
         while True:
@@ -128,7 +156,7 @@ class Scheduler:
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name="sparrow-scheduler", daemon=True)
-            self._thread.start()
+            self._start(self._thread)
 
     # ----- the loop (the scheduler thread) -----------------------------------------------------
     def _loop(self) -> None:
@@ -307,3 +335,10 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - a remote draft that is gone already
             log.warning("draft state of request %d not released", request.id, exc_info=True)
         request.sink(final)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for scheduler in list(_SCHEDULERS):
+        if not scheduler.shutdown(EXIT_JOIN_S):
+            log.warning("a scheduler's threads did not stop within %.0f s of exit", EXIT_JOIN_S)
