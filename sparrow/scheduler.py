@@ -47,10 +47,12 @@ log = logging.getLogger(__name__)
 FIRST_SLICE = 256      # prompt positions of a prefill's first slice while streams decode
 EXIT_JOIN_S = 5.0      # at interpreter exit, how long each scheduler's threads get to stop
 
-# Every scheduler not yet collected: at interpreter exit their threads are stopped and joined
-# (_stop_all) before Python finalizes. A daemon thread still running then, or dropping the last
-# reference to a model's tensors, is killed mid-way in C++ and aborts the process.
+# Every scheduler not yet collected, and every thread they started: at interpreter exit the
+# schedulers are closed and the threads joined (_stop_all) before Python finalizes. A daemon
+# thread still running then - deciding a step, or freeing a model's tensors as it drops the last
+# reference to its engine - is killed inside torch's C++ and aborts the process.
 _SCHEDULERS: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 class Scheduler:
@@ -69,7 +71,6 @@ class Scheduler:
         self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()   # call_soon work (live ingest)
         self._preparers = 0                          # worker threads preparing them
         self._thread: threading.Thread | None = None
-        self._threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()   # every thread it started
         self._closed = False
         self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
         # Counters for operators and tests: decode steps, the largest batch, requests that had
@@ -116,23 +117,17 @@ class Scheduler:
             self._closed = True
             self._cv.notify_all()
 
-    def shutdown(self, timeout: float) -> bool:
-        """Close, abort every request it holds, and wait up to `timeout` seconds for its
-        threads to end. True when they all did."""
+    def shutdown(self) -> None:
+        """Close and abort every request it holds (their threads then end at the next step)."""
         self.close()
         with self._cv:
             held = [*self._to_prepare, *self._ready, *self._waiting, *self._prefilling, *self._running]
         for request in held:
             request.abort()
-        deadline = time.monotonic() + timeout
-        for thread in list(self._threads):
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self._threads)
 
     def _start(self, thread: threading.Thread) -> None:
         _SCHEDULERS.add(self)
-        self._threads.add(thread)
+        _THREADS.add(thread)
         thread.start()
 
     # ----- preparation (at most prepare_threads worker threads, gone when idle) ---------------
@@ -340,5 +335,9 @@ class Scheduler:
 @atexit.register
 def _stop_all() -> None:
     for scheduler in list(_SCHEDULERS):
-        if not scheduler.shutdown(EXIT_JOIN_S):
-            log.warning("a scheduler's threads did not stop within %.0f s of exit", EXIT_JOIN_S)
+        scheduler.shutdown()
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread in list(_THREADS):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in _THREADS):
+        log.warning("scheduler threads still running %.0f s into exit", EXIT_JOIN_S)
