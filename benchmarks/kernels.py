@@ -29,6 +29,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")    # before anything imports triton (torch._dynamo does)
 
+from sparrow.kernels.packed import verify_attention_packed  # noqa: E402
 from sparrow.kernels.reference import verify_attention_ref, window_attention_ref  # noqa: E402
 from sparrow.kernels.split_kv import verify_attention_split  # noqa: E402
 from sparrow.models.attention import available_backends, get_backend  # noqa: E402
@@ -67,6 +68,7 @@ def window_inputs(nq: int, dtype: torch.dtype, device: torch.device):
 def verify_backends(device: torch.device, flex_compile: bool) -> dict:
     """name -> fn(q, k_cache, v_cache, prefix_lens). Optional ones only where importable."""
     fns = {"sdpa + dense mask": verify_attention_ref,
+           "packed (prefix unmasked + own mask)": verify_attention_packed,
            "torch split-KV": lambda q, k, v, p: verify_attention_split(q, k, v, p, num_splits=8)}
     if "flex" in available_backends():
         from sparrow.kernels.flex import verify_attention_flex

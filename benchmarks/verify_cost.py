@@ -1,12 +1,16 @@
 """What a target step costs by the number of tokens it scores: a decode step (1 token) against
 verify steps of a chain (k + 1 tokens, causal) and of a draft tree of the same size (the root
-+ nodes, ancestor masks, positions root + depth), at a short and a long world video, through
-the engine's ragged verify (grouped K/V read in place). World target, one thread, medians.
++ nodes, ancestor masks, positions root + depth), at world videos of several lengths, through
+the engine's ragged verify. World target, one thread, medians.
 
-    python -m benchmarks.verify_cost [--reps 20] [--tokens 1,2,5,9,17,33,65] [--attention sdpa,split] [--out BENCHMARKS.md]
+    python -m benchmarks.verify_cost [--reps 20] [--tokens 1,2,5,9,17,33,65] [--attention packed,sdpa]
+                                     [--videos-at 168x28,168x448,168x1392] [--clock wall|thread] [--out BENCHMARKS.md]
 
 --attention compares the target's verify attention paths (TargetModel.verify_attention) side by
-side, interleaved per video; every ratio is against the first path's decode step.
+side; every ratio is against the first path's decode step. Paths and step sizes are interleaved
+within each repetition (a shared machine's load moves all of them alike). --clock thread times
+the CPU time of the calling thread (with one torch thread a step runs on it alone), which
+leaves out time that other processes take on a loaded machine.
 
 The ratio verify / decode bounds any draft's speedup: with tau tokens emitted per step, a
 perfect-draft speedup is at most tau * decode / (verify + draft). It is what the tree's node
@@ -28,9 +32,12 @@ import torch  # noqa: E402
 
 from benchmarks.report import write_section  # noqa: E402
 from benchmarks.machine import machine  # noqa: E402
-from benchmarks.world import ladder_ends  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.speculative.tree import DraftTree  # noqa: E402
+from sparrow.training.world import LADDER, WorldVideo  # noqa: E402
+from sparrow.training.world_target import world_sample  # noqa: E402
+
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 def binary_tree(nodes: int) -> DraftTree:
@@ -39,16 +46,31 @@ def binary_tree(nodes: int) -> DraftTree:
     return DraftTree(torch.zeros(nodes, dtype=torch.long), None, torch.tensor(parents[:nodes], dtype=torch.long))
 
 
-def step_ms(target: TargetModel, state, n: int, reps: int, tree: bool) -> float:
-    tokens = torch.full((n,), int(target.tokenizer.convert_tokens_to_ids("the")))
-    shape = [binary_tree(n - 1)] if tree and n > 2 else None
-    times = []
+def prefills(target: TargetModel, videos_at: list[tuple[int, int]], new_tokens: int, seed: int = 7):
+    """(video, prefill) of a caption request on a world video of each (side, frames), with room
+    for new_tokens more."""
+    for side, frames in videos_at:
+        video, _ = world_sample(target, WorldVideo(num_frames=frames, size=side), seed)
+        inputs = target.build_inputs(video, "describe the video .")
+        yield video, target.prefill(inputs, inputs["input_ids"].shape[1] + new_tokens)
+
+
+def step_times(target: TargetModel, state, paths: list[str], sizes: list[int], reps: int, tree: bool,
+               clock) -> dict[tuple[str, int], float]:
+    """Median ms of one step per (path, tokens), paths and sizes interleaved in every repetition
+    (the first two repetitions are warm-up)."""
+    token = int(target.tokenizer.convert_tokens_to_ids("the"))
+    times: dict[tuple[str, int], list[float]] = {(p, n): [] for p in paths for n in sizes}
     for _ in range(reps + 2):
-        t0 = time.perf_counter()
-        target.verify([state], [tokens], trees=shape)
-        times.append(time.perf_counter() - t0)
-        target.rollback(state, n)
-    return statistics.median(times[2:]) * 1e3
+        for path in paths:
+            target.verify_attention = path
+            for n in sizes:
+                shape = [binary_tree(n - 1)] if tree and n > 2 else None
+                t0 = clock()
+                target.verify([state], [torch.full((n,), token)], trees=shape)
+                times[(path, n)].append(clock() - t0)
+                target.rollback(state, n)
+    return {key: statistics.median(t[2:]) * 1e3 for key, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,31 +78,36 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", default="models/world")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tokens", default="1,2,5,9,17,33,65", help="tokens scored per step (root + draft nodes)")
-    ap.add_argument("--attention", default="sdpa", help="comma list of verify attention paths (sdpa, split, ...)")
+    ap.add_argument("--attention", default="auto",
+                    help="comma list of verify attention paths (auto, packed, sdpa, split, ...)")
+    ap.add_argument("--videos-at", default=",".join(f"{s}x{f}" for s, f in (LADDER[0], LADDER[-1])),
+                    help="world videos, side x frames (168x28: ~0.5k visual tokens, 168x448: ~8k, 168x1392: ~25k)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     ap.add_argument("--out", help="BENCHMARKS.md to write the section into")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     target = TargetModel.from_pretrained(f"{args.models}/target")
     sizes = [int(x) for x in args.tokens.split(",")]
     paths = [x.strip() for x in args.attention.split(",") if x.strip()]
+    videos_at = [tuple(int(x) for x in part.split("x")) for part in args.videos_at.split(",")]
     rows = ["| visual tokens | draft | attention | " + " | ".join(f"{n} tokens" for n in sizes) + " |",
             "|---|---|---|" + "---|" * len(sizes)]
-    for video, pre in ladder_ends(target, max(sizes) + 8):
+    for video, pre in prefills(target, videos_at, max(sizes) + 8):
         for tree in (False, True):
             kind = "tree" if tree else "chain"
-            base = None
+            ms = step_times(target, pre.state, paths, sizes, args.reps, tree, CLOCKS[args.clock])
+            base = ms[(paths[0], sizes[0])]
             for path in paths:
-                target.verify_attention = path
-                ms = {n: step_ms(target, pre.state, n, args.reps, tree) for n in sizes}
-                base = base or ms[sizes[0]]
-                cells = ", ".join(f"{n} tokens {ms[n]:.2f} ms ({ms[n] / base:.2f}x)" for n in sizes)
-                print(f"{video.num_visual_tokens:>6} visual tokens, {kind}, {path}: {cells}", flush=True)
-                rows.append(f"| {video.num_visual_tokens:,} | {kind} | {path} | "
-                            + " | ".join(f"{ms[n]:.2f} ms ({ms[n] / base:.2f}x)" for n in sizes) + " |")
+                cells = [f"{ms[(path, n)]:.2f} ms ({ms[(path, n)] / base:.2f}x)" for n in sizes]
+                print(f"{video.num_visual_tokens:>6} visual tokens, {kind}, {path}: "
+                      + ", ".join(f"{n} tokens {c}" for n, c in zip(sizes, cells)), flush=True)
+                rows.append(f"| {video.num_visual_tokens:,} | {kind} | {path} | " + " | ".join(cells) + " |")
     if args.out:
-        body = "\n".join([f"Machine: {machine()}. World target, one thread, medians of {args.reps}; "
-                          "ms per target step scoring that many tokens on top of the prompt's KV cache "
-                          "(a decode step is 1 token, a k = 4 chain 5; a tree of N nodes N + 1).", "", *rows])
+        clock = "wall time" if args.clock == "wall" else "CPU time of the stepping thread"
+        body = "\n".join([f"Machine: {machine()}. World target, one thread, medians of {args.reps} ({clock}), "
+                          "paths and step sizes interleaved; ms per target step scoring that many tokens on top "
+                          "of the prompt's KV cache (a decode step is 1 token, a k = 4 chain 5; a tree of N "
+                          "nodes N + 1); ratios against the first path's decode step.", "", *rows])
         write_section(args.out, "verify-cost", "What a verify step costs (target step by tokens scored)",
                       "python -m benchmarks.verify_cost " + " ".join(argv if argv is not None else sys.argv[1:]), body)
 

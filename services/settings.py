@@ -56,7 +56,7 @@ class AppSettings:
     device: str = "cpu"
     device_map: str | None = None
     # Decode/verify attention over the cache (TargetModel.verify_attention): auto (the Triton
-    # split-KV kernel on CUDA, ragged SDPA on CPU), sdpa, split or triton.
+    # split-KV kernel on CUDA, "packed" on CPU), packed, sdpa, split or triton.
     verify_attention: str = "auto"
 
     def __post_init__(self) -> None:

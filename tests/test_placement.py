@@ -28,14 +28,15 @@ def test_settings_file_round_trips_and_reaches_the_models(tmp_path):
     assert {p.device for p in engine.proposer.draft.parameters()} == {engine.target.device}
     inline = ray_entry.settings_from_args({"settings_file": str(path), "dtype": "float32"})   # inline args win
     assert build_engine(inline)[0].target.hf.dtype == torch.float32
-    assert engine.target.verify_attention == "auto" and engine.target.step_kernel() is None    # CPU: ragged SDPA
+    assert engine.target.verify_attention == "auto"                                       # CPU: packed
+    assert engine.target.step_kernel().__name__ == "verify_attention_packed"
     split = build_engine(ray_entry.settings_from_args({"settings_file": str(path), "verify_attention": "split"}))[0]
     assert split.target.verify_attention == "split"
     assert split.target.step_kernel().__name__ == "verify_attention_split"
 
 
 def test_verify_attention_auto_follows_the_device(qwen_target):
-    """"auto": ragged SDPA on CPU; the Triton kernel once the model is on CUDA (where triton is)."""
+    """"auto": the packed kernel on CPU; the Triton kernel once the model is on CUDA (where triton is)."""
     before = qwen_target.verify_attention
     qwen_target.verify_attention = "auto"
     if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
@@ -44,9 +45,9 @@ def test_verify_attention_auto_follows_the_device(qwen_target):
         target.hf.to("cuda")
         assert target.step_kernel().__name__ == "verify_attention_triton"
         target.hf.to("cpu")
-        assert target.step_kernel() is None
+        assert target.step_kernel().__name__ == "verify_attention_packed"
     else:
-        assert qwen_target.step_kernel() is None
+        assert qwen_target.step_kernel().__name__ == "verify_attention_packed"
     qwen_target.verify_attention = "split"
     try:
         assert qwen_target.step_kernel().__name__ == "verify_attention_split"

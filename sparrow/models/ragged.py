@@ -19,6 +19,7 @@ mask (`{"full_attention": batch}`, which transformers passes through untouched),
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -29,10 +30,13 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 # Verify attention for one request's new tokens over its cache (a chain or a draft tree):
-# "sdpa" (ragged_attention below) or a kernel of sparrow.kernels with the verify contract of
-# kernels/reference.py, imported by name on first use. "split": flash-decoding in torch;
-# "triton": the split-KV Triton kernel (CUDA; on CPU only under TRITON_INTERPRET=1, for tests).
+# "sdpa" (ragged_attention below: one SDPA call with a (G*n, L) mask) or a kernel of
+# sparrow.kernels with the verify contract of kernels/reference.py, imported by name on first
+# use. "packed": the prefix unmasked + the new tokens' own mask, merged by log-sum-exp (the CPU
+# default); "split": flash-decoding in torch; "triton": the split-KV Triton kernel (CUDA; on CPU
+# only under TRITON_INTERPRET=1, for tests).
 VERIFY_KERNELS: dict[str, tuple[str, str]] = {
+    "packed": ("sparrow.kernels.packed", "verify_attention_packed"),
     "split": ("sparrow.kernels.split_kv", "verify_attention_split"),
     "triton": ("sparrow.kernels.triton_attention", "verify_attention_triton"),
 }
@@ -47,6 +51,13 @@ def verify_kernel(name: str) -> VerifyFn | None:
         raise ValueError(f"unknown verify attention {name!r}; choose from {['sdpa', *VERIFY_KERNELS]}")
     module, fn = VERIFY_KERNELS[name]
     return getattr(importlib.import_module(module), fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _host_args(kernel: VerifyFn) -> tuple[str, ...]:
+    """Which host-side facts the kernel takes (inspected once: a signature costs ~0.1 ms)."""
+    params = inspect.signature(kernel).parameters
+    return tuple(name for name in ("max_keys", "prefix_len") if name in params)
 
 
 @dataclass(slots=True)
@@ -64,9 +75,10 @@ class RaggedBatch(Cache):
         self.kernel = kernel           # a verify kernel (VERIFY_KERNELS), or None: ragged SDPA
         self._views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         # Every layer sees the same prefix lengths: made on the device once per step, not per
-        # layer; and a kernel that takes max_keys gets it from the host (no device read back).
+        # layer; and a kernel that takes max_keys / prefix_len gets them from the host (no
+        # device read back).
         self._prefix: list[torch.Tensor] | None = None
-        self._max_keys = kernel is not None and "max_keys" in inspect.signature(kernel).parameters
+        self._host = _host_args(kernel) if kernel is not None else ()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: (1, Hkv, N_total, D). Each request's rows go to its own cache."""
@@ -92,9 +104,11 @@ class RaggedBatch(Cache):
             if self._prefix is None:
                 self._prefix = [torch.tensor([k.shape[2] - (seg.end - seg.start)], device=query.device)
                                 for seg, (k, _) in zip(self.segments, views)]
-            extra = (lambda k: {"max_keys": k.shape[2]}) if self._max_keys else (lambda k: {})
+            def host(seg: RaggedSegment, k: torch.Tensor) -> dict[str, int]:   # k: prefix + the new rows
+                known = {"max_keys": k.shape[2], "prefix_len": k.shape[2] - (seg.end - seg.start)}
+                return {name: known[name] for name in self._host}
             out = [kernel(query[:, :, seg.start:seg.end], k, v, prefix,
-                          seg.tree_mask.to(query.device) if seg.tree_mask is not None else None, **extra(k)
+                          seg.tree_mask.to(query.device) if seg.tree_mask is not None else None, **host(seg, k)
                           ).to(query.dtype)
                    for seg, (k, v), prefix in zip(self.segments, views, self._prefix)]
         return torch.cat(out, dim=2).transpose(1, 2).contiguous()

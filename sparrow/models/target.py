@@ -319,14 +319,15 @@ class TargetModel:
 
     @property
     def verify_attention(self) -> str:
-        """How decode/verify steps attend over the cache: "sdpa" (ragged SDPA), "split"
-        (flash-decoding in torch), "triton" (the split-KV Triton kernel, for GPUs), each tested
-        against the others (tests/test_kernels.py), or "auto" (the default): "triton" when the
-        model is on CUDA and triton is installed, else "sdpa". Measured on an H100 (BENCHMARKS.md,
-        GPU check): over 25k cached keys one layer's ragged SDPA costs ~0.9 ms at any step
-        size (4 KV heads stacked, no split of the keys), the Triton kernel 31 us for a decode
-        step and 195 us for a 13-node tree; on a CPU the ragged SDPA is the faster one.
-        Prefill always uses SDPA."""
+        """How decode/verify steps attend over the cache: "packed" (the cached prefix without a
+        mask + the new tokens with theirs, merged by log-sum-exp: kernels/packed.py), "sdpa"
+        (one ragged SDPA call with a dense mask), "split" (flash-decoding in torch), "triton"
+        (the split-KV Triton kernel, for GPUs), each tested against the reference
+        (tests/test_verify_attention.py), or "auto" (the default): "triton" when the model is on CUDA
+        and triton is installed, "packed" on a CPU, else "sdpa". Measured on an H100
+        (BENCHMARKS.md, GPU check): over 25k cached keys one layer's ragged SDPA costs ~0.9 ms
+        at any step size, the Triton kernel 31 us for a decode step and 195 us for a 13-node
+        tree. On a CPU "packed" is the fastest (benchmarks.verify_cost). Prefill uses SDPA."""
         return self._verify_attention
 
     @verify_attention.setter
@@ -341,7 +342,8 @@ class TargetModel:
         device = str(self.device)
         if self._auto_kernel is None or self._auto_kernel[0] != device:
             use_triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-            self._auto_kernel = (device, verify_kernel("triton" if use_triton else "sdpa"))
+            name = "triton" if use_triton else "packed" if self.device.type == "cpu" else "sdpa"
+            self._auto_kernel = (device, verify_kernel(name))
         return self._auto_kernel[1]
 
     # ----- loading ---------------------------------------------------------------------

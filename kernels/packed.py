@@ -1,0 +1,145 @@
+"""Verify attention that reads each cached key once for all of a step's query rows, and builds
+no mask over the cached prefix.
+
+A verify step scores nq new tokens (a chain, or a draft tree) on top of P cached keys. Every
+new token sees all P of them; only the last nq columns of its mask vary. One SDPA call with
+the whole (G*nq, P + nq) mask (the "sdpa" path, ragged.py) pays for that mask every layer:
+building it, SDPA turning the bool mask into a float one (~1 ms a layer at 25k keys and 13
+tokens on the 2-core CPU), and the masked kernel's slower inner loop. Here:
+
+    rows     the G query heads of kv head h are rows r = g * nq + i of one matrix,
+             qg (B, Hkv, G*nq, D): one pass over kv head h's keys serves all G*nq rows (GQA
+             without repeat_kv copies)
+    prefix   all rows see all P cached keys: ONE unmasked attention call returning the rows'
+             normalised outputs o_p and log-sum-exps lse_p (CPU: torch's flash-attention op
+             `_scaled_dot_product_flash_attention_for_cpu`, which streams the keys in blocks;
+             elsewhere fp32 matmuls)
+    own      the nq new keys: scores s (G*nq, nq) plus the tree's additive bias (0 / -inf)
+    merge    a softmax over [lse_p, s] gives the prefix's total weight w_p and the new keys'
+             weights w_o: out = w_p * o_p + w_o @ v_own, exact (o_p is already normalised)
+
+A decode step (nq = 1) sees every key: one unmasked call. Up to DENSE_PREFIX cached keys one
+call with a float mask made once per step (the layers share it) is cheaper than the split's
+extra small ops. Contract (shapes, scale 1/sqrt(D), the new tokens' keys right after the
+prefix): reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .reference import chain_tree
+
+_NEG_INF = float("-inf")
+# At most this many cached keys, one SDPA call with a float (G*nq, P + nq) mask costs less than
+# the split: its ~10 extra small ops (~0.1 ms a layer) outweigh the mask until ~8k keys, and at
+# 16k+ the masked kernel is the slower one (1.3x at 16k, 1.75x at 25k with 13 tokens). Measured
+# on the 2-core CPU, one thread, 2 kv heads of dim 32 (kernels/README.md).
+DENSE_PREFIX = 8192
+# A step calls the attention once per layer with the same new-token mask: what is made from it
+# is kept for the next call. A tree is matched by value (a copy is kept); a dense mask by its
+# bias's identity, which the entry holds, so a freed tensor's reused id cannot match. Entries are
+# replaced whole and read once, so threads sharing them at worst miss.
+_chain_bias: dict[tuple, torch.Tensor] = {}      # (nq, group, device) -> (G*nq, nq)
+_last_tree: list = [None]                        # (tree copy, group, bias)
+_last_dense: list = [None]                       # (bias, prefix_len, dense mask)
+
+
+def own_bias(tree: torch.Tensor | None, nq: int, group: int, device: torch.device) -> torch.Tensor:
+    """(G*nq, nq) fp32 additive mask of the new tokens among themselves: 0 where row r = g*nq + i
+    sees new token j (tree[i, j]; None: a chain), -inf elsewhere."""
+    if tree is None:
+        key = (nq, group, str(device))
+        if key not in _chain_bias:
+            _chain_bias[key] = own_bias(chain_tree(nq, device), nq, group, device)
+        return _chain_bias[key]
+    tree = tree.to(device=device, dtype=torch.bool)
+    last = _last_tree[0]                                 # one read: other threads may replace it
+    if last is not None and last[1] == group and last[0].shape == tree.shape and last[0].device == tree.device \
+            and torch.equal(last[0], tree):
+        return last[2]
+    bias = torch.zeros(nq, nq, device=device).masked_fill_(~tree, _NEG_INF).repeat(group, 1)
+    _last_tree[0] = (tree.clone(), group, bias)
+    return bias
+
+
+def dense_mask(bias: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """(G*nq, P + nq) fp32 additive mask: the prefix seen by every row, then `bias`."""
+    last = _last_dense[0]
+    if last is not None and last[0] is bias and last[1] == prefix_len:
+        return last[2]
+    mask = torch.cat([bias.new_zeros(bias.shape[0], prefix_len), bias], dim=1)
+    _last_dense[0] = (bias, prefix_len, mask)
+    return mask
+
+
+try:     # a private op (torch >= 2.3): without it the CPU takes the matmul path below
+    _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+except (AttributeError, RuntimeError):
+    _FLASH_CPU = None
+
+
+def prefix_partial(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of every row over all of k/v: outputs (B, Hkv, R, Dv) in q's dtype and
+    log-sum-exps (B, Hkv, R) fp32. qg (B, Hkv, R, D); k, v (B, Hkv, P >= 1, D)."""
+    if qg.device.type == "cpu" and _FLASH_CPU is not None:
+        return _FLASH_CPU(qg, k, v, scale=scale)
+    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)).mul_(scale)       # (B, Hkv, R, P)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.matmul(scores.sub_(lse).exp_(), v.float()).to(qg.dtype), lse.squeeze(-1)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+                     bias: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """q (B, H, nq, D), the new tokens; k, v (B, Hkv, >= prefix_len + nq, D), the cache with the
+    new tokens' keys at rows prefix_len .. prefix_len + nq - 1 (rows after them are ignored);
+    every batch row has this prefix_len. bias: own_bias(...) (None: a chain). -> (B, H, nq, Dv)."""
+    bsz, heads, nq, dim = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    group = heads // hkv
+    rows = group * nq
+    scale = dim ** -0.5 if scale is None else scale
+    qg = q.reshape(bsz, hkv, rows, dim)                 # heads of one kv head are adjacent rows
+    if nq == 1:                  # a decode step sees every key: no mask, no split, no log-sum-exp
+        end = prefix_len + 1
+        return F.scaled_dot_product_attention(qg, k.narrow(2, 0, end), v.narrow(2, 0, end), scale=scale
+                                              ).view(bsz, heads, 1, dv)
+    bias = own_bias(None, nq, group, q.device) if bias is None else bias
+    if prefix_len <= DENSE_PREFIX:
+        end = prefix_len + nq
+        mask = dense_mask(bias, prefix_len).to(q.dtype)
+        return F.scaled_dot_product_attention(qg, k.narrow(2, 0, end), v.narrow(2, 0, end), attn_mask=mask,
+                                              scale=scale).view(bsz, heads, nq, dv)
+    k_own = k.narrow(2, prefix_len, nq).reshape(bsz * hkv, nq, dim).float()
+    v_own = v.narrow(2, prefix_len, nq).reshape(bsz * hkv, nq, dv).float()
+    scores = torch.baddbmm(bias, qg.reshape(bsz * hkv, rows, dim).float(), k_own.transpose(1, 2), alpha=scale)
+    if prefix_len == 0:                                 # nothing cached (torch's CPU op fails on 0 keys)
+        return torch.bmm(torch.softmax(scores, dim=-1), v_own).to(q.dtype).view(bsz, heads, nq, dv)
+    o_p, lse_p = prefix_partial(qg, k.narrow(2, 0, prefix_len), v.narrow(2, 0, prefix_len), scale)
+    # softmax over [the prefix as one entry of weight exp(lse_p), the own keys]: (B*Hkv, rows, 1 + nq)
+    w_p, w_o = torch.softmax(torch.cat([lse_p.reshape(bsz * hkv, rows, 1), scores], dim=-1), dim=-1).split([1, nq], -1)
+    out = torch.baddbmm(o_p.reshape(bsz * hkv, rows, dv).float() * w_p, w_o, v_own)          # (B*Hkv, rows, Dv)
+    return out.to(q.dtype).view(bsz, heads, nq, dv)
+
+
+def verify_attention_packed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix_lens: torch.Tensor,
+                            tree: torch.Tensor | None = None, prefix_len: int | None = None) -> torch.Tensor:
+    """Packed verify attention; the contract of reference.verify_attention_ref. (B, H, nq, D).
+    prefix_len: the prefix length of every batch row, known on the host (no read of prefix_lens);
+    None: rows may differ, each is computed with its own (read from prefix_lens)."""
+    nq, group = q.shape[2], q.shape[1] // k_cache.shape[1]
+    if prefix_len is not None or q.shape[0] == 1:
+        if tree is not None and tree.dim() == 3:
+            tree = tree[0] if tree.shape[0] == 1 else tree
+        if tree is None or tree.dim() == 2:
+            bias = own_bias(tree, nq, group, q.device) if tree is not None else None
+            length = prefix_len if prefix_len is not None else int(prefix_lens[0])
+            return packed_attention(q, k_cache, v_cache, length, bias)
+    rows = []
+    for b, length in enumerate(prefix_lens.tolist()):                  # ragged prefixes: row by row
+        t = None if tree is None else (tree if tree.dim() == 2 else tree[b])
+        bias = own_bias(t, nq, group, q.device) if t is not None else None
+        rows.append(packed_attention(q[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1], length, bias))
+    return torch.cat(rows)
