@@ -36,6 +36,7 @@ METHODS = {m.name: m for m in (
     Method("sparrow-tree", "Sparrow tree"),
     Method("sparrow-tree-auto", "Sparrow tree, cut by cost"),   # opt-in: SpecConfig.adaptive_tree
     Method("sparrow-fixed", "Sparrow, fixed k"),             # k every step (adaptive_k=False); opt-in
+    Method("sparrow-compiled", "Sparrow, compiled draft"),   # the default engine, draft_step="compiled"
     Method("ablation-none", "none", ablation=True),
     Method("ablation-window", "window", ablation=True),
     Method("ablation-mtp", "mtp", ablation=True),
@@ -121,8 +122,10 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
     target = models.target
     if name == "plain":
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache)
-    if name == "sparrow":
-        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0, adaptive_k=True), prefix_cache=cache)
+    if name in ("sparrow", "sparrow-compiled"):
+        step = "compiled" if name == "sparrow-compiled" else "static"
+        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0, adaptive_k=True, draft_step=step),
+                      prefix_cache=cache)
     if name in ("sparrow-tree", "sparrow-tree-auto"):
         width, branch, budget = cfg.tree
         return Engine(target, models.draft("world/draft"),

@@ -123,8 +123,11 @@ def run_video(cfg: BenchConfig, target: TargetModel, engines: dict[str, Engine],
     shared_s = max(prefix_s.values(), default=0.0)
     log(f"rep {rep}: {side}px x {frames} frames = {n_vis} visual tokens (video {video_s:.2f} s, "
         f"prefix prefill {shared_s:.2f} s)")
-    for name, engine in engines.items() if warmup else ():     # untimed: first-call costs
-        run_one(engine, prompt, SamplingParams(max_new_tokens=warmup, ignore_eos=True), keys.get(name), processed)
+    # untimed: first-call costs (a compiled draft compiles its greedy chain and its sampled level here)
+    for name, engine in engines.items() if warmup else ():
+        for temp in cfg.temperatures:
+            run_one(engine, prompt, SamplingParams(max_new_tokens=warmup, ignore_eos=True, temperature=temp, seed=0),
+                    keys.get(name), processed)
     runs, mismatches = [], []
     for temp in cfg.temperatures:
         # The answer as a user gets it: it ends at the model's end of turn (at T=0 every method

@@ -23,12 +23,14 @@ PAD_POS = 2 ** 62
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_pinned: torch.Tensor, window: int) -> torch.Tensor:
-    """Boolean mask (nq, nk): True where query i may attend to key j.
+    """Boolean mask (..., nq, nk): True where query i may attend to key j.
 
-    q_pos: (nq,) query positions; k_pos: (nk,) key positions; k_pinned: (nk,) bool.
+    q_pos: (..., nq) query positions; k_pos: (..., nk) key positions; k_pinned: (..., nk) bool.
+    Leading dimensions broadcast: one request is (nq,) against (nk,), a batch of requests each
+    over its own keys (B, nq) against (B, nk).
     """
-    q = q_pos.view(-1, 1)
-    k = k_pos.view(1, -1)
+    q = q_pos.unsqueeze(-1)
+    k = k_pos.unsqueeze(-2)
     causal = k <= q
     in_window = k > q - window
-    return causal & (in_window | k_pinned.view(1, -1))
+    return causal & (in_window | k_pinned.unsqueeze(-2))

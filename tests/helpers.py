@@ -5,6 +5,7 @@ Tests import them as `from helpers import ...` (pytest puts tests/ on sys.path).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +108,7 @@ def check_unroll_equals_proposer(draft: SparrowDraft, spec: SpecConfig, sig, sta
         recorded.append((k_pos, mask))
         return mask
 
-    proposer = SparrowProposer(draft, spec)
+    proposer = SparrowProposer(draft, dataclasses.replace(spec, draft_step="reference"))   # the masks it builds
     draft_module.window_mask = recording
     try:
         state = proposer.begin_context(DraftContext(sig.token_ids[: s + 1], sig.features[: s + 1], sig.num_prompt,

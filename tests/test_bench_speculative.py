@@ -59,7 +59,9 @@ def test_result_structure_identity_and_report(models_dir, tmp_path):
         assert all(0.0 <= p <= 1.0 for p in row["acceptance_per_position"])
         assert row["draft_ms_per_step"] >= 0 and row["verify_ms_per_step"] > 0
     assert cells[("plain", 64)]["decode_speedup"] == 1.0 and cells[("plain", 64)]["tau"] == 1.0
-    assert 0 < len(cells[("sparrow", 64)]["acceptance_per_position"]) <= 4      # k <= 4, chosen per step
+    # k <= 4, chosen per step from measured costs: with this random draft, k = 0 throughout is a
+    # right choice too (the default engine's policy is tested in test_draft_policy.py)
+    assert len(cells[("sparrow", 64)]["acceptance_per_position"]) <= 4
     # the draft that sees every token holds more keys than the text-anchored window draft
     assert cells[("eagle", 108)]["draft_max_keys"] > 108 > cells[("sparrow", 108)]["draft_max_keys"]
     json.dumps(result)                                           # --json writes it as is

@@ -102,14 +102,25 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of x (B, H, n, D) at integer positions pos (n,)."""
+def rope_tables(pos: torch.Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (..., n, D) of the rotary embedding at integer positions pos (..., n)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)
+    ang = pos.to(torch.float32).clamp(min=0)[..., None] * inv_freq                 # (..., n, D/2)
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., n, D) rotated by tables cos, sin that broadcast to it."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = pos.to(torch.float32).clamp(min=0)[:, None] * inv_freq[None, :]        # (n, D/2)
-    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of x (B, H, n, D) at integer positions pos (n,)."""
+    cos, sin = rope_tables(pos, x.shape[-1], theta, x.dtype)
+    return apply_rope(x, cos, sin)
 
 
 class DraftKV:

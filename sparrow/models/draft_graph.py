@@ -10,7 +10,9 @@ address and shape from call to call. Hence:
                       sees, so attention always runs over all `capacity` slots
     DraftDecodeStep   one drafted token -> (hidden, logits), writing its keys into the next
                       slot; captured as a CUDA graph on CUDA, run eagerly elsewhere (the same
-                      code: the CPU tests check it against SparrowDraft.forward_entries)
+                      code: the CPU tests check it against SparrowDraft.forward_entries). Its
+                      step is draft_compile.draft_level for one request and one row, the
+                      function the proposer's batched levels run (compiled or not)
 
 Use: after the proposer commits (variable-length, not graphed), `load` its DraftKV; then each
 of the k draft steps is `step(token, hidden, pos)`. Outputs are static buffers, overwritten by
@@ -20,11 +22,10 @@ the next call: read (or clone) them first. Speed on a GPU is unmeasured (see REA
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
-from ..window import PAD_POS, window_mask
-from .attention import get_backend
-from .draft import DraftKV, DraftLayer, SparrowDraft, rope
+from ..window import PAD_POS
+from .draft import DraftKV, SparrowDraft
+from .draft_compile import Dims, draft_level, step_weights
 
 
 class StaticDraftKV:
@@ -58,34 +59,19 @@ class StaticDraftKV:
         self.length = n
 
 
-def _layer_step(layer: DraftLayer, x: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, k_buf: torch.Tensor,
-                v_buf: torch.Tensor, mask: torch.Tensor, attn) -> torch.Tensor:
-    """DraftLayer.forward for one entry, writing its key/value into `slot` of the buffers
-    instead of concatenating (which would change shapes). x (1, hidden); pos, slot (1,) long;
-    k_buf, v_buf (1, Hkv, capacity, D); mask (1, capacity). The parity test ties it to DraftLayer."""
-    cfg = layer.cfg
-    hx = layer.input_norm(x)
-    q = layer.q_proj(hx).view(1, 1, cfg.num_heads, cfg.head_dim).transpose(1, 2)      # (1, H, 1, D)
-    k = layer.k_proj(hx).view(1, 1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)   # (1, Hkv, 1, D)
-    v = layer.v_proj(hx).view(1, 1, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-    q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
-    k_buf.index_copy_(2, slot, k)                   # a device-side index: no host sync, capturable
-    v_buf.index_copy_(2, slot, v)
-    a = attn(q, k_buf, v_buf, mask).transpose(1, 2).reshape(1, -1)                     # (1, H*D)
-    x = x + layer.o_proj(a)
-    hx = layer.post_norm(x)
-    return x + layer.down_proj(nn.functional.silu(layer.gate_proj(hx)) * layer.up_proj(hx))
-
-
 class DraftDecodeStep:
     """One draft decode step over a StaticDraftKV, as a CUDA graph when on CUDA."""
 
     @torch.inference_mode()
     def __init__(self, draft: SparrowDraft, capacity: int, window: int, use_graph: bool | None = None):
-        p = next(draft.parameters())
+        p, cfg = next(draft.parameters()), draft.config
         self.draft, self.window = draft, window
-        self.attn = get_backend(draft.attention_backend)
+        self.dims = Dims(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta, window,
+                         draft.attention_backend)
+        self.weights = step_weights(draft)                  # read once: a captured graph holds their addresses
         self.kv = StaticDraftKV(draft, capacity, p.device, p.dtype)
+        self.live = torch.ones(1, 1, dtype=torch.bool, device=p.device)
+        self.allowed = torch.ones(1, 1, capacity, dtype=torch.bool, device=p.device)     # a chain: positions suffice
         # static inputs: the drafted token, the draft output it follows, its position, its slot
         self.token = torch.zeros(1, dtype=torch.long, device=p.device)                  # (1,)
         self.hidden_in = torch.zeros(1, draft.config.hidden_size, device=p.device, dtype=p.dtype)
@@ -96,15 +82,12 @@ class DraftDecodeStep:
             self._capture()
 
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        draft, kv = self.draft, self.kv
-        z = draft.inputs_from_draft(self.token, self.hidden_in)                          # (1, hidden)
-        kv.pos.index_copy_(0, self.slot, self.pos)
+        kv = self.kv
         kv.pinned.index_fill_(0, self.slot, False)           # drafted tokens are never anchors
-        mask = window_mask(self.pos, kv.pos, kv.pinned, self.window)                     # (1, capacity)
-        x = z
-        for i, layer in enumerate(draft.layers):
-            x = _layer_step(layer, x, self.pos, self.slot, kv.keys[i], kv.values[i], mask, self.attn)
-        return x, draft.logits(x)                                                        # (1, hidden), (1, V)
+        x, logits, _, _, _ = draft_level(self.dims, self.weights, self.token.view(1, 1), self.hidden_in[:, None],
+                                         self.pos, self.live, self.allowed, self.slot, kv.pos.view(1, -1),
+                                         kv.pinned.view(1, -1), list(kv.keys), list(kv.values))
+        return x.view(1, -1), logits.view(1, -1)                                          # (1, hidden), (1, V)
 
     def _capture(self) -> None:
         # warm up on a side stream (allocator and lazy init happen outside the graph), then capture;

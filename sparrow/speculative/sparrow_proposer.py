@@ -14,7 +14,9 @@ import torch
 from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.draft import DraftKV, DraftSegment, SparrowDraft
+from ..models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftRunner
 from ..models.target import FeatureNeeds
+from ..window import PAD_POS
 from .glimpse import select_glimpse, text_to_visual_attention
 from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
 from .prune import prune_budget, prune_visual
@@ -157,6 +159,7 @@ class SparrowProposer:
                                   draft.config.bridge_layer if needs_bridge else None,
                                   spec.draft_context != "text")
         self.window = draft_attention(spec.draft_context, spec.window, spec.anchors, 0)[0]
+        self.runner = static_runner(draft, spec)
 
     @classmethod
     def from_spec(cls, target, draft, spec: SpecConfig) -> "SparrowProposer":
@@ -216,7 +219,13 @@ class SparrowProposer:
         children each, up to tree_budget nodes. Children are the top tokens at T=0 and i.i.d.
         draws from the draft's q otherwise (what lossless tree acceptance needs; siblings are
         never pruned by their values). The nodes to expand next are fed through the draft in
-        one packed pass per level; each sees the request's context and its own ancestors."""
+        one packed pass per level; each sees the request's context and its own ancestors.
+
+        With a static runner (SpecConfig.draft_step), the levels run over the batch's keys
+        gathered once (models.draft_compile); chains at T=0 then read the host once."""
+        run = self._gather(batch)
+        if run is not None and self.is_chain and all(r.sampling.greedy for r in batch):
+            return self._greedy_chains(batch, run)
         trees = [_TreeGrowth(r, self.spec) for r in batch]
         frontier = [[_Node(-1, r.state.last_hidden, 0.0)] for r in batch]       # the root
         for depth in range(1, max((r.k for r in batch), default=0) + 1):
@@ -224,14 +233,67 @@ class SparrowProposer:
             if not live:
                 break
             expand = [(i, node) for i in live for node in frontier[i]]
-            logits = self.draft.logits(torch.stack([node.hidden for _, node in expand]))      # (b, V)
+            if all(node.logits is not None for _, node in expand):      # a static level gave them
+                logits = torch.stack([node.logits for _, node in expand])                      # (b, V)
+            else:
+                logits = self.draft.logits(torch.stack([node.hidden for _, node in expand]))      # (b, V)
+            top = self._greedy_top(batch, expand, logits)
             grown: dict[int, list[_Node]] = {i: [] for i in live}
             for row, (i, node) in enumerate(expand):        # in order: each request's draws, in a fixed order
-                grown[i] += trees[i].add_children(node, logits[row], depth)
+                grown[i] += trees[i].add_children(node, logits[row], depth, top and (top[0][row], top[1][row]))
             feed = {i: trees[i].to_expand(nodes) for i, nodes in grown.items() if batch[i].k > depth}
             frontier = [feed.get(i, []) for i in range(len(batch))]
-            self._feed(batch, trees, feed, depth)
+            if run is None:
+                self._feed(batch, trees, feed, depth)
+            else:
+                self._feed_static(run, batch, trees, feed, depth)
+        if run is not None and run.seen:
+            for r, seen in zip(batch, run.max_seen()[: len(batch)].tolist()):
+                r.state.kv.max_visible = max(r.state.kv.max_visible, seen)
         return [t.tree() for t in trees]
+
+    def _greedy_top(self, batch: list[DraftRequest], expand: list, logits: torch.Tensor):
+        """The level's top tree_branch tokens and log-probabilities of every expanded node, as
+        host lists, read once for the level (None when no request of the batch is greedy)."""
+        if not any(batch[i].sampling.greedy for i, _ in expand):
+            return None
+        top = torch.topk(torch.log_softmax(logits.float(), -1), min(self.spec.tree_branch, logits.shape[-1]))
+        return top.indices.tolist(), top.values.tolist()
+
+    def _gather(self, batch: list[DraftRequest]) -> DraftBatch | None:
+        """The batch's keys in the static runner's buffers, or None: no runner, or the batch
+        does not fit its shapes (the reference path runs it). Compiled greedy chains always run
+        num_draft_tokens - 1 levels (one shape a bucket; a shorter chain's rows are padding)."""
+        if self.runner is None or not batch:
+            return None
+        kvs, levels = [r.state.kv for r in batch], max(r.k for r in batch) - 1
+        greedy_chains = self.is_chain and all(r.sampling.greedy for r in batch)
+        if greedy_chains:
+            lengths = _chain_lengths(batch, self.spec)
+            levels = max(lengths) - 1
+            if self.runner.compiled and levels >= 1:
+                levels = max(levels, self.spec.num_draft_tokens - 1)
+        else:
+            lengths = [levels + 1] * len(batch)
+        if levels < 1 or not self.runner.fits(kvs, levels):
+            return None
+        # each level's query position per request (a chain that is over: PAD_POS)
+        return self.runner.gather(kvs, [[r.state.next_pos + d - 1 if lengths[i] > d else PAD_POS
+                                         for i, r in enumerate(batch)] for d in range(1, levels + 1)])
+
+    def _greedy_chains(self, batch: list[DraftRequest], run: DraftBatch) -> list[Proposal]:
+        """Chains at T=0 over a static batch: one call (models.draft_compile.greedy_chain) picks
+        every level's token on the device and feeds it back; one host read at the end."""
+        n, bb, width = len(batch), run.bucket, run.q_pos.shape[0] + 1
+        last = [r.state.last_hidden for r in batch]
+        hidden = torch.stack(last + [torch.zeros_like(last[0])] * (bb - n))[:, None]     # (Bb, 1, H)
+        host = self.runner.greedy_chains(run, hidden)[:n].tolist()     # tokens | scores | keys seen
+        out = []
+        for r, m, row in zip(batch, _chain_lengths(batch, self.spec), host):
+            r.state.kv.max_visible = max(r.state.kv.max_visible, int(row[-1]))
+            out.append(Proposal(torch.tensor([int(t) for t in row[:m]], dtype=torch.long), None,
+                                scores=torch.tensor(row[width: width + m], dtype=torch.float32)))
+        return out
 
     def _feed(self, batch: list[DraftRequest], trees: list["_TreeGrowth"], feed: dict[int, list["_Node"]],
               depth: int) -> None:
@@ -257,6 +319,49 @@ class SparrowProposer:
         out = draft.forward_packed(z, pos, torch.zeros(len(rows), dtype=torch.bool, device=device), segments)
         for row, (i, node) in enumerate(rows):
             node.hidden = out[row]
+
+    def _feed_static(self, run: DraftBatch, batch: list[DraftRequest], trees: list["_TreeGrowth"],
+                     feed: dict[int, list["_Node"]], depth: int) -> None:
+        """`_feed` over the static batch: request i's nodes are rows (i, 0..) of one level of
+        R rows a request (the rest padding); a tree's rows see their ancestors' slots."""
+        if not any(feed.values()):
+            return
+        bb, rows = run.bucket, run.rows
+        tokens = [[0] * rows for _ in range(bb)]
+        real = [[False] * rows for _ in range(bb)]
+        zero = torch.zeros_like(batch[0].state.last_hidden)
+        parents = [zero] * (bb * rows)
+        for i, nodes in feed.items():
+            tree = trees[i]
+            for r, node in enumerate(nodes):
+                tokens[i][r], real[i][r] = tree.tokens[node.index], True
+                parents[i * rows + r] = tree.parent_hidden[node.index]
+                tree.slots[node.index] = (depth - 1) * rows + r
+        device = zero.device
+        if self.runner.tree:
+            run.allow(torch.tensor(self._tree_rule(trees, feed, bb, rows, depth), device=device))
+        hidden, logits, _, _ = self.runner.level(run, depth, torch.tensor(tokens, device=device),
+                                                 torch.stack(parents).view(bb, rows, -1),
+                                                 torch.tensor(real, device=device))
+        for i, nodes in feed.items():
+            for r, node in enumerate(nodes):
+                node.hidden, node.logits = hidden[i, r], logits[i, r]
+
+    @staticmethod
+    def _tree_rule(trees: list["_TreeGrowth"], feed: dict[int, list["_Node"]], bb: int, rows: int,
+                   depth: int) -> list:
+        """(Bb, R, depth * R) nested lists: row (i, r) of this level may see the drafted slots of
+        its ancestors and itself (a padding row: itself, so its softmax is never empty)."""
+        rule = [[[False] * (depth * rows) for _ in range(rows)] for _ in range(bb)]
+        for i in range(bb):
+            for r in range(rows):
+                rule[i][r][(depth - 1) * rows + r] = True
+        for i, nodes in feed.items():
+            slots = trees[i].slots
+            for r, node in enumerate(nodes):
+                for a in trees[i].ancestors[node.index]:
+                    rule[i][r][slots[a]] = True
+        return rule
 
 
     @torch.inference_mode()
@@ -297,11 +402,30 @@ class SparrowProposer:
         self.commit([state], [StepResult(None, list(tokens), features)])
 
 
+def static_runner(draft: SparrowDraft, spec: SpecConfig) -> DraftRunner | None:
+    """The static runner (SpecConfig.draft_step "static" or "compiled") of this draft and spec,
+    or None for the reference path: asked for, or the context is not "text" (a full-attention
+    context grows with the video: no fixed shape), or the attention backend takes no batched mask."""
+    if spec.draft_step == "reference" or spec.draft_context != "text" or draft.attention_backend not in STATIC_BACKENDS:
+        return None
+    rows, tree = spec.tree_width, spec.tree_width > 1 or spec.tree_branch > 1
+    # A "text" draft cache holds at most glimpse + anchors + 2 windows of entries when a step
+    # begins (begin_context sizes it so; commit evicts before it runs short); then k - 1 levels.
+    slots = spec.glimpse + spec.anchors + 2 * spec.window + 1 + (spec.num_draft_tokens - 1) * rows
+    return DraftRunner(draft, spec.window, -(-slots // 16) * 16, rows, tree, compiled=spec.draft_step == "compiled")
+
+
+def _chain_lengths(batch: list[DraftRequest], spec: SpecConfig) -> list[int]:
+    """Each request's chain length: its k, cut by its node budget (as _TreeGrowth cuts it)."""
+    return [min(r.k, spec.max_tree_nodes(r.k), r.budget or 1 << 30) for r in batch]
+
+
 @dataclass(slots=True)
 class _Node:
     index: int                     # node index in the tree (-1: the root)
     hidden: torch.Tensor | None    # draft output at this node (its children's distribution comes from it)
     score: float                   # cumulative draft log-probability
+    logits: torch.Tensor | None = None    # (V,) its children's logits, when a static level computed them
 
 
 class _TreeGrowth:
@@ -319,18 +443,20 @@ class _TreeGrowth:
         self.ancestors: dict[int, list[int]] = {-1: []}
         self.path_of: dict[int, tuple[int, ...]] = {-1: ()}       # node -> the tokens from the root to it
         self.path_score: dict[tuple[int, ...], float] = {}        # token path -> its first node's score
+        self.slots: dict[int, int] = {}                # node -> its drafted slot in a static DraftBatch
         self.budget = min(spec.max_tree_nodes(request.k), request.budget or 1 << 30)
 
-    def add_children(self, node: _Node, logits: torch.Tensor, depth: int) -> list[_Node]:
+    def add_children(self, node: _Node, logits: torch.Tensor, depth: int,
+                     top: tuple[list[int], list[float]] | None = None) -> list[_Node]:
+        """top: at T=0, the node's tree_branch most probable tokens and their log-probabilities
+        (the level's, read once: `SparrowProposer._greedy_top`)."""
         room = self.budget - len(self.tokens)
         n = min(self.spec.tree_branch, room)
         if n <= 0:
             return []
         sampling = self.request.sampling
         if sampling.greedy:
-            logp = torch.log_softmax(logits.float(), -1)
-            top = torch.topk(logp, n)
-            picks, scores, row = top.indices.tolist(), top.values.tolist(), None
+            picks, scores, row = top[0][:n], top[1][:n], None
         else:
             q = draft_probs(logits, sampling, self.spec.draft_mass, self.spec.draft_max_candidates)
             picks = torch.multinomial(q, n, replacement=True, generator=self.request.generator).tolist()
