@@ -30,7 +30,9 @@ def app_settings(args: argparse.Namespace):
     deployments = json.loads(Path(args.ray_config).read_text()) if args.ray_config else {}
     return AppSettings(
         target=_target_spec(args), draft=_draft_spec(args),
-        draft_placement=args.draft_placement, spec=SpecConfig(num_draft_tokens=args.k), cache=args.cache,
+        draft_placement=args.draft_placement, cache=args.cache,
+        spec=SpecConfig() if args.k is None else SpecConfig(num_draft_tokens=args.k),
+        spec_given=frozenset() if args.k is None else frozenset({"num_draft_tokens"}),
         service=service, target_deployment=deployments.get("target", {}), draft_deployment=deployments.get("draft", {}),
         dtype=args.dtype, device=args.device, device_map=args.device_map, verify_attention=args.verify_attention)
 
@@ -65,8 +67,13 @@ def models_line(settings) -> str:
     if settings.draft is None:
         return f"sparrow: models: target {target}; no draft (plain decoding)"
     draft = settings.draft + (" (random)" if settings.draft.startswith("tiny") else "")
-    return (f"sparrow: models: target {target}; draft {draft} ({settings.spec.method}, "
-            f"k={settings.spec.num_draft_tokens}, {settings.draft_placement})")
+    from sparrow.models.draft import GEOMETRY_KEYS
+
+    trained = [key for key in GEOMETRY_KEYS if key not in settings.spec_given]
+    geometry = ("" if "num_draft_tokens" in trained else f"k={settings.spec.num_draft_tokens}, ") + \
+        (f"{'/'.join(trained)} as the draft was trained (its checkpoint's, else the defaults)" if trained else "")
+    return (f"sparrow: models: target {target}; draft {draft} ({settings.spec.method}, {geometry.rstrip(', ')}, "
+            f"{settings.draft_placement})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,7 +146,8 @@ def add_command(sub, common) -> None:
                                    "default target, tiny for a tiny target, none for a target given by directory)")
     p.add_argument("--draft-placement", choices=("colocated", "remote"), default="colocated",
                    help="colocated: the draft runs in the target's process; remote (--ray only): a DraftDeployment")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per step (default 4)")
+    p.add_argument("--k", type=int, default=None,
+                   help="draft tokens per step (default: the draft's trained k, else 4)")
     add_placement_arguments(p, device_map=True)
     from sparrow.models.ragged import VERIFY_KERNELS
     p.add_argument("--verify-attention", choices=("auto", "sdpa", *VERIFY_KERNELS), default="auto",

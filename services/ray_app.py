@@ -120,7 +120,7 @@ class DraftDeployment:
     def __init__(self, settings: AppSettings):
         draft = load_draft(settings.draft, load_heads(settings.target, settings.dtype, settings.device),
                            settings.draft_arch)
-        self.worker = DraftWorker(SparrowProposer(draft, settings.spec), open_cache(settings.cache))
+        self.worker = DraftWorker(SparrowProposer(draft, settings.spec_for(draft)), open_cache(settings.cache))
         self.replica = ray.get_runtime_context().get_actor_name() or ""
         self.clients: weakref.WeakValueDictionary[str, DraftSessions] = weakref.WeakValueDictionary()
         self.idle_s, self._swept = settings.draft_session_idle_s, 0.0

@@ -54,6 +54,8 @@ def settings_from_args(args: Mapping[str, Any] | None) -> AppSettings:
                 raise ValueError(f"settings.{name} must be a mapping, got {type(given).__name__}")
             _reject_unknown(given, cls, f"settings.{name}")
             values[name] = cls(**_coerce(cls, given))
+            if name == "spec":
+                values["spec_given"] = frozenset(given)
     return AppSettings(**_coerce(AppSettings, values))
 
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from sparrow.config import SpecConfig
-from sparrow.models.draft import DraftArchitecture
+from sparrow.models.draft import DraftArchitecture, SparrowDraft
 from sparrow.config import EngineConfig
 from sparrow.engine import Engine
 from sparrow.models.placement import check_placement
@@ -39,6 +39,9 @@ class AppSettings:
     draft: str | None = None
     draft_placement: str = "colocated"
     spec: SpecConfig = SpecConfig()
+    # The spec fields the operator set (settings file, inline args, flags): every other window /
+    # anchors / glimpse / k / context field comes from the draft's checkpoint (spec_for).
+    spec_given: frozenset[str] = frozenset()
     draft_arch: DraftArchitecture = DraftArchitecture()     # a tiny: draft's shape; a loaded draft's attention backend
     engine: EngineConfig = EngineConfig()
     cache: str = "memory"
@@ -69,6 +72,11 @@ class AppSettings:
                 and self.spec.draft_max_candidates == 0):
             object.__setattr__(self, "spec", dataclasses.replace(self.spec, **REMOTE_DRAFT_CUT))   # replicas + fallback
 
+    def spec_for(self, draft: SparrowDraft) -> SpecConfig:
+        """The spec a server runs `draft` with: the geometry it was trained with (its checkpoint's
+        trained_with) wherever the settings do not set the field."""
+        return self.spec.with_geometry(draft.trained_with, self.spec_given)
+
     @property
     def placement(self) -> str:
         return "none" if self.draft is None else self.draft_placement
@@ -85,6 +93,8 @@ def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, Stat
     prefix = PrefixCache(settings.prefix_cache_bytes, settings.prefix_cache_entries)
     if settings.draft is None:
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=prefix, config=settings.engine), cache
-    local = SparrowProposer(load_draft(settings.draft, target, settings.draft_arch), settings.spec)
-    proposer = local if draft_client is None else RemoteDraftProposer(draft_client, local, settings.spec, cache)
-    return Engine(target, spec=settings.spec, proposer=proposer, prefix_cache=prefix, config=settings.engine), cache
+    draft = load_draft(settings.draft, target, settings.draft_arch)
+    spec = settings.spec_for(draft)
+    local = SparrowProposer(draft, spec)
+    proposer = local if draft_client is None else RemoteDraftProposer(draft_client, local, spec, cache)
+    return Engine(target, spec=spec, proposer=proposer, prefix_cache=prefix, config=settings.engine), cache

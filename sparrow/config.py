@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import InvalidRequest
 
@@ -116,6 +119,13 @@ class SpecConfig:
     # attention; anything else runs the reference.
     draft_step: str = "static"
 
+    def with_geometry(self, trained_with: Mapping[str, Any], given: Collection[str] = ()) -> "SpecConfig":
+        """This spec with a draft's trained geometry (SparrowDraft.trained_with: window, anchors,
+        glimpse, num_draft_tokens, draft_context) in every field not named in `given` (the
+        fields a user set)."""
+        fields = {k: v for k, v in trained_with.items() if k not in given and k in self.__dataclass_fields__}
+        return dataclasses.replace(self, **fields) if fields else self
+
     def __post_init__(self) -> None:
         check(self.method in SPEC_METHODS, f"method must be one of {SPEC_METHODS}, got {self.method!r}")
         check(1 <= self.num_draft_tokens <= 32, f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
@@ -154,11 +164,14 @@ class EngineConfig:
     max_waiting          requests waiting for KV memory; past it, new ones are refused
     queue_timeout_s      how long a request may wait for KV memory before it is refused
     prefill_chunk_tokens the most prompt positions per prefill slice
-    prefill_slice_s      while streams are decoding, a slice is sized to take about this long
-                         (from the measured cost of the request's previous slice: it grows with
-                         the cached length), so a running stream waits about this much at most
+    prefill_slice_s      while streams are decoding or other prefills wait, a slice is sized to
+                         take about this long (from the measured cost of the request's previous
+                         slice: it grows with the cached length), so a running stream waits
+                         about this much at most; the prefill with the fewest positions left
+                         runs first (scheduler.OLDEST_EVERY: the oldest is never starved)
     prefill_share        ... and prefill gets about this share of the time while streams decode
-                         (the rest goes to decode steps); alone, a prefill runs at full chunks
+                         (the rest goes to decode steps); alone, a prefill runs slices of about
+                         4 x prefill_slice_s (scheduler.ALONE_SLICES), at most a chunk
     prepare_threads      videos decoded at once (off the scheduler thread)
     step_draft_nodes     draft-tree nodes a whole step may verify, shared by the requests that
                          draft (each gets at most its equal share, however large its tree

@@ -24,6 +24,7 @@ from .chat import Prompt
 from .config import EngineConfig, SamplingParams, SpecConfig
 from .errors import InvalidRequest, ResourceExhausted
 from .model_runner import ModelRunner
+from .models.draft import SparrowDraft
 from .models.target import TargetModel
 from .output import GenerationOutput, TokenDelta
 from .prefix_cache import PrefixCache, PrefixEntry
@@ -92,7 +93,9 @@ class Engine:
                  config: EngineConfig | None = None, step_costs: CostModel | None = None):
         self.target = target
         self.prefix_cache = prefix_cache
-        self.spec = spec or SpecConfig()
+        # No spec: the library's defaults, with the geometry the draft was trained with.
+        trained = draft.trained_with if isinstance(draft, SparrowDraft) else {}
+        self.spec = spec or SpecConfig().with_geometry(trained)
         if self.spec.speculative and proposer is None:
             if draft is None:
                 raise InvalidRequest(f"method {self.spec.method!r} needs a draft (or a proposer)")
@@ -117,7 +120,10 @@ class Engine:
                num_draft_tokens: int | None = None, sink: Callable[[Any], None],
                prefix: PrefixEntry | None = None) -> Request:
         """Start a request; its events go to `sink` from the engine's threads: TokenDelta
-        items, then a GenerationOutput or an exception. `request.abort()` stops it.
+        items, then a GenerationOutput or an exception. `request.abort()` stops it, at any
+        stage: a video not yet decoded is never decoded, one being decoded stops at its next
+        packet. `video`: a source, a ProcessedVideo, or a callable taking the request's abort
+        event and returning either (called only when the prefix cache cannot answer).
         prefix: the video already prefilled (a live window's snapshot, sparrow/live.py): the
         request prefills only its own text on a copy of it; `video` is then unused."""
         if isinstance(prompt, list):

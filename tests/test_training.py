@@ -8,6 +8,7 @@ import torch
 from helpers import check_unroll_equals_proposer
 
 from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.models.draft import SparrowDraft
 from sparrow.speculative.sparrow_proposer import build_context
 from sparrow.tiny import synthetic_frames, tiny_draft
 from sparrow.training import DraftTrainer, Sample, TrainConfig, load_samples
@@ -133,3 +134,6 @@ def test_a_fresh_run_starts_its_own_log(qwen_target, tmp_path):
         DraftTrainer.fresh(qwen_target, samples, CFG, log=lambda _: None, out_dir=tmp_path).fit()
         steps = [json.loads(line)["step"] for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
         assert steps == list(range(1, CFG.steps + 1))
+    # the geometry it was trained with travels with the checkpoint (tests/test_draft_geometry.py)
+    trained = SparrowDraft.from_pretrained(tmp_path).trained_with
+    assert (trained["window"], trained["anchors"], trained["num_draft_tokens"]) == (8, 16, CFG.eval_draft_tokens)

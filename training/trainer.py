@@ -31,7 +31,7 @@ import torch
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.engine import Engine
 from sparrow.errors import InvalidRequest, SparrowError
-from sparrow.models.draft import DraftConfig, SparrowDraft
+from sparrow.models.draft import GEOMETRY_KEYS, DraftConfig, SparrowDraft
 from sparrow.models.target import TargetModel
 from sparrow.video import VideoOptions
 
@@ -81,6 +81,8 @@ class DraftTrainer:
             raise InvalidRequest("no training samples")
         target.hf.requires_grad_(False)
         self.target, self.draft, self.samples, self.cfg = target, draft.train(), samples, cfg
+        spec = cfg.spec()             # what the draft is trained for travels with its checkpoint
+        draft.trained_with = {key: getattr(spec, key) for key in GEOMETRY_KEYS}
         self.heldout = list(heldout or [])
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))

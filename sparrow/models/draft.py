@@ -27,6 +27,9 @@ from ..window import window_mask
 from .attention import get_backend
 
 CONFIG_NAME = "sparrow_draft.json"
+# The inference geometry a draft was trained with (SpecConfig fields), saved in its config file
+# under "trained_with": what an engine or server runs it with unless told otherwise.
+GEOMETRY_KEYS = ("window", "anchors", "glimpse", "num_draft_tokens", "draft_context")
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -312,6 +315,7 @@ class SparrowDraft(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.attention_backend = attention_backend
         self._shared: tuple[nn.Module, nn.Module] | None = None   # (embed, lm_head), not registered
+        self.trained_with: dict = {}       # GEOMETRY_KEYS it was trained with (set by the trainer)
 
     # ----- construction / persistence ------------------------------------------------------
     @classmethod
@@ -342,7 +346,10 @@ class SparrowDraft(nn.Module):
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
+        config = asdict(self.config)
+        if self.trained_with:
+            config["trained_with"] = {k: self.trained_with[k] for k in GEOMETRY_KEYS if k in self.trained_with}
+        (path / CONFIG_NAME).write_text(json.dumps(config, indent=2))
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path / WEIGHTS_NAME))
 
     @classmethod
@@ -350,8 +357,11 @@ class SparrowDraft(nn.Module):
         path = Path(path)
         if not (path / CONFIG_NAME).is_file():
             raise InvalidRequest(f"{path} holds no Sparrow draft ({CONFIG_NAME} missing)")
-        cfg = DraftConfig(**json.loads((path / CONFIG_NAME).read_text()))
+        config = json.loads((path / CONFIG_NAME).read_text())
+        trained_with = config.pop("trained_with", None) or {}
+        cfg = DraftConfig(**config)
         draft = cls(cfg, attention_backend)
+        draft.trained_with = {k: trained_with[k] for k in GEOMETRY_KEYS if k in trained_with}
         draft.load_state_dict(load_file(str(path / WEIGHTS_NAME)))
         if target is not None:
             draft = draft.to(target.device, target.hf.dtype).bind(target)
