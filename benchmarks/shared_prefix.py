@@ -67,5 +67,5 @@ def share_prefix(target: TargetModel, processed: ProcessedVideo, prompt: str, en
     return keys, seconds
 
 
-def no_video():
+def no_video(cancelled=None):
     raise RuntimeError("benchmark prefix missing from the prefix cache (evicted?): refusing to re-prefill")

@@ -152,8 +152,8 @@ class SparrowService:
         source, content, check, close = await self._source(request.video)
         processor, policy = self.engine.target.processor, self.policy
 
-        def decode():
-            video = prepare_video(source(), processor, options, policy=policy)
+        def decode(cancelled):
+            video = prepare_video(source(), processor, options, policy=policy, cancelled=cancelled)
             check()        # a file written to while it was read is refused, never cached under its old hash
             return video
 

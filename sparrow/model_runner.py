@@ -17,6 +17,7 @@ the proposer and the KV arena; it knows nothing of queues, admission or threads.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -65,12 +66,16 @@ class ModelRunner:
         return self._arena
 
     # ----- a request's start -----------------------------------------------------------------------
-    def process_video(self, video, options: VideoOptions | None = None) -> ProcessedVideo:
-        if callable(video):         # deferred: decoded only when no cached prefill can be used
-            video = video()
+    def process_video(self, video, options: VideoOptions | None = None,
+                      cancelled: threading.Event | None = None) -> ProcessedVideo:
+        """video: a source, a ProcessedVideo, or a deferred one (decoded only when no cached
+        prefill can be used): a callable given `cancelled` that returns either. `cancelled`
+        (a request's abort) stops the decode at its next packet with RequestAborted."""
+        if callable(video):
+            video = video(cancelled)
         if isinstance(video, ProcessedVideo):
             return video
-        return prepare_video(video, self.target.processor, options or VideoOptions())
+        return prepare_video(video, self.target.processor, options or VideoOptions(), cancelled=cancelled)
 
     def prepare(self, request: Request) -> None:
         """On a worker thread: validate, decode the video (unless the prefix cache has its
@@ -90,13 +95,13 @@ class ModelRunner:
         needs = self.proposer.needs if want else FeatureNeeds()
         t0 = time.perf_counter()
         entry = given if given is not None else self.prefix_cache.get(request.video_key) if use_prefix else None
-        processed = entry.video if entry is not None else self.process_video(request.video, request.options)
+        processed = entry.video if entry is not None else self.process_video(request.video, request.options, request.aborted)
         inputs = target.build_inputs(processed, request.prompt)
         if given is not None and not given.prefix.matches(inputs["input_ids"][0], target.video_token_id):
             raise InvalidRequest("the question must follow the video (a live window's prompt starts with it)")
         if given is None and entry is not None and (not entry.prefix.matches(inputs["input_ids"][0], target.video_token_id)
                                                     or (needs.visual_features and entry.prefix.visual_features is None)):
-            entry, processed = None, self.process_video(request.video, request.options)   # text before the video
+            entry, processed = None, self.process_video(request.video, request.options, request.aborted)   # text before the video
             inputs = target.build_inputs(processed, request.prompt)
         m.video_seconds = time.perf_counter() - t0
         m.prompt_tokens, m.visual_tokens = inputs["input_ids"].shape[1], processed.num_visual_tokens

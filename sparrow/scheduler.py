@@ -45,6 +45,8 @@ from .step_costs import CostModel
 log = logging.getLogger(__name__)
 
 FIRST_SLICE = 256      # prompt positions of a prefill's first slice while streams decode
+ALONE_SLICES = 4       # a prefill alone runs slices of about this many prefill_slice_s
+OLDEST_EVERY = 4       # every 4th prefill slice goes to the oldest prefill, the rest to the shortest
 EXIT_JOIN_S = 5.0      # at interpreter exit, how long each scheduler's threads get to stop
 
 # Every scheduler not yet collected, and every thread they started: at interpreter exit the
@@ -73,9 +75,13 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
+        self._slices = 0                             # prefill slices chosen (OLDEST_EVERY)
         # Counters for operators and tests: decode steps, the largest batch, requests that had
-        # to wait for KV memory, prefill slices run.
-        self.stats = {"steps": 0, "max_batch": 0, "waited_for_memory": 0, "prefill_slices": 0, "tasks": 0}
+        # to wait for KV memory, prefill slices run; requests that ended (abort, deadline) before
+        # their preparation began, while it ran (stopped there), or just as it finished (its
+        # work wasted: never more than the one in-flight packet's worth, which the abort raced).
+        self.stats = {"steps": 0, "max_batch": 0, "waited_for_memory": 0, "prefill_slices": 0, "tasks": 0,
+                      "ended_before_prepare": 0, "ended_while_preparing": 0, "prepared_dead": 0}
 
     # ----- submission (any thread) ---------------------------------------------------------------
     def submit(self, video, prompt: str, sampling: SamplingParams, options, video_key: str | None,
@@ -138,11 +144,21 @@ class Scheduler:
                     self._preparers -= 1
                     return
                 request = self._to_prepare.popleft()
-            try:
-                self.runner.prepare(request)
-            except BaseException as exc:  # noqa: BLE001 - handed to the request's reader
-                request.sink(exc)
-                continue
+            # An ended request costs nothing more: not prepared at all, or its decode stopped at
+            # the next packet (RequestAborted); admission then finishes it as "abort".
+            if request.aborted.is_set():
+                self.stats["ended_before_prepare"] += 1
+            else:
+                try:
+                    self.runner.prepare(request)
+                except BaseException as exc:  # noqa: BLE001 - handed to the request's reader
+                    if not request.aborted.is_set():
+                        request.sink(exc)
+                        continue
+                    self.stats["ended_while_preparing"] += 1
+                else:
+                    if request.aborted.is_set():       # ended just as its preparation finished
+                        self.stats["prepared_dead"] += 1
             with self._cv:
                 self._ready.append(request)
                 self._ensure_thread()
@@ -183,12 +199,12 @@ class Scheduler:
     def _admit(self) -> None:
         """Waiting requests get a KV slot in arrival order, while memory and max_running allow."""
         cfg = self.config
+        # Ended requests leave every queue at once (not when they reach its head): their KV
+        # slots and prefill jobs are freed within one loop turn.
+        for request in [r for r in (*self._waiting, *self._prefilling) if r.aborted.is_set()]:
+            self._finish(request, "abort")
         while self._waiting:
             request = self._waiting[0]
-            if request.aborted.is_set():
-                self._waiting.popleft()
-                self._finish(request, "abort")
-                continue
             if self.num_running >= cfg.max_running:
                 return
             slot = self.runner.arena.allocate(request.capacity)
@@ -214,30 +230,37 @@ class Scheduler:
             self._prefilling.append(request)
 
     def _prefill_slice(self) -> None:
-        """One chunk of the oldest prefill: a long prompt is spread over several loop turns.
-        While streams decode, a slice is sized to about prefill_slice_s (from the measured
-        seconds per position of the request's last slice) and slices wait their turn so that
-        prefill takes about prefill_share of the time; alone, a prefill runs full chunks."""
+        """One chunk of one prefill: a long prompt is spread over several loop turns. The
+        prefill with the fewest positions left goes first (a short question is not queued
+        behind a 25k-token video), except that every OLDEST_EVERY-th slice goes to the oldest
+        (a long prefill is never starved). While streams decode or other prefills wait, a
+        slice is sized to about prefill_slice_s (from the measured seconds per position of
+        the request's last slice: it grows with the cached length); while streams decode,
+        slices also wait their turn so that prefill takes about prefill_share of the time.
+        Alone, a prefill runs slices of about ALONE_SLICES x prefill_slice_s (at most a chunk):
+        a request that arrives meanwhile waits at most that for its first slice."""
         if not self._prefilling:
             return
         cfg, now = self.config, time.perf_counter()
         if self._running and now < self._next_slice_at:
             return
-        request = self._prefilling[0]
+        request = self._next_prefill()
         if request.aborted.is_set():
-            self._prefilling.popleft()
+            self._prefilling.remove(request)
             self._finish(request, "abort")
             return
         limit = None
-        if self._running:         # unmeasured yet: a probe of FIRST_SLICE positions
+        if self._running or len(self._prefilling) > 1:     # unmeasured yet: a probe of FIRST_SLICE positions
             limit = (max(16, int(cfg.prefill_slice_s / request.prefill_s_per_token))
                      if request.prefill_s_per_token else FIRST_SLICE)
+        elif request.prefill_s_per_token:        # alone: longer slices, still short enough for a newcomer
+            limit = max(16, int(ALONE_SLICES * cfg.prefill_slice_s / request.prefill_s_per_token))
         start = request.job.cursor
         t0 = time.perf_counter()
         try:
             done = request.job.step(limit)
         except Exception as exc:  # noqa: BLE001 - e.g. a vision tower that rejects this video
-            self._prefilling.popleft()
+            self._prefilling.remove(request)
             self._finish(request, error=exc)
             return
         spent = time.perf_counter() - t0
@@ -246,7 +269,7 @@ class Scheduler:
         self._next_slice_at = time.perf_counter() + spent * (1 - cfg.prefill_share) / cfg.prefill_share
         self.stats["prefill_slices"] += 1
         if done:
-            self._prefilling.popleft()
+            self._prefilling.remove(request)
             try:
                 first = self.runner.start_decoding(request)
             except Exception as exc:  # noqa: BLE001
@@ -254,6 +277,14 @@ class Scheduler:
                 return
             self._running.append(request)
             self._emit(request, [first])
+
+    def _next_prefill(self) -> Request:
+        """The prefill whose slice runs next: fewest positions left (ties: the oldest); every
+        OLDEST_EVERY-th slice, the oldest."""
+        self._slices += 1
+        if self._slices % OLDEST_EVERY == 0:
+            return self._prefilling[0]
+        return min(self._prefilling, key=lambda r: r.job.end - r.job.cursor)     # min keeps the first of ties
 
     def _run_task(self) -> None:
         """One call_soon task, paced like a prefill slice while streams decode."""

@@ -19,7 +19,7 @@ def test_follow_up_reuses_the_video_prefill_and_equals_hf_generate(any_target, s
     engine = Engine(any_target, tiny_draft(any_target), SPEC, prefix_cache=PrefixCache(max_entries=2))
     decoded = []
 
-    def video():                                   # called on a prefix-cache miss only
+    def video(cancelled):                          # called on a prefix-cache miss only
         decoded.append(1)
         return small_video
 

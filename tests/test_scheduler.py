@@ -9,6 +9,7 @@ import pytest
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest, ResourceExhausted, VideoError
 from sparrow.config import EngineConfig
+from sparrow.scheduler import OLDEST_EVERY
 from sparrow.speculative.proposer import Proposer
 from sparrow.speculative.registry import PROPOSERS, build_proposer
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
@@ -179,3 +180,81 @@ def test_adaptive_k_stays_lossless_and_drops_to_plain_decoding_for_a_useless_dra
     late = outs[-1].metrics
     assert late.draft_tokens < late.steps * 4 / 2       # far fewer drafts than a fixed k = 4 would make
     assert engine.scheduler.policy.costs.verify_samples   # it measured the verify costs it chose from
+
+
+# ----- ended requests cost nothing; short prefills are not queued behind long ones ------------------
+def test_an_ended_request_is_never_prepared_and_its_decode_stops(qwen_target, small_video, tmp_path):
+    """With the only preparer busy, a request aborted while queued is never prepared (its deferred
+    video never decoded); a video read whose request ended stops at the next packet."""
+    from sparrow.errors import RequestAborted
+    from sparrow.video import VideoOptions, load_frames
+    from sparrow.video.synthetic import write_synthetic_video
+
+    engine = Engine(qwen_target, spec=SpecConfig(method="none"), config=EngineConfig(prepare_threads=1))
+    release, decoded, outputs = threading.Event(), [], []
+
+    def blocking(cancelled):
+        release.wait(10)
+        return small_video
+
+    def counted(cancelled):
+        decoded.append(1)
+        return small_video
+
+    first = engine.submit(blocking, PROMPTS[0], SamplingParams(max_new_tokens=2), sink=outputs.append)
+    second = engine.submit(counted, PROMPTS[0], SamplingParams(max_new_tokens=2), sink=outputs.append)
+    second.abort()
+    release.set()
+    deadline = time.monotonic() + 30
+    while sum(1 for o in outputs if hasattr(o, "finish_reason")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    finals = [o for o in outputs if hasattr(o, "finish_reason")]
+    assert sorted(o.finish_reason for o in finals) == ["abort", "length"] and not decoded
+    stats = engine.scheduler.stats
+    assert (stats["ended_before_prepare"], stats["prepared_dead"]) == (1, 0)
+    assert first.done and second.done
+
+    path = write_synthetic_video(tmp_path / "v.mp4", num_frames=48, width=64, height=64, fps=8.0, seed=3).path
+    ended = threading.Event()
+    ended.set()
+    with pytest.raises(RequestAborted):
+        load_frames(path, VideoOptions(num_frames=48), cancelled=ended)
+    assert len(load_frames(path, VideoOptions(num_frames=8), cancelled=threading.Event()).frames) == 8
+
+
+def test_a_short_prefill_is_not_queued_behind_a_long_one(qwen_target):
+    """A 1k-position prefill runs in 32-position slices; a short request that arrives while it
+    runs gets its slices next (fewest positions left first): between the short's admission and
+    its first token the long one only gets the oldest's turns (one slice in OLDEST_EVERY), and
+    it still finishes with the target's own tokens."""
+    engine = Engine(qwen_target, spec=SpecConfig(method="none"), config=EngineConfig(prefill_chunk_tokens=32))
+    scheduler, marks = engine.scheduler, {}
+    real_job = engine.runner.prefill_job
+
+    def job(request):
+        marks.setdefault(request.id, scheduler.stats["prefill_slices"])      # admitted: slices so far
+        return real_job(request)
+
+    engine.runner.prefill_job = job
+    long_video = synthetic_frames(128, 112, 112, seed=4)                # 1024 visual tokens: 32+ slices
+    long = engine.stream(long_video, PROMPTS[0], SamplingParams(max_new_tokens=3))
+    while scheduler.stats["prefill_slices"] < 2:
+        time.sleep(0.005)
+    first_token = {}
+
+    def short_sink(item):
+        first_token.setdefault("slices", scheduler.stats["prefill_slices"])
+        first_token.setdefault("long_left", long.request.job.end - long.request.job.cursor
+                               if long.request.job is not None else 0)
+
+    short = engine.submit(synthetic_frames(4, 56, 56, seed=1), PROMPTS[1], SamplingParams(max_new_tokens=1),
+                          sink=short_sink)
+    rest = [t for d in long for t in d.token_ids]
+    deadline = time.monotonic() + 30
+    while not short.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    short_slices = -(-short.metrics.prompt_tokens // 32)
+    long_turns = -(-short_slices // (OLDEST_EVERY - 1)) + 1
+    assert first_token["slices"] - marks[short.id] <= short_slices + long_turns
+    assert first_token["long_left"] > 500                                # most of the long prefill still to run
+    assert rest == hf_greedy(qwen_target, engine, long_video, PROMPTS[0], 3)

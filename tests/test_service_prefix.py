@@ -32,7 +32,7 @@ def test_second_question_reuses_the_video_prefill(any_target, small_video):
     cached, plain = Engine(any_target, draft, SPEC, prefix_cache=cache), Engine(any_target, draft, SPEC)
     calls = []
 
-    def video():                                          # decoded on a miss only
+    def video(cancelled):                                 # decoded on a miss only
         calls.append(1)
         return small_video
 

@@ -133,7 +133,7 @@ def run_long_demo(cfg: LongDemoConfig, print_fn: Callable[..., None] = print,
 _KEY = "demo-long-video"
 
 
-def _cached_only():
+def _cached_only(cancelled=None):
     raise RuntimeError("the video's prefix left the prefix cache: refusing to decode it again")
 
 
@@ -162,7 +162,7 @@ def _stream_first(engine: Engine, processed: ProcessedVideo, prompt: str, sampli
                   print_fn, progress: TextIO) -> GenerationOutput:
     """Sparrow's answer, streamed; the prefill's progress on `progress` until the first token."""
     line = ProgressLine("prefill (Sparrow)", processed.num_visual_tokens, " positions", progress)
-    gen = engine.stream(lambda: processed, prompt, sampling, video_key=_KEY)
+    gen = engine.stream(lambda cancelled: processed, prompt, sampling, video_key=_KEY)
     stop = watch_prefill(gen, line)
     started = False
     try:
@@ -186,7 +186,7 @@ def _stream_first(engine: Engine, processed: ProcessedVideo, prompt: str, sampli
 def _prefill_run(name: str, engine: Engine, processed: ProcessedVideo, prompt: str, sampling: SamplingParams,
                  progress: TextIO) -> GenerationOutput:
     line = ProgressLine(f"prefill ({LABELS[name]})", processed.num_visual_tokens, " positions", progress)
-    gen = engine.stream(lambda: processed, prompt, sampling, video_key=_KEY)
+    gen = engine.stream(lambda cancelled: processed, prompt, sampling, video_key=_KEY)
     stop = watch_prefill(gen, line)
     try:
         for _ in gen:

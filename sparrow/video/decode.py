@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import math
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -55,6 +56,7 @@ def load_frames(
     *,
     policy: SourcePolicy | None = None,
     processor: VideoProcessor | None = None,
+    cancelled: threading.Event | None = None,
 ) -> Frames:
     """Sampled frames of `source`, with their timestamps.
 
@@ -65,6 +67,8 @@ def load_frames(
         local path, no URL. A service always passes one.
     processor: when given, frames its token budget would drop are not decoded at all
         (`processor.process` would drop them anyway, so the result is the same, sooner).
+    cancelled: set by the caller (a request's abort): the load stops at the next packet with
+        RequestAborted.
 
     The frame count is even (Qwen2.5-VL's temporal patch is 2 frames): the planned count is
     rounded to even up front, and if fewer distinct frames exist the last one is repeated.
@@ -72,7 +76,7 @@ def load_frames(
     options = options or VideoOptions()
     if isinstance(source, np.ndarray):
         return _frames_from_array(source, options, processor)
-    deadline = Deadline(options.timeout_s)
+    deadline = Deadline(options.timeout_s, cancelled)
     with _pyav_errors(options, remote=is_url(source)):
         media = open_media(source, options, policy, deadline)
         return _decode(media, options, processor, deadline)

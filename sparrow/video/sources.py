@@ -13,6 +13,7 @@ import io
 import os
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -21,7 +22,7 @@ from typing import BinaryIO
 
 import av
 
-from sparrow.errors import InvalidRequest, SourceNotAllowed, VideoTimeout, VideoTooLarge, VideoUnreadable
+from sparrow.errors import InvalidRequest, RequestAborted, SourceNotAllowed, VideoTimeout, VideoTooLarge, VideoUnreadable
 from sparrow.video.live import LiveSnapshot, LiveSource
 from sparrow.video.options import MiB, VideoOptions
 from sparrow.video.policy import SourcePolicy, is_url
@@ -39,12 +40,15 @@ _READ_CHUNK = 1 * MiB
 
 
 class Deadline:
-    """Wall-clock budget of one load: checked between packets and reads."""
+    """Wall-clock budget of one load, and its caller's cancellation (`cancelled`, e.g. the
+    request's abort event): checked between packets and reads."""
 
-    def __init__(self, seconds: float):
-        self.seconds, self.end = seconds, time.monotonic() + seconds
+    def __init__(self, seconds: float, cancelled: threading.Event | None = None):
+        self.seconds, self.end, self.cancelled = seconds, time.monotonic() + seconds, cancelled
 
     def check(self) -> None:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise RequestAborted("the request ended while its video was being read")
         if time.monotonic() > self.end:
             raise VideoTimeout(f"reading the video took over {self.seconds:g} s (timeout_s); "
                                "send a shorter video or sample fewer frames")
