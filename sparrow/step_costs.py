@@ -9,9 +9,15 @@ cache holds ctx_r tokens. Its verify time is fitted as
 (a: the step's fixed cost; b: a row through the MLPs and the head; c: a row's attention over
 its cached keys, which on a CPU at 25k tokens is most of a step and on a GPU near nothing),
 and the draft's time for a step of depth k as d0 + d1 * k. Both are least squares over the
-last samples, coefficients kept >= 0. The first step of each size (rows in all, or draft
-depth) is not a sample: it pays one-time costs (kernels chosen, buffers allocated for a new
-shape) that can be several times a warm step's. The model says when it needs a sample it cannot get
+last samples, coefficients kept >= 0. The verify fit is local in the cached length: a
+sample's weight falls with how far its mean cached length is from the step's, by octaves
+(LOCALITY), because one line does not hold across lengths (below ~8k keys the CPU verify runs
+one masked call, above it the packed split, kernels/packed.py; fitted globally, the 0.5k and
+25k samples made a 25k row look twice as dear as it is, and the default engine stopped
+drafting where drafting paid). The first step of each size (rows in all, or draft depth) is
+not a sample: it pays one-time costs (kernels chosen, buffers allocated for a new shape)
+that can be several times a warm step's; nor is a step OUTLIER times slower than the fit
+predicts (a compile of a new draft shape, a pause of the process). The model says when it needs a sample it cannot get
 from the steps the policy would choose anyway (`wants_sample`): until it can tell a row's
 cost from the step's, and now and then so that a change of load is noticed.
 """
@@ -24,6 +30,8 @@ from typing import Protocol, Sequence
 import numpy as np
 
 WINDOW = 64            # samples kept per fit
+LOCALITY = 0.5         # a verify sample d octaves of cached length away weighs 1 / (1 + (d / LOCALITY)^2)
+OUTLIER = 5.0          # a sample this many times the fit's prediction is a one-off, not a cost
 RESAMPLE_EVERY = 50    # steps between samples taken only to keep the fit current
 
 
@@ -60,22 +68,23 @@ class MeasuredCosts:
     """The default CostModel: fitted from the steps this engine ran."""
 
     def __init__(self, window: int = WINDOW, resample_every: int = RESAMPLE_EVERY):
-        self.verify_samples: deque[tuple[float, float, float]] = deque(maxlen=window)   # (rows, rows x ctx, s)
+        # verify: (rows, rows x ctx / 1000, log2 of the mean cached length, seconds)
+        self.verify_samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self.draft_samples: deque[tuple[float, float]] = deque(maxlen=window)           # (depth, s)
         self.resample_every = resample_every
-        self._verify: np.ndarray | None = None        # (a, b, c), refitted lazily
+        self._verify: dict[int, np.ndarray] = {}      # half-octave of cached length -> (a, b, c), lazily
         self._draft: tuple[float, float] | None = None
         self._seen_rows: set[int] = set()             # step sizes run once already (warm)
         self._seen_depths: set[int] = set()
 
     def ready(self) -> bool:
-        return self._fit_verify() is not None
+        return len({s[0] for s in self.verify_samples}) >= 2    # a row's cost and the step's are apart
 
     def wants_sample(self, step: int) -> bool:
         return not self.ready() or step % self.resample_every == self.resample_every - 1
 
     def verify_s(self, rows: Sequence[int], contexts: Sequence[int]) -> float:
-        a, b, c = self._fit_verify()
+        a, b, c = self._fit_verify(_octaves(contexts))
         return float(a + b * sum(rows) + c * _attention(rows, contexts))
 
     def draft_s(self, depth: int) -> float:
@@ -87,24 +96,26 @@ class MeasuredCosts:
     def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
                draft_s: float) -> None:
         total = int(sum(rows))
-        if total in self._seen_rows:
-            self.verify_samples.append((float(total), _attention(rows, contexts), float(verify_s)))
-            self._verify = None
+        if total in self._seen_rows and not (self.ready() and verify_s > OUTLIER * self.verify_s(rows, contexts)):
+            self.verify_samples.append((float(total), _attention(rows, contexts), _octaves(contexts), float(verify_s)))
+            self._verify.clear()
         self._seen_rows.add(total)
         if depth > 0:
-            if depth in self._seen_depths:
+            if depth in self._seen_depths and not (self.draft_samples and draft_s > OUTLIER * self.draft_s(depth)):
                 self.draft_samples.append((float(depth), float(draft_s)))
                 self._draft = None
             self._seen_depths.add(depth)
 
-    def _fit_verify(self) -> np.ndarray | None:
-        if self._verify is None:
-            if len({s[0] for s in self.verify_samples}) < 2:     # a row's cost and the step's are not apart yet
-                return None
+    def _fit_verify(self, octaves: float) -> np.ndarray:
+        """(a, b, c) weighted towards samples near `octaves` (log2 of the step's mean cached
+        length); kept per half-octave. Callers check `ready` first."""
+        key = round(2 * octaves)
+        if key not in self._verify:
             data = np.array(self.verify_samples)
-            x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-            self._verify = _nonnegative_lstsq(x, data[:, 2])
-        return self._verify
+            w = np.sqrt(1.0 / (1.0 + ((data[:, 2] - key / 2) / LOCALITY) ** 2))
+            x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]]) * w[:, None]
+            self._verify[key] = _nonnegative_lstsq(x, data[:, 3] * w)
+        return self._verify[key]
 
     def _fit_draft(self) -> tuple[float, float]:
         """(d0, d1); with one depth seen so far, proportional to the depth; none seen: free
@@ -119,6 +130,11 @@ class MeasuredCosts:
                 d0, d1 = _nonnegative_lstsq(np.column_stack([np.ones(len(data)), data[:, 0]]), data[:, 1])
                 self._draft = (float(d0), float(d1))
         return self._draft
+
+
+def _octaves(contexts: Sequence[int]) -> float:
+    """log2 of a step's mean cached length (where its verify cost is fitted)."""
+    return float(np.log2(max(1.0, sum(contexts) / max(1, len(contexts)))))
 
 
 def _attention(rows: Sequence[int], contexts: Sequence[int]) -> float:

@@ -98,6 +98,24 @@ def test_measured_costs_recover_a_known_cost_and_stay_nonnegative():
     assert flat.verify_s([5], [1000]) >= flat.verify_s([1], [1000]) >= 0
 
 
+def test_verify_costs_are_fitted_near_the_steps_cached_length_and_one_offs_are_not_samples():
+    """Two regimes no single line holds (short caches: rows nearly free; 25k: each row ~1 ms on
+    top of a 10 ms step): each length's prediction follows its own samples. A step 5x slower
+    than predicted (a draft compile) is no sample."""
+    costs = MeasuredCosts()
+    for rep in range(3):
+        for rows in (1, 5, 3, 2):
+            costs.record([rows], [500], 0.003 + 0.0001 * rows, rows - 1, 0.001 * (rows - 1))
+            costs.record([rows], [25_000], 0.009 + 0.001 * rows, rows - 1, 0.001 * (rows - 1))
+    assert costs.verify_s([5], [25_000]) / costs.verify_s([1], [25_000]) == pytest.approx(14 / 10, rel=0.05)
+    assert costs.verify_s([5], [500]) / costs.verify_s([1], [500]) == pytest.approx(3.5 / 3.1, rel=0.05)
+    before = costs.draft_s(4)
+    costs.record([5], [25_000], 0.014, 4, 10.0)                   # compiling the draft: 10 s
+    costs.record([5], [25_000], 0.5, 4, 0.004)                    # a pause of the process
+    assert costs.draft_s(4) == pytest.approx(before)
+    assert costs.verify_s([5], [25_000]) == pytest.approx(0.014, rel=0.05)
+
+
 def test_until_the_costs_are_known_it_samples_deep_and_plain_steps_in_turn():
     """The first step of each size is a cold one (its cost is not a sample): two of each."""
     policy = DraftPolicy(K, adaptive=True)
