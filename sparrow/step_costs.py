@@ -17,7 +17,8 @@ one masked call, above it the packed split, kernels/packed.py; fitted globally, 
 drafting where drafting paid). The first step of each size (rows in all, or draft depth) is
 not a sample: it pays one-time costs (kernels chosen, buffers allocated for a new shape)
 that can be several times a warm step's; nor is a step OUTLIER times slower than the fit
-predicts (a compile of a new draft shape, a pause of the process). The model says when it needs a sample it cannot get
+predicts, nor a draft OUTLIER times dearer than the step's verify (a compile of a new draft
+shape - its greedy chain and its sampled level compile at different steps -, a pause). The model says when it needs a sample it cannot get
 from the steps the policy would choose anyway (`wants_sample`): until it can tell a row's
 cost from the step's, and now and then so that a change of load is noticed.
 """
@@ -101,7 +102,10 @@ class MeasuredCosts:
             self._verify.clear()
         self._seen_rows.add(total)
         if depth > 0:
-            if depth in self._seen_depths and not (self.draft_samples and draft_s > OUTLIER * self.draft_s(depth)):
+            # a draft step is never OUTLIER x dearer than its own fit or than the step's verify
+            # (a one-layer draft against the target): one that is paid something once
+            usual = max(verify_s, self.draft_s(depth) if self.draft_samples else 0.0)
+            if depth in self._seen_depths and draft_s <= OUTLIER * usual:
                 self.draft_samples.append((float(depth), float(draft_s)))
                 self._draft = None
             self._seen_depths.add(depth)

@@ -109,6 +109,10 @@ def test_verify_costs_are_fitted_near_the_steps_cached_length_and_one_offs_are_n
             costs.record([rows], [25_000], 0.009 + 0.001 * rows, rows - 1, 0.001 * (rows - 1))
     assert costs.verify_s([5], [25_000]) / costs.verify_s([1], [25_000]) == pytest.approx(14 / 10, rel=0.05)
     assert costs.verify_s([5], [500]) / costs.verify_s([1], [500]) == pytest.approx(3.5 / 3.1, rel=0.05)
+    first = MeasuredCosts()                                        # no draft sample yet: the verify bounds it
+    first.record([5], [25_000], 0.014, 4, 0.002)                  # cold (first of its depth)
+    first.record([5], [25_000], 0.014, 4, 10.0)                   # the sampled level compiling
+    assert first.draft_s(4) == 0.0
     before = costs.draft_s(4)
     costs.record([5], [25_000], 0.014, 4, 10.0)                   # compiling the draft: 10 s
     costs.record([5], [25_000], 0.5, 4, 0.004)                    # a pause of the process
@@ -171,3 +175,20 @@ def test_the_default_engine_never_drafts_where_drafting_cannot_pay(qwen_target, 
     out = always.generate(small_video, "What happens?", sampling)
     assert out.token_ids == plain.token_ids
     assert out.metrics.draft_tokens >= K * (out.metrics.steps - K)   # all but the last steps draft k
+
+
+def test_acceptance_that_comes_in_runs_is_valued_as_measured():
+    """Steps whose first draft is a coin flip but whose later drafts almost always follow an
+    accepted one (as at 25k): the tokens the policy expects at each k are what such steps
+    emitted, where one per-token rate (the engine's, 0.75 here) would promise 1.75 at k = 1
+    and so misjudge which k pays."""
+    costs = StubCosts(a=0.010, b=0.0025, d=0.0005)
+    policy = DraftPolicy(K, adaptive=True, costs=costs)
+    outcomes = [0, K, 0, K, 0, K, 0, K - 1]                  # accepted drafts of 8 steps at k = K
+    for step in range(400):
+        policy.record([request(0.5, 25_000)], [K + 1], 0.02, K, 0.002, [K], [outcomes[step % 8]])
+    fresh = SimpleNamespace(**{**vars(request(0.5, 25_000)), "accepted": 0, "rejected": 0})
+    emitted = [1 + sum(min(n, k) for n in outcomes) / len(outcomes) for k in range(K + 1)]
+    assert policy.engine_alpha == pytest.approx(0.75, abs=0.01)
+    assert policy.expected_tokens(fresh) == pytest.approx(emitted, abs=0.05)
+    assert policy.choose([fresh]) == [K]                 # 2.9 tokens for 2.45 steps' cost beats 1.5 for 1.55
