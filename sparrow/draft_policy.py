@@ -89,6 +89,8 @@ class DraftPolicy:
     def _best(self, batch: list[Request], caps: list[int], free: list[int]) -> list[int]:
         ctx = [r.context for r in batch]
         gain = [self.expected_tokens(r) for r in batch]          # tokens by k, per request
+        # a row more, at each request's own length (the verify model is linear in rows)
+        row = {i: self.costs.verify_s([2], [ctx[i]]) - self.costs.verify_s([1], [ctx[i]]) for i in free}
         best, best_rate = None, -1.0
         for depth in range(self.k_max + 1):
             ks = [min(c, depth) if i in free else c for i, c in enumerate(caps)]
@@ -97,12 +99,10 @@ class DraftPolicy:
             tokens = sum(g[k] if k < len(g) else _expected_tokens(self.alpha(r), k)     # a pinned k past k_max
                          for g, k, r in zip(gain, ks, batch))
             verify_s = self.costs.verify_s(rows, ctx)
-            for i in free:           # each request's own k, the others held: the verify model is linear
-                one = self.costs.verify_s([1], [ctx[i]])
-                row = self.costs.verify_s([2], [ctx[i]]) - one                # a row more, at its length
-                base_t, base_s = tokens - gain[i][ks[i]], verify_s - row * ks[i]
-                ks[i] = max(range(ks[i] + 1), key=lambda k: (base_t + gain[i][k]) / max(base_s + row * k + draft_s, 1e-12))
-                tokens, verify_s = base_t + gain[i][ks[i]], base_s + row * ks[i]
+            for i in free:           # each request's own k, the others held
+                base_t, base_s = tokens - gain[i][ks[i]], verify_s - row[i] * ks[i]
+                ks[i] = max(range(ks[i] + 1), key=lambda k: (base_t + gain[i][k]) / max(base_s + row[i] * k + draft_s, 1e-12))
+                tokens, verify_s = base_t + gain[i][ks[i]], base_s + row[i] * ks[i]
             rate = tokens / max(verify_s + self.costs.draft_s(max(ks)), 1e-12)
             if rate > best_rate:
                 best, best_rate = ks, rate

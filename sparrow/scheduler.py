@@ -78,8 +78,8 @@ class Scheduler:
         self._slices = 0                             # prefill slices chosen (OLDEST_EVERY)
         # Counters for operators and tests: decode steps, the largest batch, requests that had
         # to wait for KV memory, prefill slices run; requests that ended (abort, deadline) before
-        # their preparation began, while it ran (stopped there), or just as it finished (its
-        # work wasted: never more than the one in-flight packet's worth, which the abort raced).
+        # their preparation began, while it ran (stopped at the next packet, or before the
+        # patchify), or after its last check (the patchify or prompt build then wasted).
         self.stats = {"steps": 0, "max_batch": 0, "waited_for_memory": 0, "prefill_slices": 0, "tasks": 0,
                       "ended_before_prepare": 0, "ended_while_preparing": 0, "prepared_dead": 0}
 

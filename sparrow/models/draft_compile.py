@@ -313,16 +313,12 @@ class DraftRunner:
         since (trained, loaded), so a runner never reads stale weights. (A runner's buffers
         live on the draft's device and dtype at construction: a moved draft needs a new one.)"""
         if self._sources is None or self._sources[0] is not self.draft._shared:
-            self._sources = (self.draft._shared, [p for p in step_sources(self.draft)])
+            self._sources = (self.draft._shared, step_sources(self.draft))
         key = [p._version for p in self._sources[1]]
         if self._weights is None or self._weights[0] != key:
             with torch.no_grad():
                 self._weights = (key, step_weights(self.draft))
         return self._weights[1]
-
-    def logits(self, batch: DraftBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """The draft's logits (..., V) of outputs (..., H), from the batch's weights."""
-        return draft_logits(self.dims, batch.weights, hidden)
 
     def level(self, batch: DraftBatch, level: int, tokens: torch.Tensor, hidden: torch.Tensor,
               live: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
