@@ -44,7 +44,8 @@ and of the path). A mismatch fails the run (exit status 1, nothing written).
 Prefill scenario: --prefill-streams streams on the shortest videos decode (in-process) while
 a request with an uncached --prefill-video (~25k visual tokens, decoded beforehand so only
 its prefill competes) arrives; their inter-token latency in the --before-s seconds before it
-arrives vs while it prefills (until its first token).
+arrives vs while it prefills (until its first token), and the time to first token of
+--prefill-shorts short requests on uncached videos of the shortest length asked meanwhile.
 
 Cost on the shared 2-core CPU (world pair, load average 3-5): --quick 80 s (half of it the two
 25k prefills); with 8k videos too (--lengths 168x28,168x448) 7.5 min. The full run is not
@@ -239,7 +240,9 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
         prefill_video=prefill, prefill_streams=args.prefill_streams or (2 if tiny else defaults.prefill_streams),
         prefill_reps=min(reps, args.prefill_reps or (1 if quick else reps)),
         prefill_stream_tokens=args.prefill_stream_tokens or (256 if tiny else defaults.prefill_stream_tokens),
-        before_s=args.before_s if args.before_s is not None else 0.2 if tiny else defaults.before_s)
+        before_s=args.before_s if args.before_s is not None else 0.2 if tiny else defaults.before_s,
+        prefill_shorts=args.prefill_shorts if args.prefill_shorts is not None else 2 if tiny else defaults.prefill_shorts,
+        short_gap_s=0.05 if tiny else defaults.short_gap_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-streams", type=int, help="streams decoding during it (default 8)")
     ap.add_argument("--prefill-reps", type=int, help="default: --reps (quick: 1)")
     ap.add_argument("--prefill-stream-tokens", type=int, help="their max new tokens (default 2048)")
+    ap.add_argument("--prefill-shorts", type=int,
+                    help="short uncached requests asked one after another during the long prefill, their TTFT "
+                         "measured (default 6)")
     ap.add_argument("--before-s", type=float, help="seconds of decoding measured before the prefill (default 2)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill scenario")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),

@@ -33,6 +33,8 @@ class ConcurrencyConfig:
     prefill_reps: int = 5
     prefill_stream_tokens: int = 2048                    # enough to outlast the prefill (checked)
     before_s: float = 2.0
+    prefill_shorts: int = 6                              # short uncached requests asked during the long prefill
+    short_gap_s: float = 0.5                             # the pause before each of them
     share_prefill: bool = False          # in-process engines read one cached prefill per video (not one each)
 
     def __post_init__(self) -> None:

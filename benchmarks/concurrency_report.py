@@ -36,7 +36,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def summarize_scenario(rows: list[dict]) -> list[dict]:
     keys = ("before_p50_ms", "before_p95_ms", "during_p50_ms", "during_p95_ms", "during_max_ms", "long_ttft_s",
-            "long_prefill_s")
+            "long_prefill_s", "short_ttft_p50_s", "short_ttft_p95_s", "short_ttft_max_s")
     out = []
     for method in METHODS:
         rs = [r for r in rows if r["method"] == method]
@@ -45,7 +45,9 @@ def summarize_scenario(rows: list[dict]) -> list[dict]:
             out.append({"method": method, "streams": rs[0]["streams"], "reps": len(rs),
                         "prefill_visual_tokens": rs[0]["prefill_visual_tokens"],
                         "covered": all(r["covered"] for r in rs),
-                        **{k: _spread([r[k] for r in rs if r[k] == r[k]] or [float("nan")]) for k in keys}})
+                        "shorts": sum(r.get("shorts_in_prefill", 0) for r in rs),
+                        **{k: _spread([r[k] for r in rs if r.get(k, float("nan")) == r.get(k, float("nan"))]
+                                      or [float("nan")]) for k in keys}})
     return out
 
 
@@ -183,14 +185,18 @@ def scenario_lines(result: dict) -> list[str]:
         return ["Prefill scenario: not run.", ""]
     lines = [f"Streams decoding while a {rows[0]['prefill_visual_tokens']}-token prefill arrives (in-process; the "
              f"long video decoded beforehand, its prefill uncached; streams on the shortest videos): inter-token "
-             f"latency in the {result['config']['before_s']:g} s before it arrives vs until its first token. "
+             f"latency in the {result['config']['before_s']:g} s before it arrives vs until its first token; and "
+             "the time to first token of short requests on uncached short videos asked one after another while "
+             "it prefills (shorts: how many were asked before its first token, over all reps). "
              "Median (min-max) over reps.", "",
              "| method | streams | ITL p50 before ms | ITL p95 before ms | ITL p50 during ms | ITL p95 during ms | "
-             "ITL max during ms | long request TTFT s | its prefill s | reps |", "|---" * 10 + "|"]
+             "ITL max during ms | long request TTFT s | its prefill s | short TTFT p50 s | short TTFT p95 s | "
+             "shorts | reps |", "|---" * 13 + "|"]
     for r in rows:
         flag = "" if r["covered"] else " (streams ended before the prefill: raise --prefill-stream-tokens)"
         lines.append(f"| {METHODS[r['method']]} | {r['streams']} | {_cell(r['before_p50_ms'])} | "
                      f"{_cell(r['before_p95_ms'])} | {_cell(r['during_p50_ms'])} | {_cell(r['during_p95_ms'])} | "
                      f"{_cell(r['during_max_ms'])} | {_cell(r['long_ttft_s'], '.2f')} | "
-                     f"{_cell(r['long_prefill_s'], '.2f')} | {r['reps']}{flag} |")
+                     f"{_cell(r['long_prefill_s'], '.2f')} | {_cell(r['short_ttft_p50_s'], '.2f')} | "
+                     f"{_cell(r['short_ttft_p95_s'], '.2f')} | {r.get('shorts', 0)} | {r['reps']}{flag} |")
     return lines + [""]

@@ -28,7 +28,8 @@ def models_dir(tmp_path_factory):
 
 def _config(models_dir, **kw) -> ConcurrencyConfig:
     base = dict(models=str(models_dir), lengths=((84, 8),), streams=(1, 2), tokens=TOKENS, reps=1, warmup_tokens=2,
-                prefill_video=(112, 16), prefill_streams=2, prefill_reps=1, prefill_stream_tokens=400, before_s=0.1)
+                prefill_video=(112, 16), prefill_streams=2, prefill_reps=1, prefill_stream_tokens=400, before_s=0.1,
+                prefill_shorts=2, short_gap_s=0.0)
     return ConcurrencyConfig(**{**base, **kw})
 
 
@@ -59,10 +60,12 @@ def test_result_structure_and_identity(models_dir):
         assert row["streams"] == 2 and row["prefill_visual_tokens"] == 128 and row["covered"]
         assert row["before_gaps"] > 0 and not math.isnan(row["before_p95_ms"])
         assert row["long_ttft_s"] >= row["long_prefill_s"] > 0
+        assert row["shorts_asked"] == 2 and 0 <= row["shorts_in_prefill"] <= 2     # short requests during it
+        assert row["shorts_in_prefill"] == 0 or row["short_ttft_p95_s"] >= row["short_ttft_p50_s"] > 0
     json.dumps(result)                                            # --json writes it as is
 
     text = cr.report(result)
-    assert "Output identity: every output" in text and "prefill arrives" in text
+    assert "Output identity: every output" in text and "prefill arrives" in text and "short TTFT p95 s" in text
     assert "| 0 | 36 | gRPC | Sparrow | 2 |" in text and "load average (1/5/15 min) before" in text
     assert "**T = 0, gRPC.**" in text                            # the methods side by side
     assert any("prefill scenario, sparrow" in line for line in lines)
