@@ -358,13 +358,11 @@ def _check_deadline(deadline: float | None) -> None:
         raise DeadlineExceeded("the request's deadline passed")
 
 
-# The host's own deadline handling answers DEADLINE_EXCEEDED; this backstop aborts a little
-# later, for when the host did not notice (and so never sends a normal end instead).
-DEADLINE_GRACE_S = 0.25
-
-
 async def _abort_at(deadline: float, running: RunningRequest) -> None:
-    await asyncio.sleep(max(0.0, deadline + DEADLINE_GRACE_S - time.monotonic()))
+    """Abort at the deadline itself: a deadline the host does not see (`sparrow-timeout-ms`
+    metadata alone, behind a proxy) ends the call when a gRPC deadline would; where the host
+    does see it, both end the call DEADLINE_EXCEEDED (the generate loop says so)."""
+    await asyncio.sleep(max(0.0, deadline - time.monotonic()))
     running.abort()
 
 

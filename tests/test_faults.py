@@ -415,3 +415,20 @@ def test_deadline_metadata_is_honoured_by_the_embedded_host(replicas, clips):
                                       metadata=(("sparrow-timeout-ms", "800"),)), grpc.StatusCode.DEADLINE_EXCEEDED)
     assert tally.row.worst_s < 3.0
     assert replicas.a.service.live == {}
+
+
+def test_deadline_from_metadata_ends_the_call_as_soon_as_the_grpc_deadline(replicas, clips):
+    """The same deadline given two ways ends the call at the same time: the backstop that
+    serves metadata-only deadlines fires at the deadline itself, not a grace period later."""
+    request = good_request(clips, sampling=pb.SamplingParams(max_new_tokens=2000, ignore_eos=True)).SerializeToString()
+
+    def ended_after(**how) -> float:
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as caught:
+            raw_generate(replicas.on_a, request, **how)
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        return time.monotonic() - start
+
+    by_grpc = sorted(ended_after(timeout=0.4) for _ in range(3))[1]
+    by_metadata = sorted(ended_after(metadata=(("sparrow-timeout-ms", "400"),)) for _ in range(3))[1]
+    assert by_metadata < by_grpc + 0.15, (by_metadata, by_grpc)
