@@ -1,6 +1,7 @@
 """Command-line entry points, registered on the `sparrow` parser by sparrow.services.cli:
 
-    sparrow train-draft --target DIR --data MANIFEST|FOLDER --out DIR [--heldout ...] [--resume CKPT]
+    sparrow train-draft --target DIR --data MANIFEST|FOLDER|STORE --out DIR [--store DIR] [--heldout ...]
+    sparrow build-features --target DIR --data MANIFEST|FOLDER --out STORE     the target's signals, once
     sparrow world make-data    --out DIR [--videos N]          synthetic videos + JSONL manifest
     sparrow world train-target --out DIR [--steps N]           tiny Qwen2.5-VL from scratch
     sparrow world tune-target  --target DIR --out DIR          its later stages (presence, direction)
@@ -31,9 +32,10 @@ def _parse_type(annotation: str):
 
 
 def _add_config_options(parser: argparse.ArgumentParser, cls, helps: dict[str, str], skip: tuple[str, ...] = (),
-                        preset: dict | None = None) -> None:
+                        preset: dict | None = None, prefix: str = "") -> None:
     """One option per field, its help from `helps` (every field must have one); `preset`: the
-    command's own defaults over the dataclass's."""
+    command's own defaults over the dataclass's; `prefix`: before each option's name (a
+    second dataclass on one command)."""
     preset = preset or {}
     where = "the command's preset, else the dataclass" if preset else "the dataclass"
     group = parser.add_argument_group(f"{cls.__name__} (defaults as in {where})")
@@ -41,31 +43,50 @@ def _add_config_options(parser: argparse.ArgumentParser, cls, helps: dict[str, s
         if f.name in skip:
             continue
         default = preset.get(f.name, f.default if f.default is not MISSING else None)
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f"cfg_{f.name}", type=_parse_type(str(f.type)),
+        name = prefix + f.name
+        group.add_argument("--" + name.replace("_", "-"), dest=f"cfg_{name}", type=_parse_type(str(f.type)),
                            default=None, metavar=f.name.upper(), help=f"{helps[f.name]} (default {default})")
 
 
-def _config(cls, args: argparse.Namespace, **overrides):
-    given = {f.name: getattr(args, f"cfg_{f.name}") for f in fields(cls)
-             if getattr(args, f"cfg_{f.name}", None) is not None}
+def _config(cls, args: argparse.Namespace, prefix: str = "", **overrides):
+    given = {f.name: getattr(args, f"cfg_{prefix}{f.name}") for f in fields(cls)
+             if getattr(args, f"cfg_{prefix}{f.name}", None) is not None}
     return cls(**{**overrides, **given})
 
 
 # ----- train-draft ---------------------------------------------------------------------------------
 def train_draft(target_dir: str | Path, data: str | Path, out: str | Path, cfg, heldout: str | Path | None = None,
-                resume: str | Path | None = None, log=None, dtype: str = "float32", device: str = "cpu") -> dict:
+                resume: str | Path | None = None, log=None, dtype: str = "float32", device: str = "cpu",
+                store: str | Path | None = None, store_cfg=None, restart: bool = False) -> dict:
     """Load the target (in `dtype` on `device`), read the samples, train (or resume), save the
-    draft to `out`."""
+    draft to `out`. data: samples (distilled online), or a feature store; with `store`, the
+    samples' features are built there first (an unfinished build goes on where it stopped) and
+    training reads them. A run whose `out` holds a checkpoint resumes from it unless `restart`."""
     from .data import load_samples
-    from .trainer import DraftTrainer
+    from .feature_store import FeatureStore, StoreConfig, build_store
+    from .trainer import STATE_NAME, DraftTrainer
     from sparrow.models.target import TargetModel
 
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
-    samples = load_samples(data)
+    if FeatureStore.is_store(data):
+        samples = FeatureStore(data)
+    elif store is not None:
+        build_store(target, load_samples(data), store, store_cfg or StoreConfig(), log)
+        samples = FeatureStore(store)
+    else:
+        samples = load_samples(data)
+    if isinstance(samples, FeatureStore):
+        log(f"feature store {samples.path}: {json.dumps(samples.summary())}")
     held = load_samples(heldout) if heldout else []
     kw = dict(heldout=held, out_dir=out, log=log)
-    trainer = (DraftTrainer.resume(target, resume, samples, cfg, **kw) if resume
-               else DraftTrainer.fresh(target, samples, cfg, **kw))
+    if resume is None and not restart and (Path(out) / "checkpoint" / STATE_NAME).is_file():
+        resume = Path(out) / "checkpoint"
+    if resume:
+        trainer = DraftTrainer.resume(target, resume, samples, cfg, **kw)
+        log(f"resuming from {resume} at step {trainer.step}/{cfg.steps}")
+    else:
+        trainer = DraftTrainer.fresh(target, samples, cfg, **kw)
     summary = trainer.fit()
     Path(out, "train_summary.json").write_text(json.dumps({**summary, "config": _jsonable(cfg)}, indent=2))
     return summary
@@ -77,10 +98,36 @@ def _jsonable(cfg) -> dict:
 
 def _cmd_train_draft(args: argparse.Namespace) -> int:
     from .config import TrainConfig
+    from .feature_store import StoreConfig
 
     summary = train_draft(args.target, args.data, args.out, _config(TrainConfig, args), args.heldout, args.resume,
-                          dtype=args.dtype, device=args.device)
+                          dtype=args.dtype, device=args.device, store=args.store,
+                          store_cfg=_config(StoreConfig, args, "store_", **_store_preset(args)), restart=args.restart)
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _store_preset(args: argparse.Namespace) -> dict:
+    """A store built for a training run holds what the run reads: its feature layers, its
+    bridging budget, answers as long as its responses and its video sampling."""
+    preset = {}
+    for name in ("feature_layers", "max_new_tokens", "fps", "num_frames"):
+        if getattr(args, f"cfg_{name}", None) is not None:
+            preset[name] = getattr(args, f"cfg_{name}")
+    if getattr(args, "cfg_bridge_tokens", None):
+        preset["bridge_budgets"] = (args.cfg_bridge_tokens,)
+    return preset
+
+
+def _cmd_build_features(args: argparse.Namespace) -> int:
+    from .data import load_samples
+    from .feature_store import FeatureStore, StoreConfig, build_store
+    from sparrow.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(args.target, dtype=args.dtype, device=args.device)
+    build_store(target, load_samples(args.data), args.out, _config(StoreConfig, args),
+                log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(FeatureStore(args.out).summary(), indent=2))
     return 0
 
 
@@ -188,6 +235,7 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     from sparrow.progress import verbose_option
 
     from .config import TRAIN_HELP, TrainConfig
+    from .feature_store import STORE_HELP, StoreConfig
     from .live_target import LIVE_TARGET_HELP, LIVE_UNUSED, LiveTargetConfig
     from .world_target import TUNE, WORLD_TARGET_HELP, WorldTargetConfig
 
@@ -195,13 +243,27 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     p = sub.add_parser("train-draft", parents=parents, help="train a Sparrow draft for a target (online distillation)")
     p.add_argument("--target", required=True, help="target model directory (save_pretrained form)")
     p.add_argument("--data", required=True, help="JSONL manifest (one sample a line: video, prompt or messages, "
-                                                 "optional answer) or a folder of videos")
+                                                 "optional answer), a folder of videos, or a feature store")
+    p.add_argument("--store", help="build the data's feature store here first (or finish building it), then "
+                                   "train on it")
     p.add_argument("--heldout", help="JSONL manifest or folder for the periodic held-out tau")
     p.add_argument("--out", required=True, help="where the draft, checkpoint and log go")
-    p.add_argument("--resume", help="checkpoint directory to continue from (OUT/checkpoint)")
+    p.add_argument("--resume", help="checkpoint directory to continue from (default: OUT/checkpoint if there)")
+    p.add_argument("--restart", action="store_true", help="start afresh even if OUT holds a checkpoint")
     _add_config_options(p, TrainConfig, TRAIN_HELP)
+    _add_config_options(p, StoreConfig, STORE_HELP, skip=("feature_layers", "max_new_tokens", "fps", "num_frames",
+                                                          "seed"), prefix="store_")
     add_placement_arguments(p)
     p.set_defaults(func=_cmd_train_draft)
+
+    p = sub.add_parser("build-features", parents=parents,
+                       help="store the target's signals for draft training (a feature store)")
+    p.add_argument("--target", required=True, help="target model directory (save_pretrained form)")
+    p.add_argument("--data", required=True, help="JSONL manifest or a folder of videos (as train-draft)")
+    p.add_argument("--out", required=True, help="the store's folder (an unfinished build there goes on)")
+    _add_config_options(p, StoreConfig, STORE_HELP)
+    add_placement_arguments(p)
+    p.set_defaults(func=_cmd_build_features)
 
     world = sub.add_parser("world", help="the synthetic video world: data, a trained target and draft")
     wsub = world.add_subparsers(dest="world_command", required=True)

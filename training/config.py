@@ -22,6 +22,7 @@ class TrainConfig:
         prefix for a share of samples keeps it useful both ways.
     ce_weight / hidden_weight: loss = ce_weight * CE(target dist, draft) + hidden_weight *
         SmoothL1(draft hidden, target final hidden). EAGLE-3 is (1, 0); EAGLE-1 is (0.1, 1).
+        The cross-entropy is to the target's whole distribution (topk 0) or its top-k tokens.
         The default is (1, 0): on the world pair (1, 1) gave higher tau up to 8k visual tokens
         and lower at 25k; (0.1, 1) was lower on average up to 8k (training/RESULTS.md).
     window / anchors / glimpse: the draft's attention at inference (and, via the same mask
@@ -41,6 +42,7 @@ class TrainConfig:
     step_decay: float = 0.8             # loss weight of unroll step j is step_decay ** j (EAGLE-3)
     ce_weight: float = 1.0
     hidden_weight: float = 0.0
+    topk: int = 0                       # 0: the target's whole distribution; k: its top-k (loss.py)
     bridge_tokens: int = 64
     bridge_dropout: float = 0.5         # share of samples trained without the prefix (see below)
     window: int = 32
@@ -73,6 +75,7 @@ class TrainConfig:
         check(self.ce_weight >= 0 and self.hidden_weight >= 0 and self.ce_weight + self.hidden_weight > 0,
                "ce_weight and hidden_weight must be >= 0, not both 0")
         check(self.bridge_tokens >= 0, "bridge_tokens must be >= 0")
+        check(self.topk >= 0, "topk must be >= 0 (0: the whole distribution)")
         check(0.0 <= self.bridge_dropout <= 1.0, "bridge_dropout must be in [0, 1]")
         check(self.responses in RESPONSE_SOURCES, f"responses must be one of {RESPONSE_SOURCES}")
         check(self.max_new_tokens >= 2, "max_new_tokens must be >= 2 (a chain needs two tokens)")
@@ -98,6 +101,8 @@ TRAIN_HELP = {
     "step_decay": "loss weight of unroll step j is step_decay ** j",
     "ce_weight": "weight of the cross-entropy to the target's distribution",
     "hidden_weight": "weight of the SmoothL1 to the target's final hidden state",
+    "topk": "the cross-entropy's teacher: 0 the target's whole distribution (KL), k its k most likely tokens "
+            "renormalised (1: the greedy token)",
     "bridge_tokens": "bridge-layer (L/2) visual states the draft sees as a prefix while training (0: no bridging)",
     "bridge_dropout": "share of samples trained without the bridging prefix",
     "window": "the draft's attention window: the last W tokens",

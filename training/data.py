@@ -84,12 +84,18 @@ def _from_folder(folder: Path, prompts: tuple[str, ...]) -> list[Sample]:
     return samples
 
 
+def prompt_json(prompt: Prompt) -> str | list[dict]:
+    """A prompt as JSON: the question, or the conversation's turns as {"role", "text"} objects."""
+    if isinstance(prompt, str):
+        return prompt
+    return [{"role": m.role, "text": m.text} for m in prompt]
+
+
 def write_manifest(path: str | Path, samples: list[Sample]) -> None:
     """A JSONL manifest of samples whose videos are paths."""
     def question(s: Sample) -> dict:
-        if isinstance(s.prompt, str):
-            return {"prompt": s.prompt}
-        return {"messages": [{"role": m.role, "text": m.text} for m in s.prompt]}
+        p = prompt_json(s.prompt)
+        return {"prompt": p} if isinstance(p, str) else {"messages": p}
 
     rows = [{"video": str(s.video), **question(s), **({"answer": s.answer} if s.answer is not None else {})}
             for s in samples]

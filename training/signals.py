@@ -1,4 +1,5 @@
-"""The training signal, produced on the fly by the frozen target (nothing goes to disk).
+"""The training signal, produced on the fly by the frozen target (or read back from a feature
+store, feature_store.py, which keeps the same fields).
 
 One teacher-forced target forward over prompt + response gives exactly what inference
 hands the draft (DraftContext: token x_t paired with the target's features at t-1) plus what
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparrow.errors import InvalidRequest
 from sparrow.models.target import FeatureCollector, FeatureNeeds, TargetModel
 from sparrow.speculative.glimpse import select_glimpse, text_to_visual_attention
 from sparrow.speculative.sparrow_proposer import in_prompt_order, visual_entries
@@ -35,6 +37,9 @@ class TargetSignals:
     bridge_text: torch.Tensor      # (P, H) bridge-layer states at the prompt's text positions
     bridge_visual: torch.Tensor    # (Nv, H) bridge-layer states at the visual positions
     num_visual: int = 0            # how many of the prompt entries are visual tokens
+    # From a feature store: the bridging prefix already chosen per budget (the visual states
+    # themselves are not kept), so `prefix` looks it up instead of choosing.
+    glimpses: dict[int, torch.Tensor] | None = None
 
     @property
     def num_entries(self) -> int:
@@ -45,6 +50,10 @@ class TargetSignals:
         glimpse rule (so bridging with budget G is training with a glimpse of G)."""
         if budget <= 0 or self.bridge_visual.shape[0] == 0:
             return self.bridge_visual[:0]
+        if self.glimpses is not None:
+            if budget not in self.glimpses:
+                raise InvalidRequest(f"bridging budget {budget} was not stored (stored: {sorted(self.glimpses)})")
+            return self.glimpses[budget]
         att = text_to_visual_attention(self.bridge_text, self.bridge_visual)
         return self.bridge_visual[select_glimpse(att, budget).to(self.bridge_visual.device)]
 

@@ -1,7 +1,8 @@
-"""`train-draft`: online distillation of a Sparrow draft from a frozen target.
+"""`train-draft`: distillation of a Sparrow draft from a frozen target.
 
     for each optimizer step:
         for grad_accum samples (deterministic order under the seed):
+            from a feature store (feature_store.py): signals = the stored response i, or online:
             video -> processed (sparrow.video, as serving does)
             response = the target's own greedy generation (engine, memoised per sample)
             signals  = one teacher-forced target forward (features, logits, bridge states)
@@ -38,6 +39,7 @@ from sparrow.video import VideoOptions
 from .config import TrainConfig
 from .data import Sample
 from .evaluate import held_out_tau
+from .feature_store import FeatureStore
 from .loss import chain_starts, distill_loss
 from .signals import TargetSignals, target_signals
 from .unroll import context_attention, unroll
@@ -74,11 +76,20 @@ class StepStats:
 
 
 class DraftTrainer:
-    def __init__(self, target: TargetModel, draft: SparrowDraft, samples: list[Sample], cfg: TrainConfig,
-                 heldout: list[Sample] | None = None, out_dir: str | Path | None = None,
+    """samples: (video, prompt) samples, distilled online, or a FeatureStore built for this
+    target (its responses, read back)."""
+
+    def __init__(self, target: TargetModel, draft: SparrowDraft, samples: list[Sample] | FeatureStore,
+                 cfg: TrainConfig, heldout: list[Sample] | None = None, out_dir: str | Path | None = None,
                  log: Callable[[str], None] | None = None):
-        if not samples:
+        if not len(samples):
             raise InvalidRequest("no training samples")
+        self.store = samples if isinstance(samples, FeatureStore) else None
+        if self.store is not None:
+            if cfg.context != "text":
+                raise InvalidRequest(f"a feature store holds a 'text' draft's inputs; context {cfg.context!r} "
+                                     f"reads the visual entries: train it online")
+            self.store.check(target, draft.config, cfg.bridge_tokens)
         target.hf.requires_grad_(False)
         self.target, self.draft, self.samples, self.cfg = target, draft.train(), samples, cfg
         spec = cfg.spec()             # what the draft is trained for travels with its checkpoint
@@ -98,12 +109,15 @@ class DraftTrainer:
 
     # ----- construction ---------------------------------------------------------------------------
     @classmethod
-    def fresh(cls, target: TargetModel, samples: list[Sample], cfg: TrainConfig, **kw) -> "DraftTrainer":
+    def fresh(cls, target: TargetModel, samples: list[Sample] | FeatureStore, cfg: TrainConfig,
+              **kw) -> "DraftTrainer":
+        if isinstance(samples, FeatureStore) and cfg.feature_layers is None:
+            cfg = replace(cfg, feature_layers=samples.feature_layers)       # what the store holds
         return cls(target, new_draft(target, cfg), samples, cfg, **kw)
 
     @classmethod
-    def resume(cls, target: TargetModel, checkpoint: str | Path, samples: list[Sample], cfg: TrainConfig,
-               **kw) -> "DraftTrainer":
+    def resume(cls, target: TargetModel, checkpoint: str | Path, samples: list[Sample] | FeatureStore,
+               cfg: TrainConfig, **kw) -> "DraftTrainer":
         """Continue from a checkpoint written by `save`: weights, optimizer, schedule, data cursor."""
         checkpoint = Path(checkpoint)
         state = torch.load(checkpoint / STATE_NAME, weights_only=False)
@@ -149,6 +163,8 @@ class DraftTrainer:
         """The target's signals for sample i, or None if the sample is unusable (counted)."""
         if i in self.bad:
             return None
+        if self.store is not None:
+            return self.store.signals(i, self.target.lm_head())
         s, dc = self.samples[i], self.draft.config
         try:
             video = self.plain.process_video(s.video, self.options)
@@ -170,7 +186,7 @@ class DraftTrainer:
         with self._autocast():
             out = unroll(self.draft, sig.token_ids, sig.features, pinned, sig.prefix(cfg.bridge_tokens if bridge else 0),
                          chain_starts(sig), cfg.unroll, window)
-            return distill_loss(out, sig, cfg.ce_weight, cfg.hidden_weight, cfg.step_decay)
+            return distill_loss(out, sig, cfg.ce_weight, cfg.hidden_weight, cfg.step_decay, cfg.topk)
 
     def train_step(self) -> StepStats:
         t0, cfg = time.perf_counter(), self.cfg
