@@ -118,18 +118,21 @@ class Engine:
     def submit(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                options: VideoOptions | None = None, *, video_key: str | None = None,
                num_draft_tokens: int | None = None, sink: Callable[[Any], None],
-               prefix: PrefixEntry | None = None) -> Request:
+               prefix: PrefixEntry | None = None, first_token_ids: tuple[int, ...] = ()) -> Request:
         """Start a request; its events go to `sink` from the engine's threads: TokenDelta
         items, then a GenerationOutput or an exception. `request.abort()` stops it, at any
         stage: a video not yet decoded is never decoded, one being decoded stops at its next
         packet. `video`: a source, a ProcessedVideo, or a callable taking the request's abort
         event and returning either (called only when the prefix cache cannot answer).
         prefix: the video already prefilled (a live window's snapshot, sparrow/live.py): the
-        request prefills only its own text on a copy of it; `video` is then unused."""
+        request prefills only its own text on a copy of it; `video` is then unused.
+        first_token_ids: the output's `first_token_probs` gives the target's probability of each
+        of these tokens at the answer's first position (its next-token distribution after the
+        prompt, temperature 1): a yes/no question's P(yes) from one prefill (sparrow/alerts.py)."""
         if isinstance(prompt, list):
             prompt = tuple(prompt)         # the request keeps its own copy of the turns
         return self.scheduler.submit(video, prompt, sampling or SamplingParams(), options, video_key,
-                                     num_draft_tokens, sink, entry=prefix)
+                                     num_draft_tokens, sink, entry=prefix, first_token_ids=tuple(first_token_ids))
 
     def stream(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                options: VideoOptions | None = None, *, video_key: str | None = None,

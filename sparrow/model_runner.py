@@ -143,6 +143,10 @@ class ModelRunner:
             self.prefix_cache.put(request.video_key, PrefixEntry.of(request.processed, job.video_prefix()))
         request.generator = new_generator(sampling.seed, self.target.device)   # sampling happens where the logits are
         token = draw_token(pre.logits, sampling, request.generator)[0]
+        if request.first_token_ids:
+            probs = torch.softmax(pre.logits.float(), dim=-1)       # (V,) the raw next-token distribution
+            ids = torch.tensor(request.first_token_ids, device=probs.device)
+            request.first_token_probs = tuple(probs[ids].tolist())
         if self.proposer is not None and request.k > 0:
             key = request.video_key if self.prefix_cache is not None else None
             request.draft_state = self.proposer.begin(BeginInput(pre, token, sampling.max_new_tokens, request.inputs,
@@ -238,7 +242,7 @@ class ModelRunner:
         if out is None:                       # ended before its first token
             return GenerationOutput([], "", finish, m)
         m.completion_tokens = len(out.token_ids)
-        return GenerationOutput(list(out.token_ids), out.final_text, finish, m)
+        return GenerationOutput(list(out.token_ids), out.final_text, finish, m, request.first_token_probs)
 
     def release(self, request: Request) -> None:
         """Free the request's KV slot and draft state (the proposer's `end`)."""

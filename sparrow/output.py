@@ -31,6 +31,9 @@ class GenerationOutput:
     text: str
     finish_reason: str               # "stop" | "length" | "abort"
     metrics: SpecMetrics
+    # The target's probability of each of the request's first_token_ids at the answer's first
+    # position (softmax of its logits at temperature 1); None when none were asked for.
+    first_token_probs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,8 @@ class Request:
     k: int = 0                              # most draft tokens a step may give it
     pinned_k: bool = False                  # seeded sampling (or an explicit k): k never adapts
     needs: FeatureNeeds = FeatureNeeds()
+    first_token_ids: tuple[int, ...] = ()   # tokens whose first-position probability the output reports
+    first_token_probs: tuple[float, ...] | None = None
     inputs: dict | None = None
     processed: Any = None
     entry: PrefixEntry | None = None

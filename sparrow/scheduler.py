@@ -85,9 +85,10 @@ class Scheduler:
 
     # ----- submission (any thread) ---------------------------------------------------------------
     def submit(self, video, prompt: str, sampling: SamplingParams, options, video_key: str | None,
-               num_draft_tokens: int | None, sink: Callable[[Any], None], entry: PrefixEntry | None = None) -> Request:
+               num_draft_tokens: int | None, sink: Callable[[Any], None], entry: PrefixEntry | None = None,
+               first_token_ids: tuple[int, ...] = ()) -> Request:
         request = Request(next(self._ids), video, prompt, sampling, options, video_key, num_draft_tokens, sink)
-        request.entry = entry
+        request.entry, request.first_token_ids = entry, first_token_ids
         if self._closed:
             raise RuntimeError("the engine is closed")
         with self._cv:
