@@ -1,6 +1,8 @@
 """`sparrow live`: play a video file (or have the server read a URL) into a live session on a
 server, with standing and timed questions, and print every answer as it streams, tagged with
-its question id and the stream time range it saw."""
+its question id and the stream time range it saw. Exits 0 when the stream ends cleanly (the
+file played out, or the URL's source ended), 1 when the session failed (e.g. the server could
+not reach the URL: UNAVAILABLE), 130 on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     printer = _LivePrinter(json_lines=args.json, stats=args.stats_every is not None)
     with SparrowClient(args.server, metadata=metadata) as client:
         live = client.live(fps=args.fps, window_s=args.window, evict_s=args.evict, max_lag_s=args.max_lag,
-                           evict_mode=args.evict_mode,
+                           evict_mode=args.evict_mode, stale_after_s=args.stale_after,
                            min_pixels=args.min_pixels, max_pixels=args.max_pixels, url=url, timeout=args.timeout,
                            stats_every_s=stats_every, standing_sampling=sampling,
                            standing=[(f"s{i + 1}", text, every) for i, (every, text) in enumerate(standing)])
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                             return
                         live.ask(text, question_id=f"q{i + 1}", **sampling)
                     if args.duration is None:
-                        stop.wait()       # the URL plays until Ctrl-C (or the session ends)
+                        stop.wait()       # the URL plays until its source ends (the server ends the stream) or Ctrl-C
                     else:
                         stop.wait(max(0.0, start + args.duration - time.monotonic()))
                 else:
@@ -146,6 +148,8 @@ class _LivePrinter:
               f"pairs of {opened.pair_s:g} s) at {opened.fps:g} fps, draft {opened.spec_method}", file=sys.stderr)
 
     def handle(self, response) -> None:
+        from sparrow.services.protos import pb
+
         if response.HasField("stats"):
             self.window.update(response.stats.window_end_s)
         if self.json_lines:
@@ -162,7 +166,8 @@ class _LivePrinter:
         elif kind == "event":
             self.end_line()
             e = response.event
-            what = "frames dropped" if e.frames_dropped else _code_name(e.code)
+            what = _code_name(e.code) if e.code else pb.LiveEventKind.Name(e.kind).removeprefix(
+                "LIVE_EVENT_KIND_").lower().replace("_", " ")
             about = f" (question {e.question_id})" if e.question_id else ""
             print(f"sparrow live: {what}{about}: {e.message}", file=sys.stderr)
         elif kind == "stats" and (self.stats or response.stats.final):
@@ -248,7 +253,7 @@ def add_command(sub, common) -> None:
     p.add_argument("--speed", type=float, default=1.0,
                    help="play the file this many times faster than real time (default 1; e.g. 20 for a quick demo)")
     p.add_argument("--duration", type=float, help="stop after this many seconds of stream (a URL: of wall time; "
-                                                  "default: the whole file, a URL until Ctrl-C)")
+                                                  "default: the whole file, a URL until its source ends)")
     p.add_argument("--window", type=float, help="seconds of stream the session keeps (default: the server's, 30)")
     p.add_argument("--fps", type=float, help="frames sampled per second of stream (default: the server's, 2)")
     p.add_argument("--evict", type=float, help="the oldest frames leave the window in steps of this many seconds "
@@ -258,6 +263,8 @@ def add_command(sub, common) -> None:
                         "refresh: the kept frames are prefilled again after each eviction step (exact, costlier)")
     p.add_argument("--max-lag", type=float, help="seconds ingest may fall behind before frames are dropped "
                                                  "(default: the server's, 10)")
+    p.add_argument("--stale-after", type=float, help="seconds without a frame before the source is reported stale "
+                                                     "and answers are marked stale (default: the server's, 5)")
     p.add_argument("--min-pixels", type=int, help="smallest frame size in pixels the model sees")
     p.add_argument("--max-pixels", type=int, help="largest frame size in pixels the model sees")
     p.add_argument("--max-new-tokens", type=int, default=0, help="longest answer in tokens (0: the server's default)")

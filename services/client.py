@@ -137,15 +137,16 @@ class SparrowClient:
              max_lag_s: float | None = None, min_pixels: int | None = None, max_pixels: int | None = None,
              standing: Sequence[tuple[str, str, float]] = (), stats_every_s: float | None = None,
              url: str = "", timeout: float | None = None, standing_sampling: dict | None = None,
-             evict_mode: str = "") -> "LiveStream":
+             evict_mode: str = "", stale_after_s: float | None = None) -> "LiveStream":
         """Open a live session (the Live RPC). None: the server's default. standing: questions
         asked every N seconds of stream, as (question_id, text, every_s); url: the server
         reads the video itself (under its URL allowlists) instead of the client sending it;
-        evict_mode: "shift" (default) or "refresh" (sparrow.live_window.LiveConfig).
+        evict_mode: "shift" (default) or "refresh" (sparrow.live_window.LiveConfig);
+        stale_after_s: wall seconds without a frame before the source counts as stale.
         Use as a context manager: leaving the block before the server has ended the stream
         cancels it (the server frees the session at once)."""
         given = dict(fps=fps, window_s=window_s, evict_s=evict_s, max_lag_s=max_lag_s, min_pixels=min_pixels,
-                     max_pixels=max_pixels, stats_every_s=stats_every_s)
+                     max_pixels=max_pixels, stats_every_s=stats_every_s, stale_after_s=stale_after_s)
         opening = pb.LiveOpen(**{k: v for k, v in given.items() if v is not None}, url=url, evict_mode=evict_mode, standing=[
             pb.StandingQuestion(question_id=qid, text=text, every_s=every_s,
                                 sampling=pb.SamplingParams(**(standing_sampling or {})))

@@ -11,9 +11,13 @@ call to one replica, on Kubernetes one HTTP/2 stream to one pod, so a session st
 opened. It ends when the client half-closes (what it sent is ingested, running answers
 finish, a final LiveStats, then OK), when it cancels or goes away (the session is closed at
 once: KV freed, answers aborted), when it passes a limit (RESOURCE_EXHAUSTED) or when its
-deadline passes (DEADLINE_EXCEEDED). Anything else a client gets wrong (a corrupt chunk, a
-question before the first frame, a bad option on a question) is an event on the stream with
-its status code, and the session goes on.
+deadline passes (DEADLINE_EXCEEDED). A session whose video the server reads from a URL also
+ends when the source does: at its end a SOURCE_ENDED event, then as at a half-close (OK);
+when it fails (unreachable: UNAVAILABLE; silent past its read timeout: DEADLINE_EXCEEDED;
+undecodable: INVALID_ARGUMENT) a SOURCE_FAILED event, then the stream ends with that status.
+Anything else a client gets wrong (a corrupt chunk, a question before the first frame, a bad
+option on a question) is an event on the stream with its status code, and the session goes
+on. The source's health (stale / resumed, timestamp resets, format changes) is told in events.
 
 Every question that starts ends with exactly one LiveDone (finish reason ERROR when it
 failed on the way); one refused before it started gets a LiveEvent with its id instead.
@@ -22,6 +26,7 @@ failed on the way); one refused before it started gets a LiveEvent with its id i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -33,22 +38,23 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-import av
 import numpy as np
 
 from sparrow.config import SamplingParams
 from sparrow.engine import Engine
 from sparrow.output import GenerationOutput, TokenDelta
-from sparrow.errors import InvalidRequest, ResourceExhausted, SparrowError, VideoUnreadable
-from sparrow.live import LiveEvent, LiveSession, LiveStats
+from sparrow.errors import InvalidRequest, ResourceExhausted, SparrowError
+from sparrow.live import LiveAnswer, LiveEvent, LiveSession, LiveStats
+from sparrow.live_source import CameraTime, RESET_S
 from sparrow.video import SourcePolicy, VideoOptions
+from sparrow.video.decode import _pyav_errors as pyav_errors
 from sparrow.video.sources import Deadline, open_media
 from sparrow.video.stream import decoded_frames, video_stream
 
 from .completion import completion
 from .config import ServiceConfig
 from .errors import DeadlineExceeded, LiveUnsupported, NotReady, status_for
-from .live_messages import error_event, live_config, stats_message
+from .live_messages import error_event, live_config, source_event, stats_message
 from .protos import pb
 from .wire import Undecodable
 
@@ -115,9 +121,11 @@ class LiveCall:
         self.opened_at = time.monotonic()
         self.bytes_received = 0
         self._ids = itertools.count(1)
-        self._asked: dict[str, tuple[float, float] | None] = {}   # running asked questions -> their range, once known
-        self._early: dict[str, list] = {}                        # their items that came before the range
+        self._asked: dict[str, _Tag | None] = {}   # running asked questions -> what their answer saw, once known
+        self._early: dict[str, list] = {}          # their items that came before that
         self._feeder: UrlFeeder | None = None
+        self._finishing = False                    # the stream is draining to its end (half-close or source end)
+        self._ending: asyncio.Future | None = None   # that drain, when the source's end started it
         self._bytes_lock = threading.Lock()
         # The session's blocking calls (a push waits out a pair's prefill, a drain waits for
         # ingest) run on threads of its own, so sessions never starve the loop's shared executor.
@@ -146,10 +154,12 @@ class LiveCall:
                 evict_s=config.evict_pairs * config.pair_s, max_lag_s=config.max_lag_s, pair_s=config.pair_s,
                 window_pairs=config.window_pairs, max_visual_tokens=config.options.max_visual_tokens * config.window_pairs,
                 standing_ids=standing_ids, max_duration_s=cfg.max_live_session_s, max_bytes=cfg.max_live_bytes,
-                spec_method=engine.spec.method if engine.proposer is not None else "none"))
+                spec_method=engine.spec.method if engine.proposer is not None else "none",
+                stale_after_s=config.stale_after_s))
             if url is not None:
                 self._feeder = UrlFeeder(self.session, url, self._url_options(), self.service.policy,
                                          on_error=lambda exc: self._post(self._feeder_failed, exc),
+                                         on_end=lambda: self._post(self._source_ended),
                                          count_bytes=self._count_bytes)
             tasks = [asyncio.create_task(self._read(requests)), asyncio.create_task(self._tick(stats_every, metrics)),
                      asyncio.create_task(self._expire())]
@@ -215,15 +225,23 @@ class LiveCall:
             if self.cancelled():             # Ray Serve ends a cancelled client's stream as if half-closed
                 self.out.put_nowait(asyncio.CancelledError())
                 return
-            await self._drain()
-            stats = await self._run(lambda: self.session.stats)
-            self.out.put_nowait(pb.LiveResponse(stats=stats_message(
-                stats, bytes_received=self.bytes_received, session_s=time.monotonic() - self.opened_at, final=True)))
-            self.out.put_nowait(_END)
+            await self._finish()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - ends the stream with its status
             self.out.put_nowait(exc)
+
+    async def _finish(self) -> None:
+        """The video ended (the client half-closed, or the URL's source ended): drain, send
+        the final stats, end OK. Once, whichever comes first."""
+        if self._finishing:
+            return
+        self._finishing = True
+        await self._drain()
+        stats = await self._run(lambda: self.session.stats)
+        self.out.put_nowait(pb.LiveResponse(stats=stats_message(
+            stats, bytes_received=self.bytes_received, session_s=time.monotonic() - self.opened_at, final=True)))
+        self.out.put_nowait(_END)
 
     async def _handle(self, request) -> None:
         if isinstance(request, Undecodable):
@@ -292,7 +310,7 @@ class LiveCall:
         except BaseException:
             del self._asked[question_id], self._early[question_id]
             raise
-        self._asked[question_id] = (answer.start_s, answer.end_s)
+        self._asked[question_id] = _Tag.of(answer)
         for item in self._early.pop(question_id):
             self._answer_item(question_id, item)
 
@@ -386,12 +404,15 @@ class LiveCall:
     def _session_event(self, event: LiveEvent) -> None:
         kind, qid = event.kind, event.question_id or ""
         if kind == "delta":
-            self._send_chunk(qid, event.start_s, event.end_s, event.delta, standing=True)
+
+            self._send_chunk(qid, _Tag.of(event), event.delta, standing=True)
         elif kind == "done":
-            self._send_done(qid, event.start_s, event.end_s, event.output, standing=True)
+            self._send_done(qid, _Tag.of(event), event.output, standing=True)
         elif kind == "error" and qid and event.end_s > 0:
             # A standing answer that failed after it started (one refused at the start has no range).
-            self._send_done(qid, event.start_s, event.end_s, event.error, standing=True)
+            self._send_done(qid, _Tag.of(event), event.error, standing=True)
+        elif kind in _SOURCE_EVENTS:
+            self.out.put_nowait(pb.LiveResponse(event=source_event(_SOURCE_EVENTS[kind], event.message, event.camera)))
         elif kind == "error":
             self._emit_error(event.error, qid)
         elif kind == "dropped":
@@ -401,29 +422,28 @@ class LiveCall:
 
     def _answer_item(self, question_id: str, item) -> None:
         """An asked question's TokenDelta, GenerationOutput or exception, on the loop."""
-        span = self._asked.get(question_id)
-        if span is None:
+        tag = self._asked.get(question_id)
+        if tag is None:
             self._early[question_id].append(item)
             return
         if isinstance(item, TokenDelta):
-            self._send_chunk(question_id, *span, item, standing=False)
+            self._send_chunk(question_id, tag, item, standing=False)
         else:
             del self._asked[question_id]
-            self._send_done(question_id, *span, item, standing=False)
+            self._send_done(question_id, tag, item, standing=False)
 
-    def _send_chunk(self, qid: str, start_s: float, end_s: float, delta: TokenDelta, standing: bool) -> None:
+    def _send_chunk(self, qid: str, tag: _Tag, delta: TokenDelta, standing: bool) -> None:
         self.out.put_nowait(pb.LiveResponse(chunk=pb.LiveChunk(
-            question_id=qid, start_s=start_s, end_s=end_s, token_ids=delta.token_ids, text=delta.text,
-            standing=standing)))
+            question_id=qid, token_ids=delta.token_ids, text=delta.text, standing=standing, **tag.fields())))
 
-    def _send_done(self, qid: str, start_s: float, end_s: float, result, standing: bool) -> None:
+    def _send_done(self, qid: str, tag: _Tag, result, standing: bool) -> None:
         if isinstance(result, GenerationOutput):
             done = completion(result)
         else:
             log.info("live answer %s failed: %s", qid, result)
             done = pb.Completion(finish_reason=pb.FINISH_REASON_ERROR, error=str(result) or type(result).__name__)
         self.out.put_nowait(pb.LiveResponse(done=pb.LiveDone(
-            question_id=qid, start_s=start_s, end_s=end_s, completion=done, standing=standing)))
+            question_id=qid, completion=done, standing=standing, **tag.fields())))
 
     def _emit_error(self, exc: BaseException, question_id: str = "") -> None:
         event = error_event(exc, question_id)
@@ -431,10 +451,56 @@ class LiveCall:
         self.out.put_nowait(pb.LiveResponse(event=event))
 
     def _feeder_failed(self, exc: BaseException) -> None:
-        if isinstance(exc, SessionLimit):
-            self.out.put_nowait(exc)
-        else:
-            self._emit_error(exc)
+        """The URL's source failed: said in a SOURCE_FAILED event, and the stream ends with its status."""
+        if not isinstance(exc, SessionLimit):
+            code, message = status_for(exc)
+            log.info("live session %s: its source failed: %s: %s", self.session_id, code.name, message)
+            event = source_event(pb.LIVE_EVENT_KIND_SOURCE_FAILED, f"the source failed: {message}",
+                                 self.session.newest if self.session else None)
+            event.code = code.value[0]
+            self.out.put_nowait(pb.LiveResponse(event=event))
+        self.out.put_nowait(exc)
+
+    def _source_ended(self) -> None:
+        """The URL's source ended: said in a SOURCE_ENDED event; the session drains and ends OK."""
+        if self._finishing:
+            return
+        self.out.put_nowait(pb.LiveResponse(event=source_event(
+            pb.LIVE_EVENT_KIND_SOURCE_ENDED, "the source ended", self.session.newest)))
+        task = asyncio.ensure_future(self._finish())
+        task.add_done_callback(self._finished)
+        self._ending = task
+
+    def _finished(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.out.put_nowait(task.exception())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Tag:
+    """What an answer saw: its stream time range, the camera time of its newest frame, and
+    whether the source was silent when it was asked."""
+
+    start_s: float
+    end_s: float
+    camera: CameraTime | None
+    stale: bool
+
+    @classmethod
+    def of(cls, answer: LiveAnswer | LiveEvent) -> _Tag:
+        return cls(answer.start_s, answer.end_s, answer.camera, answer.stale)
+
+    def fields(self) -> dict[str, Any]:
+        camera = self.camera
+        return dict(start_s=self.start_s, end_s=self.end_s, stale=self.stale,
+                    source_pts_s=camera.source_pts_s if camera else 0.0,
+                    wall_time_s=camera.wall_time_s if camera else 0.0)
+
+
+# The session's events about its source, as LiveEvent kinds.
+_SOURCE_EVENTS = {"stale": pb.LIVE_EVENT_KIND_STALE, "resumed": pb.LIVE_EVENT_KIND_RESUMED,
+                  "timestamp_reset": pb.LIVE_EVENT_KIND_TIMESTAMP_RESET,
+                  "format_changed": pb.LIVE_EVENT_KIND_FORMAT_CHANGED}
 
 
 def _nothing() -> None:
@@ -444,13 +510,16 @@ def _nothing() -> None:
 class UrlFeeder:
     """A session's video read by the server from a URL (checked against the source policy),
     decoded on a thread and pushed at the pace of its timestamps: a live source arrives at
-    real time anyway, a file behind a URL plays as it would live. Bytes count against the
-    session's limit (count_bytes raises SessionLimit)."""
+    real time anyway, a file behind a URL plays as it would live (a timestamp jump waits at
+    most RESET_S). Frames go to the session with their source PTS. Bytes count against the
+    session's limit (count_bytes raises SessionLimit). `on_end` when the source ends, or
+    `on_error` with a typed error (SourceUnavailable, VideoTimeout, VideoUnreadable, ...)."""
 
     def __init__(self, session: LiveSession, url: str, options: VideoOptions, policy: SourcePolicy, *,
-                 on_error: Callable[[BaseException], None], count_bytes: Callable[[int], None]):
+                 on_error: Callable[[BaseException], None], on_end: Callable[[], None],
+                 count_bytes: Callable[[int], None]):
         self.session, self.url, self.options, self.policy = session, url, options, policy
-        self.on_error, self.count_bytes = on_error, count_bytes
+        self.on_error, self.on_end, self.count_bytes = on_error, on_end, count_bytes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sparrow-live-url", daemon=True)
         self._thread.start()
@@ -463,23 +532,29 @@ class UrlFeeder:
 
     def _run(self) -> None:
         try:
-            media = open_media(self.url, self.options, self.policy, Deadline(self.options.timeout_s))
-            with media.open() as container:
-                stream = video_stream(container, media.description)
-                started = time.monotonic()
-                for t, frame in decoded_frames(container, stream, on_packet=self.count_bytes):
-                    if t is None:                     # no pts: no time to play it at
-                        continue
-                    if self._stop.wait(max(0.0, started + t - time.monotonic())):
-                        return
-                    self.session.push_frames(frame.to_ndarray(format="rgb24")[None], [t])
+            with pyav_errors(self.options, remote=True):
+                self._play()
+            if self._stop.is_set():
+                return
             self.session.end_of_stream()
-        except av.error.FFmpegError as exc:
-            if not self._stop.is_set():
-                self.on_error(VideoUnreadable(f"{self.url} could not be read: {exc}"))
+            self.on_end()
         except Exception as exc:  # noqa: BLE001 - reported on the session's stream
             if not self._stop.is_set() and not self.session.closed:
                 self.on_error(exc)
+
+    def _play(self) -> None:
+        media = open_media(self.url, self.options, self.policy, Deadline(self.options.timeout_s))
+        with media.open() as container:
+            stream = video_stream(container, media.description)
+            due, last = time.monotonic(), None
+            for pts, frame in decoded_frames(container, stream, origin_pts=0, on_packet=self.count_bytes):
+                if pts is None:                   # no pts: no time to play it at
+                    continue
+                due += 0.0 if last is None else min(max(pts - last, 0.0), RESET_S)
+                last = pts
+                if self._stop.wait(max(0.0, due - time.monotonic())):
+                    return
+                self.session.push_frames(frame.to_ndarray(format="rgb24")[None], [pts])
 
 
 __all__ = ["LiveCall", "LiveHost", "SessionLimit", "UrlFeeder", "live_refusal"]

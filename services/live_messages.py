@@ -7,6 +7,7 @@ import math
 
 from sparrow.errors import InvalidRequest, ResourceExhausted
 from sparrow.live import LiveStats
+from sparrow.live_source import CameraTime
 from sparrow.live_window import LiveConfig
 from sparrow.video import VideoOptions
 
@@ -20,7 +21,7 @@ def live_config(opening: pb.LiveOpen, cfg: ServiceConfig) -> LiveConfig:
     visual tokens are bounded by max_visual_tokens: each frame pair may spend its share of
     them (the processor shrinks frames that would spend more)."""
     defaults = LiveConfig()
-    given = {name: getattr(opening, name) for name in ("fps", "window_s", "evict_s", "max_lag_s")
+    given = {name: getattr(opening, name) for name in ("fps", "window_s", "evict_s", "max_lag_s", "stale_after_s")
              if opening.HasField(name)}
     for name in ("min_pixels", "max_pixels"):
         if opening.HasField(name) and getattr(opening, name) > cfg.max_frame_pixels:
@@ -50,7 +51,16 @@ def stats_message(stats: LiveStats, *, bytes_received: int, session_s: float, fi
         tokens_per_pair=stats.visual_tokens // stats.window_pairs if stats.window_pairs else 0,
         kv_bytes=stats.kv_bytes, window_start_s=stats.window_start_s, window_end_s=stats.window_end_s,
         newest_s=stats.newest_s, lag_s=stats.lag_s, ingest_seconds=stats.ingest_seconds,
-        bytes_received=bytes_received, session_seconds=session_s, final=final)
+        bytes_received=bytes_received, session_seconds=session_s, final=final,
+        newest_source_pts_s=stats.newest_source_pts_s, newest_wall_time_s=stats.newest_wall_time_s, stale=stats.stale)
+
+
+def source_event(kind: int, message: str, camera: CameraTime | None) -> pb.LiveEvent:
+    """An event about the session's source, at the camera time of the newest frame (if any)."""
+    event = pb.LiveEvent(kind=kind, message=message)
+    if camera is not None:
+        event.stream_s, event.source_pts_s, event.wall_time_s = camera.stream_s, camera.source_pts_s, camera.wall_time_s
+    return event
 
 
 def error_event(exc: BaseException, question_id: str = "") -> pb.LiveEvent:

@@ -11,6 +11,11 @@ leave in steps of `evict_s`, and the kept ones are re-positioned so the window r
 that starts at time 0. Positions are real time, so a question asked now gets exactly the
 positions of the same frames prefilled in one shot.
 
+Time (live_source.py): stream seconds count from the first frame and stay continuous across
+source timestamp resets and media switches (each an event); every frame also keeps its
+source PTS and the wall-clock time it arrived, and answers carry those of their newest
+frame. A source silent for `stale_after_s` is stale: an event, and answers marked stale.
+
 Memory is bounded: the session's cache holds the text before the video + the window; drafts
 whose context is text (sparrow) never see the video grow. Ingest that falls behind real time
 (more than `max_lag_s` of pairs waiting) drops the oldest waiting pairs, counted in stats.
@@ -32,10 +37,12 @@ from .config import SamplingParams
 from .engine import Generation
 from .output import GenerationOutput, TokenDelta
 from .errors import InvalidRequest, NoFrames
+from .live_source import CameraTime, SilenceWatch, SourceClock
 from .live_window import FramePair, LiveConfig, LiveWindow
 from .models.target import FeatureNeeds
 from .video.live_decode import LiveDecoder
 from .video.processors import _resize_all
+from .video.ts_framing import TS_SYNC, Segment, TsFraming
 
 # Methods whose draft can start from a live snapshot (their context is text + target features).
 # The SpecVLM-style draft prefills the video itself: its live questions decode without drafts.
@@ -58,24 +65,33 @@ class LiveStats:
     lag_s: float                 # newest frame received - window end
     time_shift: int              # temporal rope positions the window was moved by
     ingest_seconds: float        # time spent prefilling pairs (vision tower + language model)
+    newest_source_pts_s: float = 0.0   # camera time of the newest frame received
+    newest_wall_time_s: float = 0.0
+    stale: bool = False          # no frame for stale_after_s now
 
 
 @dataclass(slots=True)
 class LiveAnswer:
     """A question about the stream: iterate `generation` for deltas; `start_s`/`end_s` is the
-    stream time range the answer saw."""
+    stream time range the answer saw, `camera` the camera time of its newest frame; `stale`:
+    asked while the source was silent (the window is older than it looks)."""
 
     question_id: str
     question: str
     start_s: float
     end_s: float
     generation: Generation
+    camera: CameraTime | None = None
+    stale: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class LiveEvent:
     """What a session reports through its `on_event` callback (standing questions, errors):
-    kind "delta" (text, token_ids), "done" (output), "error" (error), "dropped" (count)."""
+    kind "delta" (text, token_ids), "done" (output), "error" (error), "dropped" (count),
+    the source's health: "stale" / "resumed" (silence and its end), "timestamp_reset",
+    "format_changed" (codec or frame size), each with a `message`; `camera`: an answer's
+    newest frame, or for the source's events the newest frame when it happened."""
 
     kind: str
     question_id: str | None = None
@@ -85,6 +101,9 @@ class LiveEvent:
     output: GenerationOutput | None = None
     error: BaseException | None = None
     dropped: int = 0
+    camera: CameraTime | None = None
+    stale: bool = False
+    message: str = ""
 
 
 @dataclass(slots=True)
@@ -113,25 +132,29 @@ class LiveSession:
         self._draft_k = None if drafting else 0
         self.needs: FeatureNeeds = engine.proposer.needs if drafting else FeatureNeeds()
         self._window = LiveWindow(engine.target, self.config, self.needs)
-        self._frame_shape: tuple[int, int] | None = None      # source frame (H, W), set by the first frame
+        self._frame_shape: tuple[int, int] | None = None      # the window's frame (H, W), set by the first frame
+        self._source_shape: tuple[int, int] | None = None     # the newest frame's (H, W) as the source sent it
         # Sampling state
-        self._t0: float | None = None
+        self._clock = SourceClock(self.config.fps)
         self._last_slot = -1
-        self._pending: tuple[np.ndarray, float, int] | None = None   # a sampled frame waiting for its partner
+        self._pending: tuple[np.ndarray, CameraTime, int] | None = None   # a sampled frame waiting for its partner
         self._waiting: deque[tuple[FramePair, Any]] = deque()       # pairs handed to the scheduler
         self._standing: dict[str, _Standing] = {}
         self._answers: set[Generation] = set()
         self._decoder: LiveDecoder | None = None
+        self._framing: TsFraming | None = None    # MPEG-TS media: packet framing and program changes
+        self._feeding = threading.Lock()          # chunks in order; a media switch waits for the old decoder
         self._counts = dict(received=0, sampled=0, dropped=0, prefilled=0, evicted=0)
-        self._newest_s = 0.0
         self._ingest_s = 0.0
         self._error: BaseException | None = None
+        self._watch = SilenceWatch(self.config.stale_after_s, self._on_silence)
 
     # ----- feeding ----------------------------------------------------------------------------------
     def push_frames(self, frames: np.ndarray, timestamps) -> int:
-        """RGB frames uint8 [T, H, W, 3] at stream times (seconds, increasing). Frames are
+        """RGB frames uint8 [T, H, W, 3] with the source's timestamps (seconds, increasing; a
+        jump back of over RESET_S is a reset: an event, and stream time goes on). Frames are
         sampled at the session's fps; each complete pair is queued for prefill. Returns the
-        pairs queued. Frames of another size than the first are resized to it."""
+        pairs queued. Frames of another size than the first are resized to it (an event)."""
         frames = np.asarray(frames)
         times = np.asarray(timestamps, dtype=np.float64).reshape(-1)
         if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] != times.shape[0]:
@@ -148,20 +171,47 @@ class LiveSession:
 
     def feed(self, chunk: bytes) -> None:
         """Container bytes (MPEG-TS or fragmented MP4), in order, split anywhere; decoded on a
-        thread. A chunk the decoder cannot read ends that media with an "error" event; what
-        was prefilled stays, and the next chunk starts a new media (its times continue)."""
+        thread. An MPEG-TS chunk that breaks packet framing is refused whole (VideoUnreadable);
+        a change of the program's video stream (codec or PID) starts a new media there (a
+        "format_changed" event). A chunk the decoder cannot read ends that media with an
+        "error" event; what was prefilled stays, and the next chunk starts a new media. A new
+        media's stream time continues the old one's."""
         chunk = bytes(chunk)
+        with self._feeding:
+            with self._lock:
+                self._check_open()
+                if chunk and (self._decoder is None or self._decoder.finished):
+                    # A new media: MPEG-TS (framing checked, program changes found) if it
+                    # starts with a sync byte, else another container (fragmented MP4).
+                    self._framing = TsFraming() if chunk[0] == TS_SYNC else None
+            segments = self._framing.push(chunk) if self._framing is not None else [Segment(chunk)]
+            for segment in segments:
+                if segment.switch is not None:
+                    self._switch_media(segment.switch)
+                self._media_decoder().feed(segment.data)
+
+    def _media_decoder(self) -> LiveDecoder:
         with self._lock:
             self._check_open()
             if self._decoder is None or self._decoder.finished:
-                # A new media: its first frame follows the newest frame so far.
-                offset = self._newest_s + 1.0 / self.config.fps if self._t0 is not None else 0.0
-                self._decoder = LiveDecoder(self._on_decoded, self._on_decode_error, offset=offset)
+                self._clock.new_media()      # its first frame follows the newest frame so far
+                self._decoder = LiveDecoder(self._on_decoded, self._on_decode_error)
+            return self._decoder
+
+    def _switch_media(self, what: str) -> None:
+        """The video stream changed: the old media's decoder hands over its last frames first."""
+        with self._lock:
             decoder = self._decoder
-        decoder.feed(chunk)
+        if decoder is not None:
+            decoder.close()
+            decoder.join()
+        self._emit(self._source_event("format_changed", f"the video stream changed: {what}; "
+                                                        "a new media starts, stream time goes on"))
 
     def end_of_stream(self) -> None:
-        """No more frames: the last odd frame is prefilled as a pair (repeated, as HF pads)."""
+        """No more frames: the last odd frame is prefilled as a pair (repeated, as HF pads).
+        Silence from now on is the end, not a stale source."""
+        self._watch.stop()
         with self._lock:
             decoder = self._decoder
         if decoder is not None:
@@ -169,9 +219,9 @@ class LiveSession:
             decoder.join()
         with self._lock:
             if self._pending is not None:
-                frame, t, slot = self._pending
+                frame, camera, slot = self._pending
                 self._pending = None
-                self._queue_pair(frame, frame, t, slot // 2)
+                self._queue_pair(frame, frame, camera, slot // 2)
 
     def wait_ingested(self, timeout: float | None = None) -> None:
         """Block until every frame fed so far is prefilled (or dropped)."""
@@ -207,7 +257,7 @@ class LiveSession:
             if not pairs:
                 raise NoFrames("the live session has no prefilled frame yet")
             entry = self._window.snapshot()
-            start_s, end_s = pairs[0].start_s, pairs[-1].end_s
+            start_s, end_s, camera = pairs[0].start_s, pairs[-1].end_s, pairs[-1].camera
             question_id = question_id or f"q{next(self._ids)}"
             gen = Generation()
             put = sink or gen._events.put
@@ -223,7 +273,7 @@ class LiveSession:
             gen.request = self.engine.submit(None, question, sampling, prefix=entry,
                                              num_draft_tokens=self._draft_k, sink=deliver)
             self._answers.add(gen)
-        return LiveAnswer(question_id, question, start_s, end_s, gen)
+        return LiveAnswer(question_id, question, start_s, end_s, gen, camera, self._watch.stale)
 
     def add_standing(self, question: str, every_s: float, sampling: SamplingParams | None = None,
                      question_id: str | None = None) -> str:
@@ -255,10 +305,17 @@ class LiveSession:
             c, window, pairs = self._counts, self._window, self._window.pairs
             start = pairs[0].start_s if pairs else 0.0
             end = pairs[-1].end_s if pairs else 0.0
+            newest = self._clock.newest or CameraTime(0.0, 0.0, 0.0)
             return LiveStats(c["received"], c["sampled"], c["dropped"], c["prefilled"], c["evicted"], len(pairs),
-                             len(pairs) * window.tpp, window.kv_bytes, start, end, self._newest_s,
-                             max(0.0, self._newest_s - end) if pairs else self._newest_s, window.shift,
-                             self._ingest_s)
+                             len(pairs) * window.tpp, window.kv_bytes, start, end, newest.stream_s,
+                             max(0.0, newest.stream_s - end) if pairs else newest.stream_s, window.shift,
+                             self._ingest_s, newest.source_pts_s, newest.wall_time_s, self._watch.stale)
+
+    @property
+    def newest(self) -> CameraTime | None:
+        """The camera time of the newest frame received (None before the first)."""
+        with self._lock:
+            return self._clock.newest
 
     @property
     def kv_bytes(self) -> int:
@@ -281,6 +338,7 @@ class LiveSession:
             if self._closed:
                 return
             self._closed = True
+            self._watch.stop()
             decoder, self._decoder = self._decoder, None
             for _, future in self._waiting:
                 future.cancel()
@@ -304,32 +362,43 @@ class LiveSession:
         if self._closed:
             raise InvalidRequest("the live session is closed")
 
-    def _sample(self, frame: np.ndarray, t: float) -> int:
-        """Keep the first frame of each 1/fps slot; pair slots (2j, 2j+1). Lock held."""
+    def _sample(self, frame: np.ndarray, pts: float) -> int:
+        """Place the frame on the stream clock; keep the first frame of each 1/fps slot; pair
+        slots (2j, 2j+1). Lock held."""
         self._counts["received"] += 1
-        if self._t0 is None:
-            self._t0 = t
+        self._watch.frame()
+        before = self._clock.newest
+        camera, reset = self._clock.place(pts)
+        if reset:
+            self._emit(self._source_event("timestamp_reset", f"source timestamps went back from "
+                                          f"{before.source_pts_s:.3f} s to {pts:.3f} s; stream time goes on "
+                                          f"at {camera.stream_s:.3f} s"))
+        shape = frame.shape[:2]
+        if self._source_shape is not None and shape != self._source_shape:
+            self._emit(self._source_event("format_changed", f"frame size changed from {self._source_shape[1]}x"
+                                          f"{self._source_shape[0]} to {shape[1]}x{shape[0]}; frames are resized "
+                                          "to the session's first size"))
+        self._source_shape = shape
         if self._frame_shape is None:
-            self._start(frame.shape[:2])
-        elif frame.shape[:2] != self._frame_shape:
+            self._start(shape)
+        elif shape != self._frame_shape:
             frame = _resize_all(frame[None], *self._frame_shape)[0]
-        self._newest_s = max(self._newest_s, t)
-        slot = int(math.floor((t - self._t0) * self.config.fps + 1e-6))
+        slot = int(math.floor(camera.stream_s * self.config.fps + 1e-6))
         if slot <= self._last_slot:
             return 0
         self._last_slot = slot
         self._counts["sampled"] += 1
         queued = 0
         if self._pending is not None:
-            first, t_first, first_slot = self._pending
+            first, first_camera, first_slot = self._pending
             self._pending = None
             if slot == first_slot + 1:
-                return self._queue_pair(first, frame, t_first, first_slot // 2, t)
-            queued += self._queue_pair(first, first, t_first, first_slot // 2)      # its partner never came
+                return self._queue_pair(first, frame, first_camera, first_slot // 2, camera)
+            queued += self._queue_pair(first, first, first_camera, first_slot // 2)      # its partner never came
         if slot % 2 == 0:
-            self._pending = (frame, t, slot)
+            self._pending = (frame, camera, slot)
         else:                                                                        # a pair's first frame is missing
-            queued += self._queue_pair(frame, frame, t, slot // 2)
+            queued += self._queue_pair(frame, frame, camera, slot // 2)
         return queued
 
     def _start(self, shape: tuple[int, int]) -> None:
@@ -338,10 +407,11 @@ class LiveSession:
         self._frame_shape = shape
         self.engine.scheduler.call_soon(self._window.prefill_text).result()
 
-    def _queue_pair(self, a: np.ndarray, b: np.ndarray, t: float, index: int, t_b: float | None = None) -> int:
-        pair_s = self.config.pair_s
+    def _queue_pair(self, a: np.ndarray, b: np.ndarray, camera_a: CameraTime, index: int,
+                    camera_b: CameraTime | None = None) -> int:
+        newest = camera_b or camera_a
         frames = np.stack([a, b])
-        pair = FramePair(index, t, (t_b if t_b is not None else t) + pair_s / 2, frames)
+        pair = FramePair(index, camera_a.stream_s, newest.stream_s + self.config.pair_s / 2, frames, camera=newest)
         future = self.engine.scheduler.call_soon(lambda: self._ingest(pair))
         self._waiting.append((pair, future))
         self._drop_if_behind()
@@ -402,15 +472,17 @@ class LiveSession:
         def sink(item: Any) -> None:
             started.wait()
             answer = box["answer"]
+            tag = dict(camera=answer.camera, stale=answer.stale)
             if isinstance(item, TokenDelta):
-                self._emit(LiveEvent("delta", answer.question_id, answer.start_s, answer.end_s, delta=item))
+                self._emit(LiveEvent("delta", answer.question_id, answer.start_s, answer.end_s, delta=item, **tag))
             else:
                 with self._lock:
                     self._answers.discard(answer.generation)
                 if isinstance(item, GenerationOutput):
-                    self._emit(LiveEvent("done", answer.question_id, answer.start_s, answer.end_s, output=item))
+                    self._emit(LiveEvent("done", answer.question_id, answer.start_s, answer.end_s, output=item, **tag))
                 else:
-                    self._emit(LiveEvent("error", answer.question_id, answer.start_s, answer.end_s, error=item))
+                    self._emit(LiveEvent("error", answer.question_id, answer.start_s, answer.end_s, error=item,
+                                         **tag))
 
         try:
             box["answer"] = self.ask(q.question, q.sampling, question_id=q.question_id, sink=sink)
@@ -426,6 +498,20 @@ class LiveSession:
                 self.on_event(event)
             except Exception:  # noqa: BLE001 - a listener's failure must not stop ingest
                 pass
+
+    def _source_event(self, kind: str, message: str) -> LiveEvent:
+        """An event about the source, at the newest frame so far."""
+        newest = self._clock.newest
+        return LiveEvent(kind, start_s=newest.stream_s if newest else 0.0, end_s=newest.stream_s if newest else 0.0,
+                         camera=newest, message=message)
+
+    def _on_silence(self, stale: bool, silent_s: float) -> None:
+        """The silence watch's thread (stale), or a frame's arrival under the lock (resumed)."""
+        if stale:
+            message = f"no frame for {silent_s:.1f} s (stale_after_s {self.config.stale_after_s:g}): answers are stale"
+        else:
+            message = f"frames again after {silent_s:.1f} s of silence"
+        self._emit(self._source_event("stale" if stale else "resumed", message))
 
     # Decoder callbacks (the decoder's thread) -------------------------------------------------------
     def _on_decoded(self, frames: np.ndarray, times: np.ndarray) -> None:

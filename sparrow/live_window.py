@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidRequest
+from .live_source import CameraTime
 from .models.kv_cache import new_kv_cache
 from .models.target import FeatureNeeds, TargetModel, VideoPrefix
 from .prefix_cache import PrefixEntry
@@ -46,6 +47,8 @@ class LiveConfig:
                     each step moves the kept cache entries once and re-prefills the short
                     text before the video
     max_lag_s       ingest more than this far behind the newest frame drops the oldest waiting pairs
+    stale_after_s   no frame for this many wall seconds: the source is stale (an event; answers
+                    marked stale until frames come again)
     evict_mode      "shift": evicted pairs leave the cache, the kept ones stay as prefilled and the
                     window is re-positioned (cheap; kept pairs' deeper layers saw evicted ones);
                     "refresh": the kept pairs are prefilled again from their visual tokens (kept
@@ -58,11 +61,12 @@ class LiveConfig:
     window_s: float = 30.0
     evict_s: float | None = None
     max_lag_s: float = 10.0
+    stale_after_s: float = 5.0
     evict_mode: str = "shift"
     options: VideoOptions = field(default_factory=VideoOptions)
 
     def __post_init__(self) -> None:
-        for name in ("fps", "window_s", "max_lag_s"):
+        for name in ("fps", "window_s", "max_lag_s", "stale_after_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise InvalidRequest(f"{name} must be a number > 0, got {value!r}")
@@ -96,6 +100,7 @@ class FramePair:
     bridge: torch.Tensor | None = None        # (tpp, H) bridge-layer states
     visual_features: torch.Tensor | None = None   # (tpp, F*H) features at t-1 of its tokens
     embeds: torch.Tensor | None = None            # (tpp, H) its visual tokens ("refresh" only)
+    camera: CameraTime | None = None              # when its newest frame was (stream, source, wall)
 
 
 class LiveWindow:

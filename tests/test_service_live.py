@@ -12,10 +12,12 @@ allowed URL itself.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import io
 import json
+import socket
 import threading
 import time
 
@@ -95,9 +97,9 @@ class Reader:
         out = []
         for response in self._it:
             out.append(response)
+            self.seen.append(response)       # kept if the stream then ends with an error
             if done(response):
                 break
-        self.seen += out
         return out
 
     def rest(self) -> list:
@@ -217,6 +219,9 @@ def test_standing_questions_arrive_on_stream_time_with_ids_and_ranges(server, cl
     got = answers(responses, "red")
     assert [span for span, _, _ in got] == [(0.0, 2.0), (0.0, 4.0), (0.0, 6.0)]     # every 2 s of stream
     assert all(done.standing for _, _, done in got)
+    # Camera time: the source time and arrival wall time of each answer's newest frame.
+    assert [done.source_pts_s for _, _, done in got] == [1.5, 3.5, 5.5]
+    assert all(abs(done.wall_time_s - time.time()) < 60 for _, _, done in got)
     assert all(r.chunk.standing and r.chunk.question_id == "red" for r in responses if r.HasField("chunk"))
     (refused,) = events(responses)
     assert refused.question_id == "nope" and refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -235,6 +240,33 @@ def test_standing_questions_arrive_on_stream_time_with_ids_and_ranges(server, cl
         time.sleep(0.01)
     assert [((e.start_s, e.end_s), e.output.token_ids) for e in done] == [(s, t) for s, t, _ in got]
     session.close()
+    wait_released(server)
+
+
+def test_camera_time_and_a_silent_source_on_the_wire(server, client):
+    """Frames stamped from 100 s: answers and stats carry that source time besides stream
+    seconds; silence past stale_after_s is a STALE event and marks answers stale; frames
+    again: RESUMED."""
+    frames = synthetic_frames(8, 84, 112, seed=2)
+    stamps = 100.0 + np.arange(8) / 2.0
+    with client.live(stats_every_s=0.1, stale_after_s=0.5, **OPEN) as live:
+        assert live.opened().stale_after_s == 0.5
+        reader = Reader(live)
+        live.send_frames(frames[:4], stamps[:4])
+        reader.until(lambda r: r.HasField("event") and r.event.kind == pb.LIVE_EVENT_KIND_STALE)
+        live.ask(QUESTION, question_id="late", **GREEDY)
+        reader.until(lambda r: r.HasField("done"))
+        live.send_frames(frames[4:], stamps[4:])
+        reader.until(lambda r: r.HasField("event") and r.event.kind == pb.LIVE_EVENT_KIND_RESUMED)
+        live.close()
+        reader.rest()
+    stale = next(e for e in events(reader.seen) if e.kind == pb.LIVE_EVENT_KIND_STALE)
+    assert (stale.stream_s, stale.source_pts_s) == (1.5, 101.5) and "no frame for" in stale.message
+    (span, tokens, done), = answers(reader.seen, "late")
+    assert span == (0.0, 2.0) and done.stale and done.source_pts_s == 101.5 and len(tokens) == 10
+    assert all(r.chunk.stale for r in reader.seen if r.HasField("chunk"))
+    final = reader.seen[-1].stats
+    assert final.final and (final.newest_s, final.newest_source_pts_s, final.stale) == (3.5, 103.5, False)
     wait_released(server)
 
 
@@ -350,28 +382,59 @@ def test_first_message_not_open_undecodable_url_off_the_allowlist_and_a_target_t
     wait_released(server)
 
 
-def test_the_server_reads_an_allowed_url_itself(server, client, tmp_path):
-    (tmp_path / "cam.ts").write_bytes(ts_bytes(synthetic_frames(8, 84, 112, seed=3)))     # 2 s, played at real time
-    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
+def test_the_server_reads_an_allowed_url_itself_and_ends_with_its_source(server, client, tmp_path):
+    """The server plays the URL at real time; when the source ends, the session says so,
+    drains (the answer asked before finishes), sends its final stats and ends OK by itself."""
+    (tmp_path / "cam.ts").write_bytes(ts_bytes(synthetic_frames(16, 84, 112, seed=3)))    # 4 s, played at real time
+    with _http_dir(tmp_path) as base:
+        with client.live(url=f"{base}/cam.ts", stats_every_s=0.1, **OPEN) as live:
+            live.opened()
+            reader = Reader(live)
+            reader.until(prefilled(1))
+            live.send_chunk(b"\x47" * 188)               # a URL session takes no media from the client
+            live.ask(QUESTION, question_id="q", **GREEDY)
+            reader.rest()                                # the server ends the stream: no RpcError
+    (span, tokens, done), = answers(reader.seen, "q")
+    assert span[1] >= 1.0 and len(tokens) == 10 and done.source_pts_s > 0
+    kinds = [e.kind for e in events(reader.seen)]
+    assert any("takes no media" in e.message for e in events(reader.seen))
+    assert kinds[-1] == pb.LIVE_EVENT_KIND_SOURCE_ENDED
+    final = reader.seen[-1].stats
+    assert final.final and final.frames_received == 16 and final.pairs_prefilled == 4
+    wait_released(server)
+
+
+def test_an_unreachable_source_fails_the_session_unavailable(server, client):
+    """Nothing listens at the URL: a SOURCE_FAILED event, then the stream ends UNAVAILABLE at
+    once (not a session waiting for video that never comes)."""
+    started = time.monotonic()
+    with client.live(url=f"http://127.0.0.1:{_closed_port()}/cam.ts", **OPEN) as live:
+        live.opened()
+        reader = Reader(live)
+        with pytest.raises(grpc.RpcError) as info:
+            reader.rest()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "could not fetch" in info.value.details()
+    (failed,) = events(reader.seen)
+    assert failed.kind == pb.LIVE_EVENT_KIND_SOURCE_FAILED and failed.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert time.monotonic() - started < 10
+    wait_released(server)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _http_dir(path):
+    handler = functools.partial(_QuietHandler, directory=str(path))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        url = f"http://127.0.0.1:{httpd.server_address[1]}/cam.ts"
-        with client.live(url=url, stats_every_s=0.1, **OPEN) as live:
-            live.opened()
-            reader = Reader(live)
-            reader.until(prefilled(2))
-            live.send_chunk(b"\x47" * 188)               # a URL session takes no media from the client
-            live.ask(QUESTION, question_id="q", **GREEDY)
-            reader.until(lambda r: r.HasField("done"))
-            live.close()
-            reader.rest()
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
     finally:
         httpd.shutdown()
-    (span, tokens, done), = answers(reader.seen, "q")
-    assert span[1] >= 2.0 and len(tokens) == 10
-    assert any("takes no media" in e.message for e in events(reader.seen))
-    wait_released(server)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -395,4 +458,19 @@ def test_sparrow_live_plays_a_file_and_prints_answers(server, tmp_path, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "opened" in lines[0] and lines[-1]["stats"]["final"]
     assert [line["done"]["questionId"] for line in lines if "done" in line] == ["q1"]
+    wait_released(server)
+
+
+def test_sparrow_live_exits_zero_when_a_url_ends_and_non_zero_when_it_fails(server, tmp_path, capsys):
+    (tmp_path / "cam.ts").write_bytes(ts_bytes(synthetic_frames(8, 84, 112, seed=3)))     # 2 s
+    common = ["live", "--server", server.address, "--window", "60", "--max-lag", "100",
+              "--min-pixels", str(PIXELS["min_pixels"]), "--max-pixels", str(PIXELS["max_pixels"]),
+              "--max-new-tokens", "4", "--standing", "1:what happens ?"]
+    with _http_dir(tmp_path) as base:
+        assert cli.main(common + [f"{base}/cam.ts"]) == 0          # no --duration: ends with the source
+    out, err = capsys.readouterr()
+    assert "[s1 0.0-1.0s]" in out and "source ended" in err and "final stats: 8 frames received" in err
+    assert cli.main(common + [f"http://127.0.0.1:{_closed_port()}/cam.ts"]) == 1
+    err = capsys.readouterr().err
+    assert "source failed" in err and "UNAVAILABLE" in err
     wait_released(server)

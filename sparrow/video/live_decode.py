@@ -1,9 +1,10 @@
 """Container bytes of a live stream (MPEG-TS, fragmented MP4), decoded as they are fed.
 
 A LiveDecoder reads one media: chunks go into a blocking pipe, a thread decodes them with
-PyAV (video/stream.py) and hands RGB frames with their stream times to a callback, a batch
-at a time. A live session (sparrow/live.py) starts one per media and samples what it hands
-over; unlike LiveSource (video/live.py) nothing is retained.
+PyAV (video/stream.py) and hands RGB frames with their source PTS (seconds, as the container
+stamps them) to a callback, a batch at a time. A live session (sparrow/live.py) starts one per
+media, checks MPEG-TS framing before feeding it (video/ts_framing.py), and maps the PTS to
+its stream time (live_source.py); unlike LiveSource (video/live.py) nothing is retained.
 """
 
 from __future__ import annotations
@@ -20,24 +21,20 @@ import numpy as np
 from sparrow.errors import VideoUnreadable
 from sparrow.video.stream import decoded_frames, video_stream
 
-TS_PACKET = 188
-TS_SYNC = 0x47                  # the first byte of every MPEG-TS packet
 # Little probing: frames should flow from the first bytes of a live stream.
 _OPEN_OPTIONS = {"probesize": "4096", "analyzeduration": "0"}
 
 
 class LiveDecoder:
     """Decodes a container stream fed in chunks (MPEG-TS, fragmented MP4) on its own thread and
-    hands RGB frames uint8 [T, H, W, 3] with stream times (seconds from the media's first
-    frame + `offset`) to `on_frames`; a decode failure goes to `on_error` and ends this media."""
+    hands RGB frames uint8 [T, H, W, 3] with their PTS (seconds in the stream's time base) to
+    `on_frames`; a decode failure goes to `on_error` and ends this media."""
 
     def __init__(self, on_frames: Callable[[np.ndarray, np.ndarray], None],
-                 on_error: Callable[[BaseException], None], offset: float = 0.0, batch: int = 1):
+                 on_error: Callable[[BaseException], None], batch: int = 1):
         self._pipe = _Pipe()
         self._on_frames, self._on_error = on_frames, on_error
-        self._offset, self._batch = offset, batch
-        self._bytes = 0                   # bytes fed so far
-        self._ts: bool | None = None      # MPEG-TS (its first byte is a sync byte), set by the first feed
+        self._batch = batch
         self._done = threading.Event()
         self._aborted = False
         self._progress = threading.Condition()
@@ -49,18 +46,7 @@ class LiveDecoder:
         return self._done.is_set()
 
     def feed(self, chunk: bytes) -> None:
-        """The media's next bytes, split anywhere. MPEG-TS is 188-byte packets, each starting
-        with a sync byte: a chunk that breaks that is refused whole (VideoUnreadable), and the
-        media goes on from where it was."""
-        if self._ts is None:
-            self._ts = chunk[:1] == bytes([TS_SYNC])
-        if self._ts and chunk:
-            marks = np.frombuffer(chunk, dtype=np.uint8)[(-self._bytes) % TS_PACKET::TS_PACKET]
-            if not bool((marks == TS_SYNC).all()):
-                bad = int(np.argmax(marks != TS_SYNC))
-                raise VideoUnreadable(f"chunk at byte {self._bytes} of the stream is not MPEG-TS: no sync "
-                                      f"byte at its packet {bad}; the chunk was dropped, the session goes on")
-        self._bytes += len(chunk)
+        """The media's next bytes, split anywhere."""
         if chunk:
             self._pipe.write_chunk(chunk)
 
@@ -90,13 +76,13 @@ class LiveDecoder:
             with av.open(self._pipe, mode="r", options=_OPEN_OPTIONS) as container:
                 stream = video_stream(container, "the live media")
                 stream.thread_type = "AUTO"
-                for t, frame in decoded_frames(container, stream):
+                for t, frame in decoded_frames(container, stream, origin_pts=0):
                     if self._aborted:
                         return
                     if t is None:
                         continue
                     frames.append(frame.to_ndarray(format="rgb24"))
-                    times.append(t + self._offset)
+                    times.append(t)
                     if len(frames) >= self._batch:
                         self._flush(frames, times)
                     with self._progress:
@@ -171,4 +157,4 @@ class _SinkError(Exception):
         self.error = error
 
 
-__all__ = ["LiveDecoder", "TS_PACKET"]
+__all__ = ["LiveDecoder"]
