@@ -404,7 +404,6 @@ class LiveCall:
     def _session_event(self, event: LiveEvent) -> None:
         kind, qid = event.kind, event.question_id or ""
         if kind == "delta":
-
             self._send_chunk(qid, _Tag.of(event), event.delta, standing=True)
         elif kind == "done":
             self._send_done(qid, _Tag.of(event), event.output, standing=True)
