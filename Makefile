@@ -34,10 +34,13 @@ demo-long: setup
 	$(PY) -m sparrow.services.cli demo --long
 
 # What the tests need beyond Python: a redis-server binary (the fixtures start it on a free
-# loopback port) and kustomize for rendering k8s/ overlays.
+# loopback port), an ffmpeg binary (it publishes a file as an RTSP stream on loopback) and
+# kustomize for rendering k8s/ overlays.
 test-services:
 	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } \
 		|| echo "could not install redis-server: the Redis tests will skip"
+	@command -v ffmpeg >/dev/null || { apt-get update -qq && apt-get install -y -qq ffmpeg >/dev/null; } \
+		|| echo "could not install ffmpeg: the RTSP tests will skip"
 	@command -v kubectl >/dev/null || command -v kustomize >/dev/null || test -x .tools/kustomize \
 		|| $(MAKE) -s k8s-tools || echo "no kustomize: k8s rendering tests will skip"
 
