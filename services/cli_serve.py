@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,10 @@ def app_settings(args: argparse.Namespace):
         max_video_bytes=args.max_video_mb * MiB, max_message_bytes=args.max_message_mb * MiB,
         max_concurrent=args.max_concurrent, media_root=args.media_root, max_live_sessions=args.max_live_sessions,
         max_live_session_s=args.max_live_session_s, max_live_bytes=args.max_live_mb * MiB,
-        allowed_url_schemes=tuple(args.allow_url_scheme), allowed_url_hosts=tuple(args.allow_url_host))
+        max_uploads=args.max_uploads, max_upload_bytes_in_flight=args.max_upload_mb_in_flight * MiB,
+        upload_dir=args.upload_dir, max_stored_upload_bytes=args.max_stored_upload_mb * MiB,
+        allowed_url_schemes=tuple(args.allow_url_scheme), allowed_url_hosts=tuple(args.allow_url_host),
+        live_webhook_prefixes=tuple(args.allow_webhook))
     deployments = json.loads(Path(args.ray_config).read_text()) if args.ray_config else {}
     return AppSettings(
         target=_target_spec(args), draft=_draft_spec(args),
@@ -106,17 +108,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_ray(args: argparse.Namespace, settings) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from sparrow.services import ray_bind
+
+    # A local cluster is started for --host (every Ray server on it; services.ray_bind), with
+    # Ray's token authentication unless RAY_AUTH_MODE says otherwise; both read by Ray at import.
+    auth = ray_bind.token_auth()
+    cluster = ray_bind.local_cluster(args.host) if args.ray_address is None else {"address": args.ray_address}
     import ray
     from ray import serve
 
-    from sparrow.services import ray_app, ray_bind
+    from sparrow.services import ray_app
 
     # Serve's gRPC proxy reads its message limit from the environment of its process, and
     # binds --host through the job's setup hook (services.ray_bind).
     env = {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(settings.service.max_message_bytes)}
     print(models_line(settings), flush=True)
-    ray.init(address=args.ray_address, runtime_env=ray_bind.runtime_env(args.host, env))
+    ray.init(**cluster, runtime_env=ray_bind.runtime_env(args.host, env))
+    where = "a local cluster on " + args.host if args.ray_address is None else "the cluster at " + args.ray_address
+    print(f"sparrow: Ray: {where}; Ray token authentication {'on' if auth == 'token' else 'OFF (RAY_AUTH_MODE)'}",
+          flush=True)
     ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=args.http_port)
     deployments = "TargetDeployment" + (" + DraftDeployment" if settings.placement == "remote" else "")
     print(f"sparrow: serving sparrow.v1.Sparrow on {args.host}:{args.port} (Ray Serve gRPC proxy: {deployments}); "
@@ -137,8 +147,8 @@ def add_command(sub, common) -> None:
                                    "(models/world/target and models/world/draft).")
     p.add_argument("--ray", action="store_true", help="run as a Ray Serve application (TargetDeployment; "
                                                       "DraftDeployment too with --draft-placement remote)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (--ray: of Serve's gRPC and HTTP proxies; an existing "
-                                                              "cluster's proxies keep theirs)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (--ray: of Serve's proxies and of the local cluster "
+                                                              "it starts; an existing cluster's proxies keep theirs)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0: any free port)")
     p.add_argument("--target", help="target model directory, or tiny:<arch>[:seed] for random weights "
                                     "(default: the committed world target, models/world/target)")
@@ -157,19 +167,31 @@ def add_command(sub, common) -> None:
     p.add_argument("--media-root", help="directory the server may read video paths from (default: no paths)")
     p.add_argument("--allow-url-scheme", action="append", default=[], help="http, https or rtsp (repeat)")
     p.add_argument("--allow-url-host", action="append", default=[], help="allowed URL host (repeat)")
+    p.add_argument("--allow-webhook", action="append", default=[], metavar="PREFIX",
+                   help="URL prefix a live session's alert webhook may start with (repeat; none: no webhooks)")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="most new tokens a request may ask for (default 2048)")
     p.add_argument("--max-video-mb", type=int, default=2048, help="largest video accepted, in MiB (default 2048)")
     p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message, in MiB (default 64; "
                                                                  "larger videos go through UploadVideo in chunks)")
     p.add_argument("--max-concurrent", type=int, default=16, help="requests running at once; more get "
                                                                  "RESOURCE_EXHAUSTED (default 16)")
+    p.add_argument("--max-uploads", type=int, default=4, help="uploads in progress at once; more get "
+                                                            "RESOURCE_EXHAUSTED (default 4; 0: no uploads)")
+    p.add_argument("--max-upload-mb-in-flight", type=int, default=4096,
+                   help="MiB the uploads in progress may hold together; past it RESOURCE_EXHAUSTED (default 4096)")
+    p.add_argument("--upload-dir", help="where uploads are received and, without Redis, stored (default: a fresh "
+                                        "temporary directory)")
+    p.add_argument("--max-stored-upload-mb", type=int, default=16384,
+                   help="without Redis: MiB of stored uploads kept in --upload-dir; the oldest go first "
+                        "(default 16384)")
     p.add_argument("--max-live-sessions", type=int, default=4, help="live sessions open at once; more get "
                                                                    "RESOURCE_EXHAUSTED (default 4; 0: none)")
     p.add_argument("--max-live-session-s", type=float, default=4 * 3600.0,
                    help="seconds a live session may stay open before it ends with RESOURCE_EXHAUSTED (default 14400)")
     p.add_argument("--max-live-mb", type=int, default=16384, help="MiB of video a live session may send before it "
                                                                   "ends with RESOURCE_EXHAUSTED (default 16384)")
-    p.add_argument("--ray-address", default=None, help="an existing cluster (default: start or join a local one)")
+    p.add_argument("--ray-address", default=None, help="join this cluster ('auto': the local one running; default: "
+                                                        "start a new local cluster listening on --host only)")
     p.add_argument("--ray-config", help='JSON: {"target": {deployment options}, "draft": {...}}, e.g. '
                                         'autoscaling_config, num_replicas, ray_actor_options')
     p.add_argument("--http-port", type=int, default=8000, help="--ray: Serve's HTTP proxy port (default 8000)")

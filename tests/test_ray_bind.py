@@ -1,14 +1,21 @@
-"""`sparrow serve --ray --host H`: Serve's gRPC proxy listens on H only (Ray Serve itself
-binds every interface). A real Ray started in a subprocess with the runtime_env the CLI
-uses; the listening sockets are read from /proc/net."""
+"""`sparrow serve --ray --host 127.0.0.1`: the Ray cluster it starts listens on loopback only,
+and drives only for holders of its token.
+
+The real CLI in a subprocess (tiny random models); every process it started (the process
+tree: GCS, raylet, agents, dashboard, monitor, Serve controller, proxy, replicas, idle
+workers) is walked and each socket it holds is looked up in /proc/net/{tcp,tcp6,udp,udp6}.
+Ray's token authentication is on by default: the GCS refuses a call without the token
+(UNAUTHENTICATED) and answers one with it; the token file was written for its owner only.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import signal
+import stat
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -18,62 +25,131 @@ from conftest_services import free_port
 
 pytestmark = pytest.mark.slow
 
-DRIVER = textwrap.dedent("""
-    import sys
-    import ray
-    from ray import serve
-    from ray.serve.config import gRPCOptions, HTTPOptions
-    from sparrow.services import ray_bind
-    from sparrow.services.ray_app import SERVICER_FUNCTIONS
 
-    port, http_port = int(sys.argv[1]), int(sys.argv[2])
-    ray.init(num_cpus=1, include_dashboard=False, runtime_env=ray_bind.runtime_env("127.0.0.1"))
-    serve.start(grpc_options=gRPCOptions(port=port, grpc_servicer_functions=SERVICER_FUNCTIONS),
-                http_options=HTTPOptions(host="127.0.0.1", port=http_port))
-    print("READY", flush=True)
-    sys.stdin.read()                   # until the test closes it
-    serve.shutdown()
-    ray.shutdown()
-""")
-
-
-def listening(port: int) -> set[str]:
-    """Local addresses of the TCP sockets listening on `port` (IPv4 and IPv6)."""
-    found = set()
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.split(":")
-            if state == "0A" and int(hex_port, 16) == port:        # 0A: LISTEN
-                raw = bytes.fromhex(address)
-                # /proc prints each 32-bit word little-endian
-                words = b"".join(raw[i:i + 4][::-1] for i in range(0, width // 2, 4))
-                ip = ipaddress.ip_address(words)
-                found.add(str(getattr(ip, "ipv4_mapped", None) or ip))    # ::ffff:127.0.0.1 is 127.0.0.1
+def process_tree(root: int) -> dict[int, str]:
+    """pid -> command line of `root` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue                                   # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        todo += children.get(pid, [])
     return found
 
 
-def test_serve_grpc_proxy_binds_the_host_it_is_told(tmp_path):
-    port, http_port = free_port(), free_port()
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(port), str(http_port)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-    try:
-        assert driver.stdout.readline().strip() == "READY"
-        deadline = time.monotonic() + 30
-        while not listening(port) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert listening(port) == {"127.0.0.1"}                   # not 0.0.0.0, not ::
-        # The proxy serves (its servicer functions, services.wire's included, loaded): with
-        # no app deployed it routes a request, even an undecodable one, to NOT_FOUND.
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_stream("/sparrow.v1.Sparrow/Generate", request_serializer=None)
-            with pytest.raises(grpc.RpcError) as info:
-                list(call(b"\x0a\xff\xff\xff\xff\x0f", timeout=20))
-            assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
-    finally:
-        driver.stdin.close()
+def bound_sockets() -> dict[int, tuple[str, str, int]]:
+    """Socket inode -> (table, local address, port): TCP sockets listening, UDP sockets bound."""
+    found = {}
+    for table, width in (("tcp", 8), ("tcp6", 32), ("udp", 8), ("udp6", 32)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            address, hex_port = fields[1].split(":")
+            if table.startswith("tcp") and fields[3] != "0A":          # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, width // 2, 4))   # each 32-bit word little-endian
+            ip = ipaddress.ip_address(words)
+            ip = getattr(ip, "ipv4_mapped", None) or ip                 # ::ffff:127.0.0.1 is 127.0.0.1
+            found[int(fields[9])] = (table, str(ip), int(hex_port, 16))
+    return found
+
+
+def listeners(root: int) -> list[tuple[int, str, str, int]]:
+    """(pid, command, address, port) of every bound socket a process of the tree holds."""
+    sockets, held = bound_sockets(), []
+    for pid, command in process_tree(root).items():
         try:
-            driver.wait(60)
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and int(link[8:-1]) in sockets:
+                _, address, port = sockets[int(link[8:-1])]
+                held.append((pid, command, address, port))
+    return held
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`sparrow serve --ray --host 127.0.0.1` with the environment's RAY_AUTH_MODE unset."""
+    tmp = tmp_path_factory.mktemp("ray-bind")
+    port, http_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
+    env.update(RAY_AUTH_TOKEN_PATH=str(tmp / "token"), OMP_NUM_THREADS="1")
+    cli = subprocess.Popen([sys.executable, "-m", "sparrow.services.cli", "serve", "--ray", "--host", "127.0.0.1",
+                            "--port", str(port), "--http-port", str(http_port), "--target", "tiny:qwen2_5_vl",
+                            "--draft", "tiny", "--log-format", "text"],
+                           env=env, stdout=subprocess.PIPE, stderr=(tmp / "stderr").open("w"), text=True, cwd=tmp)
+    lines = []
+    try:
+        for line in cli.stdout:
+            lines.append(line)
+            if line.startswith("sparrow: serving"):
+                break
+        assert lines and lines[-1].startswith("sparrow: serving"), "".join(lines) + (tmp / "stderr").read_text()[-3000:]
+        yield cli, port, http_port, tmp / "token", lines
+    finally:
+        pids = process_tree(cli.pid)
+        cli.send_signal(signal.SIGINT)          # Ctrl-C: Serve shuts down, then the cluster it started
+        try:
+            cli.wait(60)
         except subprocess.TimeoutExpired:
-            driver.kill()
+            cli.kill()
+        for pid in pids:                        # whatever outlived it, of the processes it started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_the_cluster_sparrow_serve_starts_listens_on_loopback_only(served):
+    cli, port, http_port, _, lines = served
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:       # it serves (and the app is deployed)
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+    held = listeners(cli.pid)
+    commands = " ".join(command for _, command, _, _ in held)
+    # The walk sees the whole cluster: its core servers, Serve's proxy and the replica.
+    for process in ("gcs_server", "raylet", "DashboardAgent", "ProxyActor", "ServeController", "TargetDeployment"):
+        assert process in commands, f"no socket of {process} found: {held}"
+    assert {port, http_port} <= {p for _, _, _, p in held}
+    exposed = [(pid, command[:60], address, p) for pid, command, address, p in held
+               if not ipaddress.ip_address(address).is_loopback]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    assert any("token authentication on" in line for line in lines), lines
+
+
+def test_ray_token_authentication_is_on_by_default(served):
+    cli, _, _, token_path, _ = served
+    assert stat.S_IMODE(token_path.stat().st_mode) == 0o600
+    token = token_path.read_text().strip()
+    gcs = [(address, p) for pid, command, address, p in listeners(cli.pid) if "gcs_server" in command]
+    call = "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo"        # an empty request: every node
+    answered = 0
+    for address, p in gcs:
+        with grpc.insecure_channel(f"{address}:{p}") as channel:
+            rpc = channel.unary_unary(call, request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as refused:
+                rpc(b"", timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value.details()
+            try:
+                rpc(b"", timeout=10, metadata=(("authorization", f"Bearer {token}"),))
+                answered += 1
+            except grpc.RpcError as exc:          # a GCS port that serves other services only
+                assert exc.code() == grpc.StatusCode.UNIMPLEMENTED, exc.details()
+    assert answered, f"no GCS port answered the token holder: {gcs}"
