@@ -180,3 +180,39 @@ def test_check_probability_is_the_target_forward(engine):
     yes, no = yes_no_ids(target.tokenizer)
     probs = torch.softmax(logits, -1)[list(yes + no)].tolist()
     assert check.probability == pytest.approx(yes_probability(tuple(probs), len(yes)), abs=1e-4)
+
+
+# ----- the webhook sink ---------------------------------------------------------------------------------
+def test_webhook_receives_each_incident_exactly_once():
+    """Bodies POSTed off the caller's thread; a 503 is retried, so every incident arrives, once."""
+    from webhook_recorder import Recorder
+
+    from sparrow.services.webhook import WebhookConfig, WebhookSink
+
+    with Recorder(fail_first=2) as recorder:
+        sink = WebhookSink(recorder.url, WebhookConfig(backoff_s=0.01))
+        ids = [sink.post({"rule_id": "r", "kind": "fired" if i % 2 == 0 else "cleared", "n": i}) for i in range(6)]
+        sink.close()
+        assert len(set(ids)) == 6
+        assert [b["incident_id"] for b in recorder.accepted] == ids            # each once, in order
+        assert recorder.keys == ids and [b["n"] for b in recorder.accepted] == list(range(6))
+        assert len(recorder.refused) == 2 and sink.counts == {"sent": 6, "dropped": 0, "failed": 0, "retries": 2}
+        with pytest.raises(RuntimeError, match="closed"):
+            sink.post({"rule_id": "r"})
+
+
+def test_webhook_queue_is_bounded_and_an_unreachable_receiver_gives_up():
+    import socket
+
+    from sparrow.services.webhook import WebhookConfig, WebhookSink
+
+    with socket.socket() as s:              # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sink = WebhookSink(f"http://127.0.0.1:{port}/hook", WebhookConfig(max_queue=2, attempts=2, backoff_s=0.01,
+                                                                       timeout_s=0.5, flush_s=10))
+    for i in range(20):
+        sink.post({"n": i})
+    sink.close()
+    c = sink.counts
+    assert c["sent"] == 0 and c["failed"] >= 1 and c["failed"] + c["dropped"] == 20 and c["dropped"] >= 17
