@@ -137,12 +137,15 @@ class SparrowClient:
              max_lag_s: float | None = None, min_pixels: int | None = None, max_pixels: int | None = None,
              standing: Sequence[tuple[str, str, float]] = (), stats_every_s: float | None = None,
              url: str = "", timeout: float | None = None, standing_sampling: dict | None = None,
-             evict_mode: str = "", stale_after_s: float | None = None) -> "LiveStream":
+             evict_mode: str = "", stale_after_s: float | None = None, rules: Sequence[pb.AlertRule] = (),
+             webhook_url: str = "") -> "LiveStream":
         """Open a live session (the Live RPC). None: the server's default. standing: questions
         asked every N seconds of stream, as (question_id, text, every_s); url: the server
         reads the video itself (under its URL allowlists) instead of the client sending it;
         evict_mode: "shift" (default) or "refresh" (sparrow.live_window.LiveConfig);
         stale_after_s: wall seconds without a frame before the source counts as stale.
+        rules: alert rules from the start (pb.AlertRule); webhook_url: where the server also
+        POSTs their incidents (under its allowed webhook prefixes).
         Use as a context manager: leaving the block before the server has ended the stream
         cancels it (the server frees the session at once)."""
         given = dict(fps=fps, window_s=window_s, evict_s=evict_s, max_lag_s=max_lag_s, min_pixels=min_pixels,
@@ -150,7 +153,7 @@ class SparrowClient:
         opening = pb.LiveOpen(**{k: v for k, v in given.items() if v is not None}, url=url, evict_mode=evict_mode, standing=[
             pb.StandingQuestion(question_id=qid, text=text, every_s=every_s,
                                 sampling=pb.SamplingParams(**(standing_sampling or {})))
-            for qid, text, every_s in standing])
+            for qid, text, every_s in standing], rules=list(rules), webhook_url=webhook_url)
         metadata = self.metadata + ((("sparrow-timeout-ms", str(int(timeout * 1000))),) if timeout else ())
         return LiveStream(self, opening, timeout, metadata)
 
@@ -253,6 +256,19 @@ class LiveStream:
 
     def remove_standing(self, question_id: str) -> None:
         self._send(pb.LiveRequest(remove_standing=pb.RemoveStanding(question_id=question_id)))
+
+    def add_rule(self, rule: pb.AlertRule) -> None:
+        """An alert rule (pb.AlertRule); the server answers with a RuleList, incidents follow."""
+        self._send(pb.LiveRequest(add_rule=rule))
+
+    def replace_rule(self, rule: pb.AlertRule) -> None:
+        self._send(pb.LiveRequest(replace_rule=rule))
+
+    def remove_rule(self, rule_id: str) -> None:
+        self._send(pb.LiveRequest(remove_rule=pb.RemoveRule(rule_id=rule_id)))
+
+    def list_rules(self) -> None:
+        self._send(pb.LiveRequest(list_rules=pb.ListRules()))
 
     def end(self) -> None:
         """No more video (questions may still come)."""
