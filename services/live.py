@@ -45,16 +45,14 @@ from sparrow.engine import Engine
 from sparrow.output import GenerationOutput, TokenDelta
 from sparrow.errors import InvalidRequest, ResourceExhausted, SparrowError
 from sparrow.live import LiveAnswer, LiveEvent, LiveSession, LiveStats
-from sparrow.live_source import CameraTime, RESET_S
+from sparrow.live_source import CameraTime
 from sparrow.video import SourcePolicy, VideoOptions
-from sparrow.video.decode import _pyav_errors as pyav_errors
-from sparrow.video.sources import Deadline, open_media
-from sparrow.video.stream import decoded_frames, video_stream
 
 from .completion import completion
 from .config import ServiceConfig
 from .errors import DeadlineExceeded, LiveUnsupported, NotReady, status_for
 from .live_messages import error_event, live_config, source_event, stats_message
+from .live_url import UrlFeeder
 from .protos import pb
 from .wire import Undecodable
 
@@ -506,54 +504,4 @@ def _nothing() -> None:
     pass
 
 
-class UrlFeeder:
-    """A session's video read by the server from a URL (checked against the source policy),
-    decoded on a thread and pushed at the pace of its timestamps: a live source arrives at
-    real time anyway, a file behind a URL plays as it would live (a timestamp jump waits at
-    most RESET_S). Frames go to the session with their source PTS. Bytes count against the
-    session's limit (count_bytes raises SessionLimit). `on_end` when the source ends, or
-    `on_error` with a typed error (SourceUnavailable, VideoTimeout, VideoUnreadable, ...)."""
-
-    def __init__(self, session: LiveSession, url: str, options: VideoOptions, policy: SourcePolicy, *,
-                 on_error: Callable[[BaseException], None], on_end: Callable[[], None],
-                 count_bytes: Callable[[int], None]):
-        self.session, self.url, self.options, self.policy = session, url, options, policy
-        self.on_error, self.on_end, self.count_bytes = on_error, on_end, count_bytes
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sparrow-live-url", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        try:
-            with pyav_errors(self.options, remote=True):
-                self._play()
-            if self._stop.is_set():
-                return
-            self.session.end_of_stream()
-            self.on_end()
-        except Exception as exc:  # noqa: BLE001 - reported on the session's stream
-            if not self._stop.is_set() and not self.session.closed:
-                self.on_error(exc)
-
-    def _play(self) -> None:
-        media = open_media(self.url, self.options, self.policy, Deadline(self.options.timeout_s))
-        with media.open() as container:
-            stream = video_stream(container, media.description)
-            due, last = time.monotonic(), None
-            for pts, frame in decoded_frames(container, stream, origin_pts=0, on_packet=self.count_bytes):
-                if pts is None:                   # no pts: no time to play it at
-                    continue
-                due += 0.0 if last is None else min(max(pts - last, 0.0), RESET_S)
-                last = pts
-                if self._stop.wait(max(0.0, due - time.monotonic())):
-                    return
-                self.session.push_frames(frame.to_ndarray(format="rgb24")[None], [pts])
-
-
-__all__ = ["LiveCall", "LiveHost", "SessionLimit", "UrlFeeder", "live_refusal"]
+__all__ = ["LiveCall", "LiveHost", "SessionLimit", "live_refusal"]
