@@ -42,6 +42,8 @@ class ServiceConfig:
     max_live_bytes: int = 16 << 30         # media and raw frame bytes a session may send
     max_live_window_s: float = 600.0       # the longest window a session may keep
     live_stats_every_s: float = 5.0        # default wall seconds between LiveStats messages
+    # URL prefixes a session's alert webhook (LiveOpen.webhook_url) may start with; none: no webhooks.
+    live_webhook_prefixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
