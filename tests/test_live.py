@@ -253,6 +253,22 @@ def test_container_chunks_and_a_corrupt_chunk(engine):
     raw.close()
 
 
+def test_a_container_stream_answers_as_its_frames_in_one_shot(engine):
+    """MPEG-TS chunks through the container decoder (video/live_decode.py) and the source clock
+    give the one-shot answer of the decoded frames; the answer carries its newest frame's PTS."""
+    data = _ts_bytes(synthetic_frames(10, 84, 112, seed=5), fps=2)          # 5 s at the session's 2 fps
+    session = LiveSession(engine, LiveConfig(window_s=60, max_lag_s=100, options=OPTIONS))
+    for i in range(0, len(data), 700):
+        session.feed(data[i:i + 700])
+    session.end_of_stream()
+    session.wait_ingested(60)
+    frames, _ = _decoded(data)
+    answer, live = ask(session)
+    assert (answer.start_s, answer.end_s) == (0.0, 5.0) and answer.camera.source_pts_s == 4.5
+    assert live == one_shot(engine, frames)
+    session.close()
+
+
 def test_bad_input_and_close(engine, target):
     with pytest.raises(InvalidRequest, match="fps"):
         LiveConfig(fps=0)
