@@ -3,6 +3,7 @@ against re-prefilling the window for each question; and the real-time factor ing
 
     python -m benchmarks.live --out BENCHMARKS.md                  # 5 streams, 10 s / 1 min / 10 min
     python -m benchmarks.live --points 10,60 --reps 2              # quick
+    python -m benchmarks.live --alerts --out BENCHMARKS.md         # alert rules: recall, precision
 
 Each rep is a fresh live-world stream (2 fps frames at the world's 84 px: 9 visual tokens a
 frame pair, one pair a second). For each --window (seconds kept), one LiveSession ingests the
@@ -264,8 +265,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accuracy-seconds", type=float, default=300, help="stream seconds each")
     parser.add_argument("--accuracy-window", type=float, default=16, help="the session window for accuracy, seconds")
     parser.add_argument("--every", type=float, default=5, help="standing questions every N stream seconds")
+    parser.add_argument("--alerts", action="store_true", help="only the alert rules' recall and precision "
+                                                               "(benchmarks/live_alerts.py)")
+    parser.add_argument("--alert-streams", type=int, default=5, help="held-out streams for --alerts")
+    parser.add_argument("--alert-seconds", type=float, default=180, help="stream seconds each (--alerts)")
+    parser.add_argument("--alert-every", type=float, default=3, help="rule checks every N stream seconds (--alerts)")
+    parser.add_argument("--fire-at", type=float, default=0.5, help="the rules' fire_at (--alerts)")
+    parser.add_argument("--alert-thresholds", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.3, 0.7],
+                        help="other P(yes) thresholds read off the same checks (--alerts)")
     parser.add_argument("--out", help="write the table into this BENCHMARKS.md")
     args = parser.parse_args(argv)
+    if args.alerts:
+        return _alerts(args, argv)
     points = [float(p) for p in args.points.split(",")]
     windows = [float(w) for w in args.windows.split(",")]
     target = TargetModel.from_pretrained(args.target)
@@ -305,6 +316,23 @@ def main(argv: list[str] | None = None) -> None:
     print(body)
     if args.out:
         write_section(args.out, "live", "Live sessions: time to first token over a stream's life, ingest rate",
+                      "python -m benchmarks.live " + " ".join(argv if argv is not None else sys.argv[1:]), body)
+
+
+def _alerts(args, argv) -> None:
+    from .live_alerts import alert_stream, alerts_table
+
+    engine = Engine(TargetModel.from_pretrained(args.target), spec=SpecConfig(method="none"))
+    load = os.getloadavg()
+    rows = [row for r in range(args.alert_streams)
+            for row in alert_stream(engine, args.seed + 300 + r, args.alert_seconds, args.accuracy_window,
+                                    args.alert_every, args.fire_at)]
+    engine.close()
+    body = (f"Target `{args.target}`; machine: {os.cpu_count()} CPU cores, no GPU; load average {load[0]:.2f} "
+            f"before, {os.getloadavg()[0]:.2f} after.\n" + alerts_table(rows, args))
+    print(body)
+    if args.out:
+        write_section(args.out, "live-alerts", "Live sessions: alert rules' recall and precision",
                       "python -m benchmarks.live " + " ".join(argv if argv is not None else sys.argv[1:]), body)
 
 
