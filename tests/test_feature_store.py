@@ -3,6 +3,7 @@ reads it."""
 
 from dataclasses import fields
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from sparrow.training.signals import target_signals
 from sparrow.video import VideoOptions
 
 PROMPTS = ("What happens in the video?", "Describe the colours.")
-STORE = StoreConfig(sampled=2, max_new_tokens=10, bridge_budgets=(3, 8), disk_dtype="float32", fps=None, num_frames=4)
+STORE = StoreConfig(sampled=2, max_new_tokens=10, bridge_budgets=(3, 8), disk_dtype="float32", fps=None, num_frames=8)
 OPTIONS = VideoOptions(fps=STORE.fps, num_frames=STORE.num_frames)
 CFG = TrainConfig(steps=12, grad_accum=2, lr=3e-3, warmup=2, window=8, anchors=16, bridge_tokens=8,
                   max_new_tokens=10, log_every=100, eval_every=0, save_every=0, num_frames=4, fps=None)
@@ -24,7 +25,7 @@ CFG = TrainConfig(steps=12, grad_accum=2, lr=3e-3, warmup=2, window=8, anchors=1
 
 @pytest.fixture(scope="module")
 def videos():
-    return [synthetic_frames(4, 56, 56, seed=i) for i in range(2)] + [synthetic_frames(8, 56, 84, seed=7)]
+    return [synthetic_frames(4, 56, 56, seed=i) for i in range(2)] + [synthetic_frames(16, 56, 56, seed=7)]
 
 
 def _samples(videos):
@@ -143,6 +144,17 @@ def test_training_on_the_store_lowers_the_loss(qwen_target, store):
         DraftTrainer.fresh(qwen_target, store, TrainConfig(**{**_fields(CFG), "feature_layers": (1, 2)}))
     with pytest.raises(InvalidRequest, match="train it online"):
         DraftTrainer.fresh(qwen_target, store, TrainConfig(**{**_fields(CFG), "context": "all"}))
+
+
+def test_length_balance_draws_each_video_length_alike(qwen_target, store):
+    lengths = [store.contexts[r["context"]]["visual_tokens"] for r in store.responses]
+    short = np.array([n == min(lengths) for n in lengths])
+    assert len({int(np.log2(n)) for n in lengths}) == 2 and short.sum() > len(short) / 2     # two length buckets
+    uniform, even = store.length_weights(0.0), store.length_weights(1.0)
+    assert abs(uniform[short].sum() - short.mean()) < 1e-9 and abs(even[short].sum() - 0.5) < 1e-9
+    trainer = DraftTrainer.fresh(qwen_target, store, TrainConfig(**{**_fields(CFG), "length_balance": 1.0}))
+    drawn = [short[trainer._next_index()] for _ in range(30 * len(store))]
+    assert abs(sum(drawn) / len(drawn) - 0.5) < 0.05
 
 
 def test_topk_teacher_keeps_the_head_of_the_targets_distribution():

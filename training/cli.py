@@ -133,9 +133,12 @@ def _cmd_build_features(args: argparse.Namespace) -> int:
 
 # ----- world -----------------------------------------------------------------------------------------
 def _cmd_world_make_data(args: argparse.Namespace) -> int:
-    from .world_data import make_world_data
+    from .world_data import make_world_data, make_world_ladder
 
-    path = make_world_data(args.out, args.videos, args.frames, args.seed, args.questions_per_video)
+    if args.ladder:
+        path = make_world_ladder(args.out, args.ladder, args.seed, args.questions_per_video)
+    else:
+        path = make_world_data(args.out, args.videos, args.frames, args.seed, args.questions_per_video)
     print(f"wrote {path}")
     return 0
 
@@ -168,7 +171,8 @@ def _cmd_world_train_draft(args: argparse.Namespace) -> int:
     from .world_data import world_draft_config, make_world_data
 
     cfg = _config(type(world_draft_config()), args, **_jsonable(world_draft_config(seed=args.seed)))
-    data = make_world_data(Path(args.out) / "data" / "train", args.videos, (8,), args.seed, args.questions_per_video)
+    data = args.data or make_world_data(Path(args.out) / "data" / "train", args.videos, (8,), args.seed,
+                                        args.questions_per_video)
     held = make_world_data(Path(args.out) / "data" / "heldout", cfg.eval_samples, (8,), args.seed + 10**6, 0)
     summary = train_draft(args.target, data, args.out, cfg, held, args.resume, dtype=args.dtype, device=args.device)
     print(json.dumps(summary, indent=2))
@@ -224,6 +228,15 @@ def heldout_text(heldout: dict | None) -> str:
     return f"held-out tau {heldout['tau']:.3f} ({heldout['samples']} samples)"
 
 
+def _ladder(text: str) -> dict[tuple[int, int], int]:
+    """SIDExFRAMES:N,... -> {(side, frames): N}"""
+    out = {}
+    for part in text.split(","):
+        size, _, count = part.partition(":")
+        out[_sizes(size)[0]] = int(count or 1)
+    return out
+
+
 def _sizes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(int(x) for x in part.split("x")) for part in text.split(","))
 
@@ -274,6 +287,8 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
                    help="video lengths in frames, comma-separated, drawn per video (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first video (the others follow)")
     p.add_argument("--questions-per-video", type=int, default=1, help="QA samples per video besides its caption")
+    p.add_argument("--ladder", type=_ladder, help="videos by length instead of --videos/--frames: SIDExFRAMES:N,... "
+                                                  "(168x1392 is 25,056 visual tokens)")
     p.set_defaults(func=_cmd_world_make_data)
 
     p = wsub.add_parser("train-target", parents=parents, help="train a tiny Qwen2.5-VL target on the world from scratch")
@@ -304,6 +319,7 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     p = wsub.add_parser("train-draft", parents=parents, help="train the world draft through the train-draft path")
     p.add_argument("--target", required=True, help="the world target the draft is for")
     p.add_argument("--out", required=True, help="where the draft, its data, checkpoint and log go")
+    p.add_argument("--data", help="a feature store (build-features) or manifest to train on instead of fresh videos")
     p.add_argument("--videos", type=int, default=192, help="training videos (each with a caption and questions)")
     p.add_argument("--questions-per-video", type=int, default=1, help="QA samples per video besides its caption")
     p.add_argument("--resume", help="checkpoint directory to continue from (OUT/checkpoint)")

@@ -38,6 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -75,6 +76,8 @@ class StoreConfig:
     disk_dtype: str = "bfloat16"                      # of the stored states
     fps: float | None = 2.0
     num_frames: int | None = None
+    max_frames: int = 768                             # frames kept at most (VideoOptions)
+    max_visual_tokens: int | None = None              # None: the processor's own budget
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -83,6 +86,11 @@ class StoreConfig:
         check(self.max_new_tokens >= 2, "max_new_tokens must be >= 2 (a chain needs two tokens)")
         check(all(b >= 1 for b in self.bridge_budgets), "bridge_budgets must be >= 1")
         check(self.disk_dtype in ("float32", "float16", "bfloat16"), "disk_dtype must be float32, float16 or bfloat16")
+
+    def options(self) -> VideoOptions:
+        budget = {"max_visual_tokens": self.max_visual_tokens} if self.max_visual_tokens else {}
+        return VideoOptions(fps=self.fps, num_frames=self.num_frames, max_frames=self.max_frames,
+                            max_decoded_frames=max(1024, self.max_frames), **budget)
 
     def samplings(self, seed: int) -> list[SamplingParams]:
         greedy = [SamplingParams(max_new_tokens=self.max_new_tokens)] if self.greedy else []
@@ -101,6 +109,8 @@ STORE_HELP = {
     "disk_dtype": "dtype of the stored states on disk: float32, float16 or bfloat16",
     "fps": "video frames sampled per second",
     "num_frames": "frames sampled per video (overrides fps)",
+    "max_frames": "frames kept per video at most",
+    "max_visual_tokens": "visual tokens per video at most (default: the processor's budget)",
     "seed": "seed of the sampled answers",
 }
 
@@ -151,7 +161,7 @@ def build_store(target: TargetModel, samples: list[Sample], out: str | Path, cfg
 class _Builder:
     def __init__(self, target: TargetModel, cfg: StoreConfig, layers: tuple[int, ...], bridge: int):
         self.target, self.cfg, self.layers, self.bridge = target, cfg, layers, bridge
-        self.options = VideoOptions(fps=cfg.fps, num_frames=cfg.num_frames)
+        self.options = cfg.options()
         self.dtype = parse_dtype(cfg.disk_dtype)
         self.engine = Engine(target, spec=SpecConfig(method="none"), prefix_cache=PrefixCache(max_entries=1))
 
@@ -323,6 +333,15 @@ class FeatureStore:
             features=torch.cat([load(c, "features"), load(r, "features")]), num_prompt=c["num_prompt"],
             logits=logits, final_hidden=final, bridge_text=glimpse[:0], bridge_visual=glimpse,
             glimpses={b: glimpse[self._tensor(c, f"glimpse_idx.{b}").to(w.device)] for b in self.bridge_budgets})
+
+    def length_weights(self, balance: float) -> np.ndarray:
+        """(n,) sampling probabilities of the responses: a video-length bucket (an octave of
+        visual tokens) holding c responses weighs c ** -balance each (0: uniform over responses,
+        1: every bucket equally often)."""
+        bucket = np.array([int(np.log2(max(1, self.contexts[r["context"]]["visual_tokens"]))) for r in self.responses])
+        counts = {b: int((bucket == b).sum()) for b in set(bucket.tolist())}
+        w = np.array([counts[b] ** -balance for b in bucket.tolist()], dtype=np.float64)
+        return w / w.sum()
 
     def summary(self) -> dict:
         """Counts by kind and by video length (for logs and model cards)."""

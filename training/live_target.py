@@ -65,6 +65,11 @@ class LiveTargetConfig(WorldTargetConfig):
     # steps (a step's length is drawn uniformly up to it).
     ramp_steps: int = 1000
     short_tokens: int = 8 * 9                  # a ":short" stage's clips: at most 8 pairs of 3x3 tokens
+    # A focus step on presence alone asks each clip both its questions: the colour in view now
+    # ("yes") and one that is not ("no"), side by side in the batch. The frames are the same, so
+    # only reading the named colour against the frame lowers the loss (asked one at a time, the
+    # model sat at chance for 1,000+ steps).
+    contrast: bool = True
     eval_every: int = 500
     eval_videos: int = 8                       # held-out streams per periodic check (3 clip lengths each)
     log_every: int = 50
@@ -89,6 +94,7 @@ LIVE_TARGET_HELP = {
     "stream_s": "seconds of each pooled stretch (one frame pair a second)",
     "pairs": "shortest and longest training clip, in frame pairs (seconds), comma-separated",
     "ramp_steps": "steps over which the longest training clip grows from the shortest to the longest (0: no ramp)",
+    "contrast": "presence-only focus steps ask each clip both its yes and its no question (true/false)",
 }
 
 
@@ -188,6 +194,9 @@ class LiveData:
         batch = self.clips(rng, short=focus and stage.short, step=step)
         c = self.c
         kinds = stage.kinds if focus else c.kinds
+        if focus and c.contrast and kinds == ("present_now",):
+            pairs = [(video, [(q, a)]) for video, clip in batch for _, q, a in live_questions(clip, rng, kinds)]
+            return pooled_loss(target, [v for v, _ in pairs], [chat for _, chat in pairs], c.loss_weighting, decode=True)
         captions = 0.0 if focus else c.caption_prob if stage.start == 0 or c.stage_caption_prob is None \
             else c.stage_caption_prob
         chats = [[(rng.choice(LIVE_CAPTION_PROMPTS), live_caption(clip)) if rng.random() < captions

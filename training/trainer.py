@@ -141,11 +141,15 @@ class DraftTrainer:
 
     # ----- data -------------------------------------------------------------------------------------
     def _next_index(self) -> int:
-        """Epoch e visits the samples in a permutation fixed by (seed, e): resumable from `seen`."""
+        """Epoch e visits the samples in a permutation fixed by (seed, e): resumable from `seen`.
+        With a store and length_balance > 0 an epoch is n draws weighted by video length instead."""
         n = len(self.samples)
         epoch, i = divmod(self.seen, n)
         self.seen += 1
-        return int(np.random.default_rng([self.cfg.seed, epoch]).permutation(n)[i])
+        rng = np.random.default_rng([self.cfg.seed, epoch])
+        if self.store is not None and self.cfg.length_balance > 0:
+            return int(rng.choice(n, size=n, p=self.store.length_weights(self.cfg.length_balance))[i])
+        return int(rng.permutation(n)[i])
 
     def _response(self, i: int, video) -> list[int]:
         if i not in self._responses:

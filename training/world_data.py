@@ -52,6 +52,25 @@ def make_world_data(out: str | Path, videos: int, frames: tuple[int, ...] = (8,)
     return out / "manifest.jsonl"
 
 
+def make_world_ladder(out: str | Path, ladder: dict[tuple[int, int], int], seed: int = 0,
+                      questions_per_video: int = 2) -> Path:
+    """Like make_world_data over a ladder of video lengths: `ladder[(side px, frames)]` videos of
+    each size (a 168 px x 1392-frame video is 25,056 visual tokens), one manifest."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    samples, i = [], 0
+    for (size, frames), count in ladder.items():
+        for _ in range(count):
+            rng = random.Random(seed * 7919 + i)
+            video = WorldVideo(num_frames=frames, size=size, fps=WORLD_FPS).make(seed * 7919 + i, out / f"video_{i:05d}.mp4")
+            samples.append(Sample(video.path.name, rng.choice(CAPTION_PROMPTS), caption(video.events)))
+            qa = questions(video.events, rng)
+            samples += [Sample(video.path.name, q, a) for _, q, a in rng.sample(qa, min(questions_per_video, len(qa)))]
+            i += 1
+    write_manifest(out / "manifest.jsonl", samples)
+    return out / "manifest.jsonl"
+
+
 def caption_samples(world: WorldVideo, seeds: list[int]) -> list[Sample]:
     """In-memory caption requests (long answers: where drafting pays) on fresh videos."""
     out = []
