@@ -73,10 +73,10 @@ def client(server):
         yield c
 
 
-def ts_bytes(frames: np.ndarray, fps: int = 4) -> bytes:
+def ts_bytes(frames: np.ndarray, fps: int = 4, codec: str = "mpeg4") -> bytes:
     buf = io.BytesIO()
     with av.open(buf, "w", format="mpegts") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
+        stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt, stream.gop_size = frames.shape[2], frames.shape[1], "yuv420p", fps
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
@@ -267,6 +267,33 @@ def test_camera_time_and_a_silent_source_on_the_wire(server, client):
     assert all(r.chunk.stale for r in reader.seen if r.HasField("chunk"))
     final = reader.seen[-1].stats
     assert final.final and (final.newest_s, final.newest_source_pts_s, final.stale) == (3.5, 103.5, False)
+    wait_released(server)
+
+
+def test_a_codec_switch_and_restarting_timestamps_are_events_on_the_wire(server, client):
+    """A client's MPEG-TS that switches codec (its timestamps restarting with it): one
+    FORMAT_CHANGED event and stream time goes on; raw frames whose times go back: one
+    TIMESTAMP_RESET event; no frame lost, no error."""
+    media = ts_bytes(synthetic_frames(8, 84, 112, seed=1)) + ts_bytes(synthetic_frames(8, 84, 112, seed=2),
+                                                                      codec="mpeg2video")
+    frames = synthetic_frames(4, 84, 112, seed=3)
+    with client.live(stats_every_s=0, **OPEN) as live:
+        for i in range(0, len(media), 4096):
+            live.send_chunk(media[i:i + 4096])
+        live.end()
+        live.close()
+        first = Reader(live).rest()
+    with client.live(stats_every_s=0, **OPEN) as live:
+        live.send_frames(frames[:2], [5.0, 5.5])
+        live.send_frames(frames[2:], [0.0, 0.5])
+        live.close()
+        second = Reader(live).rest()
+    (switch,) = events(first)
+    assert switch.kind == pb.LIVE_EVENT_KIND_FORMAT_CHANGED and "mpeg2video" in switch.message
+    assert (first[-1].stats.frames_received, first[-1].stats.window_end_s) == (16, 4.0)
+    (reset,) = events(second)
+    assert reset.kind == pb.LIVE_EVENT_KIND_TIMESTAMP_RESET and (reset.stream_s, reset.source_pts_s) == (1.0, 0.0)
+    assert (second[-1].stats.frames_sampled, second[-1].stats.newest_s) == (4, 1.5)
     wait_released(server)
 
 
