@@ -3,7 +3,7 @@ in rtsp_relay.py), read by the server itself (LiveOpen.url) with standing questi
 gRPC. Skips only when there is no ffmpeg binary (`make test` installs it).
 
 What must hold: the session answers its standing questions on the camera's stream time, with
-the camera's time on each answer; when the camera stops, a SOURCE_ENDED event, the final stats
+the camera's time on each answer, and its alert rule's incident carries the same camera time; when the camera stops, a SOURCE_ENDED event, the final stats
 (every frame the camera sent) and an OK end; an unreachable camera fails the session at once
 with UNAVAILABLE (a SOURCE_FAILED event first), not a session waiting for video.
 """
@@ -44,9 +44,11 @@ def test_a_live_session_answers_standing_questions_on_an_rtsp_camera(server, cli
         publisher = relay.publish(clip)
         try:
             before = time.time()
-            with client.live(url=relay.url, stats_every_s=0.2, standing_sampling=GREEDY,
+            # An alert rule whose threshold any P(yes) passes: it fires at its first check.
+            rule = pb.AlertRule(rule_id="shape", question="is a shape in view ?", every_s=2.0, fire_at=1e-9)
+            with client.live(url=relay.url, stats_every_s=0.2, standing_sampling=GREEDY, rules=[rule],
                              standing=[("colour", "what colour is the shape now ?", 1.0)], **OPEN) as live:
-                live.opened()
+                assert list(live.opened().rule_ids) == ["shape"]
                 reader = Reader(live)
                 reader.rest()                      # the camera stops: the server ends the stream OK
         finally:
@@ -61,6 +63,11 @@ def test_a_live_session_answers_standing_questions_on_an_rtsp_camera(server, cli
     pts = [done.source_pts_s for _, _, done in got]
     assert [round(b - a, 3) for a, b in zip(pts, pts[1:])] == [1.0, 1.0, 1.0]
     assert all(before <= done.wall_time_s <= time.time() for _, _, done in got)
+    # The rule's incident: the window it saw, with the camera's time of its newest frame.
+    (incident,) = [r.incident for r in reader.seen if r.HasField("incident")]
+    assert (incident.rule_id, incident.kind, incident.source) == ("shape", pb.INCIDENT_KIND_FIRED, relay.url)
+    assert (incident.start_s, incident.end_s) == (0.0, 2.0) and incident.probability > 0
+    assert incident.source_pts_s == got[1][2].source_pts_s and before <= incident.wall_time_s <= time.time()
     assert [e.kind for e in events(reader.seen)] == [pb.LIVE_EVENT_KIND_SOURCE_ENDED]
     final = reader.seen[-1].stats
     assert final.final and final.frames_received == 16 and final.pairs_prefilled == 4
