@@ -27,6 +27,20 @@ def _timed(spec: str, option: str) -> tuple[float, str]:
     return value, text
 
 
+def _rule(spec: str, rule_id: str):
+    """"EVERY_S:FIRE_AT:QUESTION" -> a pb.AlertRule."""
+    from sparrow.services.protos import pb
+
+    every, fire_at, question = (spec.split(":", 2) + ["", ""])[:3]
+    try:
+        every_s, fire = float(every), float(fire_at)
+    except ValueError:
+        every_s = fire = float("nan")
+    if not question.strip() or not (0 < every_s < float("inf") and 0 < fire <= 1):
+        raise InvalidRequest(f"--rule takes EVERY_S:FIRE_AT:QUESTION with EVERY_S > 0 and FIRE_AT in (0, 1], got {spec!r}")
+    return pb.AlertRule(rule_id=rule_id, question=question, every_s=every_s, fire_at=fire)
+
+
 def run(args: argparse.Namespace) -> int:
     import queue
     import threading
@@ -41,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if any(every <= 0 for every, _ in standing):
         raise InvalidRequest("--standing needs EVERY_S > 0")
     asks = [_timed(spec, "--ask") for spec in args.ask]
+    rules = [_rule(spec, f"r{i + 1}") for i, spec in enumerate(args.rule)]
     if not args.speed > 0:
         raise InvalidRequest(f"--speed must be > 0, got {args.speed}")
     url = args.source if is_url(args.source) else ""
@@ -57,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                            evict_mode=args.evict_mode, stale_after_s=args.stale_after,
                            min_pixels=args.min_pixels, max_pixels=args.max_pixels, url=url, timeout=args.timeout,
                            stats_every_s=stats_every, standing_sampling=sampling,
-                           standing=[(f"s{i + 1}", text, every) for i, (every, text) in enumerate(standing)])
+                           standing=[(f"s{i + 1}", text, every) for i, (every, text) in enumerate(standing)],
+                           rules=rules, webhook_url=args.webhook)
         stop = threading.Event()
         due: queue.SimpleQueue = queue.SimpleQueue()      # (stream time, id, question) as the stream reaches it
 
@@ -163,6 +179,12 @@ class _LivePrinter:
                 print(c.text, end="", flush=True)
         elif kind == "done":
             self._done(response.done)
+        elif kind == "incident":
+            self.end_line()
+            i = response.incident
+            what = "fired" if i.kind == pb.INCIDENT_KIND_FIRED else "cleared"
+            print(f"[{i.rule_id} {what} {i.start_s:.1f}-{i.end_s:.1f}s] P(yes) {i.probability:.2f}: {i.question}",
+                  flush=True)
         elif kind == "event":
             self.end_line()
             e = response.event
@@ -250,6 +272,11 @@ def add_command(sub, common) -> None:
     p.add_argument("--ask", action="append", default=[], metavar="AT_S:QUESTION",
                    help="ask QUESTION when the stream reaches AT_S seconds (repeat; a URL: seconds after opening); "
                         "ids q1, q2, ...")
+    p.add_argument("--rule", action="append", default=[], metavar="EVERY_S:FIRE_AT:QUESTION",
+                   help="an alert rule: the yes/no QUESTION checked every EVERY_S seconds of stream, firing when "
+                        "P(yes) >= FIRE_AT (repeat); ids r1, r2, ...; incidents printed as they happen")
+    p.add_argument("--webhook", default="", help="the server also POSTs the rules' incidents here (JSON; under its "
+                                                 "--allow-webhook prefixes)")
     p.add_argument("--speed", type=float, default=1.0,
                    help="play the file this many times faster than real time (default 1; e.g. 20 for a quick demo)")
     p.add_argument("--duration", type=float, help="stop after this many seconds of stream (a URL: of wall time; "

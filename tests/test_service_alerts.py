@@ -105,3 +105,21 @@ def _next(it, want):
         if want(response):
             return response
     raise AssertionError("the stream ended first")
+
+
+def test_sparrow_live_rule_prints_incidents_and_posts_them(server, tmp_path, capsys):
+    from sparrow.services import cli
+    from sparrow.video import write_synthetic_video
+
+    path = tmp_path / "clip.mp4"
+    write_synthetic_video(path, num_frames=24, width=112, height=84, fps=4.0, seed=1)       # 6 s
+    with Recorder() as hook:
+        assert cli.main(["live", "--server", server.address, str(path), "--speed", "20", "--window", "60",
+                         "--max-lag", "100", "--min-pixels", str(OPEN["min_pixels"]), "--max-pixels",
+                         str(OPEN["max_pixels"]), "--rule", "2:0.001:is a red shape in view ?",
+                         "--webhook", hook.url]) == 0
+        out = capsys.readouterr().out
+    assert "[r1 fired 0.0-2.0s] P(yes) " in out and out.count("fired") == 1, out
+    assert [(b["rule_id"], b["kind"], b["end_s"]) for b in hook.accepted] == [("r1", "fired", 2.0)]
+    assert cli.main(["live", "--server", server.address, str(path), "--rule", "2:1.5:q ?"]) != 0
+    assert "--rule takes EVERY_S:FIRE_AT:QUESTION" in capsys.readouterr().err
