@@ -33,7 +33,6 @@ class _Entry:
     next_s: float
     running: bool = False
     last_end_s: float = -1.0          # the window end of the last check applied
-    skipped: int = 0                  # checks due while one was still running
 
 
 class LiveAlerts:
@@ -92,27 +91,27 @@ class LiveAlerts:
             self._rules.clear()
 
     # ----- checks (the scheduler thread) -------------------------------------------------------------
-    def due(self, end_s: float) -> list[tuple[str, AlertRule]]:
+    def due(self, end_s: float) -> list[_Entry]:
         """The rules due at a pair ending at `end_s`, marked running. Lock held."""
         due = []
-        for rule_id, entry in self._rules.items():
+        for entry in self._rules.values():
             if entry.next_s > end_s + 1e-9:
                 continue
             while entry.next_s <= end_s + 1e-9:
                 entry.next_s += entry.state.rule.every_s
-            if entry.running:
-                entry.skipped += 1
-                continue
-            entry.running = True
-            due.append((rule_id, entry.state.rule))
+            if not entry.running:             # else skipped: its last check has not come back yet
+                entry.running = True
+                due.append(entry)
         return due
 
-    def run(self, due: list[tuple[str, AlertRule]]) -> None:
-        for rule_id, rule in due:
-            self._check(rule_id, rule)
+    def run(self, due: list[_Entry]) -> None:
+        for entry in due:
+            self._check(entry)
 
-    def _check(self, rule_id: str, rule: AlertRule) -> None:
+    def _check(self, entry: _Entry) -> None:
         yes, no = self._token_ids()
+        rule = entry.state.rule
+        rule_id = rule.rule_id
         box: dict[str, Any] = {"done": threading.Event()}
 
         def sink(item: Any) -> None:
@@ -121,9 +120,9 @@ class LiveAlerts:
             box["done"].wait()
             answer = box.get("answer")
             if isinstance(item, GenerationOutput) and item.first_token_probs is not None and answer is not None:
-                self._apply(rule_id, answer, yes_probability(item.first_token_probs, len(yes)))
+                self._apply(entry, answer, yes_probability(item.first_token_probs, len(yes)))
             else:
-                self._finished(rule_id)
+                self._finished(entry)
                 if not isinstance(item, GenerationOutput):
                     self._on_error(rule_id, item)
 
@@ -131,17 +130,16 @@ class LiveAlerts:
             box["answer"] = self._ask(rule.question, CHECK_SAMPLING, question_id=rule_id, sink=sink,
                                       first_token_ids=yes + no)
         except Exception as exc:  # noqa: BLE001 - e.g. the engine is full: the event says so
-            self._finished(rule_id)
+            self._finished(entry)
             self._on_error(rule_id, exc)
         finally:
             box["done"].set()
 
-    def _apply(self, rule_id: str, answer, probability: float) -> None:
+    def _apply(self, entry: _Entry, answer, probability: float) -> None:
         with self._lock:
-            entry = self._rules.get(rule_id)
-            if entry is None:                 # removed while its check ran
-                return
             entry.running = False
+            if self._rules.get(entry.state.rule.rule_id) is not entry:   # removed while its check ran
+                return
             if answer.end_s < entry.last_end_s:
                 return
             entry.last_end_s = answer.end_s
@@ -151,11 +149,9 @@ class LiveAlerts:
                                         wall_time_s=camera.wall_time_s if camera is not None else 0.0)
         self._on_check(check)
 
-    def _finished(self, rule_id: str) -> None:
+    def _finished(self, entry: _Entry) -> None:
         with self._lock:
-            entry = self._rules.get(rule_id)
-            if entry is not None:
-                entry.running = False
+            entry.running = False
 
     def _token_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if self._ids is None:
