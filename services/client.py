@@ -45,13 +45,14 @@ def video_affinity(video_id: str | None = None, path: str | None = None, url: st
                    data: bytes | None = None) -> str:
     """A routing key naming the video a request asks about: questions about one video go to
     the replica that prefilled it. Uploads are named by their content hash (the video id),
-    inline bytes by theirs; a path or URL by itself (the server keys it by content anyway:
-    this only routes)."""
+    inline bytes by theirs; a path or URL by itself, or its hash when long (metadata is
+    bounded; the server keys the video by content anyway: this only routes)."""
     if video_id:
         return video_id
     if data is not None:
         return hashlib.sha256(data).hexdigest()
-    return "path:" + path if path is not None else "url:" + (url or "")
+    name = "path:" + path if path is not None else "url:" + (url or "")
+    return name if len(name) <= 256 else name[:4] + hashlib.sha256(name.encode()).hexdigest()
 
 
 @dataclass

@@ -24,6 +24,8 @@ class ServiceConfig:
     max_prompt_chars: int = 16384          # the question and its earlier turns together
     max_history_turns: int = 64            # earlier turns of a conversation
     max_stop_strings: int = 16
+    max_stop_string_bytes: int = 512       # each stop string, UTF-8
+    max_source_chars: int = 4096           # a video path or URL
     max_concurrent: int = 16               # running requests per replica; above: RESOURCE_EXHAUSTED
     # Per-frame pixel options a request may ask for (min_pixels, max_pixels). Qwen2.5-VL's
     # own ceiling for one image is 16384 merged tokens (12.8 M pixels); a floor above what
@@ -33,7 +35,14 @@ class ServiceConfig:
     allowed_url_schemes: tuple[str, ...] = ()   # of http, https, rtsp (none: no URLs)
     allowed_url_hosts: tuple[str, ...] = ()     # see sparrow.video.SourcePolicy
     decode_timeout_s: float = 300.0
-    video_ttl_s: float = 3600.0            # how long uploads stay in the state cache
+    video_ttl_s: float = 3600.0            # how long uploads stay stored
+    # Uploads (UploadVideo) are written to disk chunk by chunk as they arrive (memory: one
+    # chunk each), probed with PyAV, then stored: in the shared state cache when there is one
+    # (Redis), else as files in upload_dir (None: a fresh temporary directory per server).
+    max_uploads: int = 4                   # uploads in progress at once; above: RESOURCE_EXHAUSTED
+    max_upload_bytes_in_flight: int = 4 << 30   # bytes received by the uploads in progress, together
+    upload_dir: str | None = None
+    max_stored_upload_bytes: int = 16 << 30     # upload_dir: the oldest uploads go first past this
     abort_poll_s: float = 0.2              # shared cache: how often a request looks for an Abort sent elsewhere
     # Live sessions (the Live RPC, services/live.py). A session passing a limit ends with
     # RESOURCE_EXHAUSTED; one asking for more is refused at open.
@@ -49,10 +58,13 @@ class ServiceConfig:
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
             raise ValueError("need 1 <= default_max_new_tokens <= max_new_tokens")
         if min(self.max_visual_tokens, self.max_frames, self.max_video_bytes, self.max_message_bytes,
-               self.max_prompt_chars, self.max_concurrent, self.max_frame_pixels) < 1:
+               self.max_prompt_chars, self.max_concurrent, self.max_frame_pixels, self.max_stop_string_bytes,
+               self.max_source_chars, self.max_upload_bytes_in_flight, self.max_stored_upload_bytes) < 1:
             raise ValueError("limits must be >= 1")
         if self.max_history_turns < 0:
             raise ValueError("max_history_turns must be >= 0 (0: no conversations)")
+        if self.max_uploads < 0:
+            raise ValueError("max_uploads must be >= 0 (0: no uploads)")
         if self.max_live_sessions < 0:
             raise ValueError("max_live_sessions must be >= 0 (0: no live sessions)")
         if self.max_live_bytes < 1:

@@ -17,6 +17,14 @@ class VideoNotFound(InvalidRequest):
     (and deleted), or a path with no file under the media root."""
 
 
+class Overloaded(ResourceExhausted):
+    """This server runs as many requests (or live sessions) as it may: retry later."""
+
+
+class UploadLimit(ResourceExhausted):
+    """Too many uploads in progress, or too many bytes in flight among them: retry later."""
+
+
 class SourceChanged(SparrowError):
     """The video file was written to while this request read it: retry (ABORTED)."""
 
@@ -38,10 +46,17 @@ class LiveUnsupported(SparrowError):
     not real time): no option of the request can change that (FAILED_PRECONDITION)."""
 
 
+# Status details travel in gRPC's trailing metadata (8 KiB by default, all headers together):
+# a message quoting a long input is cut, whatever quoted it.
+MAX_DETAILS_CHARS = 1024
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(code, details) for an exception. Order matters: some errors are several things at
     once (VideoTooLarge is a bad video and a budget; SourceNotAllowed is a bad argument)."""
     message = str(exc) or type(exc).__name__
+    if len(message) > MAX_DETAILS_CHARS:
+        message = message[:MAX_DETAILS_CHARS] + f"... ({len(message)} characters)"
     if isinstance(exc, SourceNotAllowed):
         return grpc.StatusCode.PERMISSION_DENIED, message
     if isinstance(exc, VideoNotFound):
@@ -61,6 +76,18 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, LiveUnsupported):
         return grpc.StatusCode.FAILED_PRECONDITION, message
     return grpc.StatusCode.INTERNAL, f"internal error: {message}"
+
+
+def error_reason(exc: BaseException) -> str:
+    """The reason label a failed call is counted under (services.prom): overloaded,
+    upload_limit, deadline, or the status code's name in lower case (invalid_argument,
+    permission_denied, not_found, resource_exhausted, unavailable, aborted, internal, ...)."""
+    if isinstance(exc, Overloaded):
+        return "overloaded"
+    if isinstance(exc, UploadLimit):
+        return "upload_limit"
+    code = status_for(exc)[0]
+    return "deadline" if code == grpc.StatusCode.DEADLINE_EXCEEDED else code.name.lower()
 
 
 def log_failure(log: logging.Logger, exc: BaseException) -> tuple[grpc.StatusCode, str]:

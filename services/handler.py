@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 
 from . import prom
+from .errors import error_reason
 from .servicer import SparrowService
 from .wire import check_decoded, decoded_stream
 
@@ -51,7 +53,7 @@ class SparrowMethods(abc.ABC):
             deadline = self._deadline(grpc_context)
             return prom.observe_stream(self.service.generate(request, deadline), self._recorder())
 
-        async with self._responses(grpc_context, generated) as responses:
+        async with self._responses(grpc_context, "Generate", generated) as responses:
             async for response in responses:
                 yield response
 
@@ -61,31 +63,45 @@ class SparrowMethods(abc.ABC):
                                             metrics=self._recorder().live_session,
                                             cancelled=self._cancelled(request_stream))
 
-        async with self._responses(grpc_context, session) as responses:
+        async with self._responses(grpc_context, "Live", session) as responses:
             async for response in responses:
                 yield response
 
     async def UploadVideo(self, request_stream, grpc_context):
-        async with self._status_on_error(grpc_context):
+        async with self._status_on_error(grpc_context, "UploadVideo"):
             return await self.service.upload_video(decoded_stream(request_stream))
 
     async def Abort(self, request, grpc_context):
-        async with self._status_on_error(grpc_context):
+        async with self._status_on_error(grpc_context, "Abort"):
             return await self.service.abort(check_decoded(request))
 
     # ----- one try block for them all ------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def _status_on_error(self, grpc_context) -> AsyncIterator[None]:
+    async def _status_on_error(self, grpc_context, method: str) -> AsyncIterator[None]:
+        """Every error becomes a status code; every call that ends without its answer is
+        counted (prom: request_errors) under its reason."""
         try:
             yield
         except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+            self._recorder().record_error(method, error_reason(exc))
             await self._set_status(grpc_context, exc)
             raise
+        except BaseException:     # CancelledError, GeneratorExit: the client went, or its deadline passed
+            self._recorder().record_error(method, "deadline" if self._expired(grpc_context) else "cancelled")
+            raise
+
+    def _expired(self, grpc_context) -> bool:
+        try:
+            deadline = self._deadline(grpc_context)
+        except Exception:  # noqa: BLE001 - a malformed deadline was refused already; only the count asks
+            return False
+        return deadline is not None and time.monotonic() >= deadline
 
     @contextlib.asynccontextmanager
-    async def _responses(self, grpc_context, open_stream: Callable[[], AsyncIterator]) -> AsyncIterator[AsyncIterator]:
+    async def _responses(self, grpc_context, method: str,
+                         open_stream: Callable[[], AsyncIterator]) -> AsyncIterator[AsyncIterator]:
         """open_stream()'s responses (its checks of the request raise inside the status
         mapping), closed when the method ends, whichever way it ends."""
-        async with self._status_on_error(grpc_context):
+        async with self._status_on_error(grpc_context, method):
             async with contextlib.aclosing(open_stream()) as stream:
                 yield stream

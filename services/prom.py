@@ -2,6 +2,7 @@
 
     Recorder.record_request(SpecMetrics, ttft_s, ...)   one finished request -> every metric
     Recorder.running()                                  a request in flight (the running gauge)
+    Recorder.record_error(method, reason)               a call refused, cancelled or past its deadline
     observe_stream(service.generate(...))               both, around a host's response stream
     Recorder.live_session() -> update(LiveStats), end   a live session's share of the live_* metrics
         -> PrometheusSink   prometheus_client on a registry of its own; `/metrics` over HTTP
@@ -73,6 +74,11 @@ METRICS: tuple[MetricSpec, ...] = (
     # requests and tokens
     MetricSpec("request_success", "counter", "Finished requests by finish reason.",
                labels=("model_name", "finished_reason")),
+    MetricSpec("request_errors", "counter",
+               "Calls that ended without their answer, by method and reason: refused (invalid_argument, "
+               "permission_denied, not_found, overloaded, upload_limit, resource_exhausted, unavailable, ...), "
+               "cancelled by the client, or past their deadline (deadline).",
+               labels=("model_name", "method", "reason")),
     MetricSpec("prompt_tokens", "counter", "Prompt tokens prefilled or reused, visual tokens included."),
     MetricSpec("generation_tokens", "counter", "Tokens generated."),
     # latencies
@@ -233,6 +239,11 @@ class Recorder:
             self._cache_hits += metrics.cached_prompt_tokens
             sink.set("prefix_cache_hit_rate", self._cache_hits / self._cache_queries if self._cache_queries else 0.0,
                      labels)
+
+    def record_error(self, method: str, reason: str) -> None:
+        """One call (Generate, UploadVideo, Live, ...) that ended without its answer; reason
+        as services.errors.error_reason says, or cancelled / deadline."""
+        self.sink.inc("request_errors", 1, {**self.labels, "method": method, "reason": reason})
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:

@@ -61,7 +61,7 @@ class GrpcSparrow(SparrowMethods, pb_grpc.SparrowServicer):
         await grpc_context.abort(code, details)
 
     async def GetModelInfo(self, request, context):
-        async with self._status_on_error(context):
+        async with self._status_on_error(context, "GetModelInfo"):
             check_decoded(request)
             return self.service.model_info()
 

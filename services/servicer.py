@@ -30,11 +30,12 @@ from sparrow.video import SourcePolicy, VideoOptions, prepare_video
 from . import logs
 from .completion import completion
 from .config import ServiceConfig
-from .errors import DeadlineExceeded, NotReady, VideoNotFound
+from .errors import DeadlineExceeded, NotReady, Overloaded, VideoNotFound
 from .live import LiveCall, live_refusal
 from .protos import pb
 from .runner import EngineRunner, RunningRequest
 from .sources import HashedFile, VideoStore, content_id
+from .uploads import UploadLimits, receive_upload
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,9 @@ class SparrowService:
         self.config = config or ServiceConfig()
         self.host, self.draft_placement = host, draft_placement
         self.runner = EngineRunner(engine, self.config.max_concurrent)
-        self.videos = VideoStore(cache, self.config.video_ttl_s)
+        self.videos = VideoStore(cache, self.config.video_ttl_s, self.config.upload_dir,
+                                 self.config.max_stored_upload_bytes)
+        self.uploads = UploadLimits(self.config.max_uploads, self.config.max_upload_bytes_in_flight)
         self.policy = SourcePolicy(self.config.media_root, self.config.allowed_url_schemes,
                                    self.config.allowed_url_hosts)
         self.live: dict[str, RunningRequest | None] = {}     # None: admitted, still preparing
@@ -105,7 +108,7 @@ class SparrowService:
         if request_id in self.live:
             raise InvalidRequest(f"request_id {request_id!r} is already running")
         if len(self.live) >= self.config.max_concurrent:
-            raise ResourceExhausted(f"{len(self.live)} requests running, the limit of this replica; retry later")
+            raise Overloaded(f"{len(self.live)} requests running, the limit of this replica; retry later")
         self.live[request_id] = None
 
     async def _respond(self, request_id: str, running: RunningRequest,
@@ -183,6 +186,9 @@ class SparrowService:
             raise ResourceExhausted(f"max_new_tokens {max_new} is over the limit of {cfg.max_new_tokens}")
         if len(s.stop) > cfg.max_stop_strings:
             raise InvalidRequest(f"at most {cfg.max_stop_strings} stop strings")
+        longest = max((len(stop.encode()) for stop in s.stop), default=0)
+        if longest > cfg.max_stop_string_bytes:
+            raise InvalidRequest(f"a stop string is {longest} bytes, over the limit of {cfg.max_stop_string_bytes}")
         for name in ("temperature", "top_p"):
             if not math.isfinite(getattr(s, name)):
                 raise InvalidRequest(f"{name} must be a finite number, got {getattr(s, name)}")
@@ -248,19 +254,25 @@ class SparrowService:
             video_id = video.video_id
             if not await asyncio.to_thread(self.videos.contains, video_id):
                 raise VideoNotFound(f"no video with id {video_id}: upload it (again) first")
-            return (lambda: self.videos.get(video_id)), video_id, _nothing, _nothing
+            if not self.videos.on_disk:
+                return (lambda: self.videos.get(video_id)), video_id, _nothing, _nothing
+            load, check, close = self.videos.reader(video_id)      # opened, hashed, when the decode needs it
+            return load, video_id, check, close
         if which == "data":
             data = video.data
             if len(data) > cfg.max_video_bytes:
                 raise VideoTooLarge(f"video is {len(data)} bytes, over the limit of {cfg.max_video_bytes}")
             return (lambda: data), await asyncio.to_thread(content_id, data), _nothing, _nothing
+        if which in ("path", "url") and len(getattr(video, which)) > cfg.max_source_chars:
+            raise InvalidRequest(f"the video {which} is {len(getattr(video, which))} characters, over the limit of "
+                                 f"{cfg.max_source_chars}")
         if which == "path":
-            path = self.policy.resolve(video.path)           # SourceNotAllowed outside the media root
+            path = self.policy.resolve_path(video.path)      # SourceNotAllowed outside the media root
             # Hashed through the file it opens, and decoded from that same open file.
             opened = await asyncio.to_thread(HashedFile, path, self.policy, cfg.max_video_bytes)
             return opened.reader, opened.content_id, opened.check_unchanged, opened.close
         if which == "url":
-            url = self.policy.resolve(video.url)             # SourceNotAllowed off the allowlists
+            url = self.policy.resolve_url(video.url)         # InvalidRequest scheme-less; SourceNotAllowed off the allowlists
             return (lambda: url), None, _nothing, _nothing
         raise InvalidRequest("the request names no video (set video_id, path, url or data)")
 
@@ -282,7 +294,7 @@ class SparrowService:
     def admit_live(self, call: LiveCall) -> None:
         # No await between the check and the insert: atomic on the event loop.
         if len(self.live_sessions) >= self.config.max_live_sessions:
-            raise ResourceExhausted(f"{len(self.live_sessions)} live sessions open, the limit of this server "
+            raise Overloaded(f"{len(self.live_sessions)} live sessions open, the limit of this server "
                                     f"({self.config.max_live_sessions}); retry later")
         self.live_sessions[call.session_id] = call
 
@@ -292,28 +304,11 @@ class SparrowService:
 
     # ----- the other calls -----------------------------------------------------------------------
     async def upload_video(self, chunks: AsyncIterator[pb.VideoChunk]) -> pb.VideoRef:
-        cfg, digest, parts, size, claimed = self.config, hashlib.sha256(), [], 0, None
-        async for chunk in chunks:
-            if claimed is None:
-                claimed = chunk.sha256.lower()
-                # Said stored only once the shared copy was read back whole and hashed; a
-                # damaged one is deleted there, and this upload then writes it again.
-                if claimed and await asyncio.to_thread(self.videos.stored, claimed):
-                    return pb.VideoRef(video_id=claimed, already_stored=True)    # the rest need not come
-            size += len(chunk.data)
-            if size > cfg.max_video_bytes:
-                raise VideoTooLarge(f"upload is over the limit of {cfg.max_video_bytes} bytes")
-            digest.update(chunk.data)
-            parts.append(chunk.data)
-        if size == 0:
-            raise InvalidRequest("the upload holds no bytes")
-        video_id = digest.hexdigest()
-        if claimed and claimed != video_id:
-            raise InvalidRequest(f"the upload's SHA-256 is {video_id}, not the {claimed} its first chunk claimed")
-        stored = await asyncio.to_thread(self.videos.stored, video_id)
-        if not stored:
-            await asyncio.to_thread(self.videos.put, b"".join(parts))
-        return pb.VideoRef(video_id=video_id, size_bytes=size, already_stored=stored)
+        """Received to disk chunk by chunk, probed, then stored (services.uploads)."""
+        cfg = self.config
+        probe_options = VideoOptions(max_bytes=cfg.max_video_bytes, max_frame_pixels=cfg.max_frame_pixels,
+                                     timeout_s=cfg.decode_timeout_s)
+        return await receive_upload(chunks, self.videos, self.uploads, cfg.max_video_bytes, probe_options)
 
     async def abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
         running = self.live.get(request.request_id)
@@ -343,6 +338,7 @@ class SparrowService:
             if running is not None:
                 running.abort()
         self.runner.shutdown()
+        self.videos.close()
 
 
 def _abort_key(request_id: str) -> str:

@@ -1,5 +1,6 @@
-"""Uploaded videos (stored by content hash in the state cache) and the identities that key
-a video's cached prefill. Path and URL allowlists are sparrow.video.SourcePolicy's.
+"""Uploaded videos (stored by content hash: on disk, or in the shared state cache) and the
+identities that key a video's cached prefill. Path and URL allowlists are
+sparrow.video.SourcePolicy's; receiving an upload is services.uploads'.
 
 Every identity is the SHA-256 of the video's bytes, however the video came (bytes, upload,
 path): a prefill cached for one can only ever serve the same bytes. The state cache checks
@@ -9,10 +10,16 @@ it, is checked here on every read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -23,6 +30,7 @@ import torch
 from sparrow.errors import InvalidRequest, VideoTooLarge, VideoUnreadable
 from sparrow.state_cache import StateCache
 from sparrow.video import SourcePolicy
+from sparrow.video.policy import shown
 from sparrow.video.sources import open_regular_file
 
 from .errors import SourceChanged, VideoNotFound
@@ -65,7 +73,7 @@ class HashedFile:
         try:
             self.version = _Version.of(self.file.fileno())
             if self.version.size == 0:
-                raise VideoUnreadable(f"video file {path.name!r} is empty (0 bytes)")
+                raise VideoUnreadable(f"video file {shown(path.name)} is empty (0 bytes)")
             if self.version.size > max_bytes:
                 raise VideoTooLarge(f"video file is {self.version.size} bytes, over the limit of {max_bytes}")
             self.content_id = self._hash()
@@ -84,7 +92,7 @@ class HashedFile:
 
     def check_unchanged(self) -> None:
         if _Version.of(self.file.fileno()) != self.version:
-            raise SourceChanged(f"video file {self.path.name!r} changed while it was being read; retry")
+            raise SourceChanged(f"video file {shown(self.path.name)} changed while it was being read; retry")
 
     def reader(self) -> BinaryIO:
         """The open file, for the decoder (sparrow.video reads it through views of its own
@@ -103,16 +111,27 @@ def _open_regular(path: Path, policy: SourcePolicy) -> BinaryIO:
         return open_regular_file(path, policy, shown=path.name)
     except VideoUnreadable as exc:
         if isinstance(exc.__cause__, FileNotFoundError):
-            raise VideoNotFound(f"no video file {path.name!r} in the media directory") from None
+            raise VideoNotFound(f"no video file {shown(path.name)} in the media directory") from None
         raise exc from None            # the OSError behind it names the full path: not for the caller
 
 
 class VideoStore:
-    """Uploaded videos by SHA-256, in the state cache: with Redis every replica sees them.
-    An entry whose bytes do not hash to its id (swapped, overwritten) is deleted, never served."""
+    """Uploaded videos by SHA-256. With a shared state cache (Redis) they live there, so every
+    replica sees them; otherwise as files in a directory of this server (`directory`; None: a
+    fresh temporary one, removed by `close`), so a stored upload costs disk, not memory. Either
+    way they expire ttl_s after they were stored, and an entry whose bytes do not hash to its
+    id (swapped, overwritten) is deleted, never served. On disk the oldest go first once the
+    files pass max_bytes together. Uploads arrive in `directory` too (services.uploads)."""
 
-    def __init__(self, cache: StateCache, ttl_s: float = 3600.0):
-        self.cache, self.ttl_s = cache, ttl_s
+    def __init__(self, cache: StateCache, ttl_s: float = 3600.0, directory: str | os.PathLike | None = None,
+                 max_bytes: int = 16 << 30):
+        self.cache, self.ttl_s, self.max_bytes = cache, ttl_s, max_bytes
+        self.on_disk = not cache.shared
+        self._temporary = directory is None
+        self.directory = Path(tempfile.mkdtemp(prefix="sparrow-uploads-") if directory is None else directory)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._files = SourcePolicy(media_root=self.directory)     # stored files are opened as paths are
+        self._lock = threading.Lock()
 
     @staticmethod
     def key(video_id: str) -> str:
@@ -121,25 +140,112 @@ class VideoStore:
         return f"video:{video_id}"
 
     def contains(self, video_id: str) -> bool:
-        """Whether an entry seems to be there (cheap; `get` verifies)."""
-        return self.cache.contains(self.key(video_id))
+        """Whether an entry seems to be there (cheap; reading it verifies)."""
+        key = self.key(video_id)
+        return self._fresh(video_id) is not None if self.on_disk else self.cache.contains(key)
 
     def stored(self, video_id: str) -> bool:
-        """Whether the shared copy was read back whole and hashes to video_id (reads it all)."""
-        return self._verified(video_id, self.cache.get_shared(self.key(video_id))) is not None
+        """Whether the shared copy (on disk: the file) was read back whole and hashes to
+        video_id (reads it all, a block at a time on disk)."""
+        if not self.on_disk:
+            return self._verified(video_id, self.cache.get_shared(self.key(video_id))) is not None
+        try:
+            self.open(video_id).close()
+        except VideoNotFound:
+            return False
+        return True
 
-    def put(self, data: bytes) -> str:
-        video_id = content_id(data)
-        array = np.frombuffer(data, dtype=np.uint8)
-        self.cache.put(self.key(video_id), {"bytes": torch.from_numpy(array.copy())}, ttl_s=self.ttl_s)
-        return video_id
+    def keep(self, spooled: Path, video_id: str) -> None:
+        """Store the complete upload spooled at `spooled` (in `directory`) under video_id,
+        its SHA-256: on disk the file is renamed into place; a shared cache gets its bytes."""
+        self.key(video_id)
+        if not self.on_disk:
+            # The cache's entry format holds the bytes at once: Redis's own memory bounds it.
+            data = np.fromfile(spooled, dtype=np.uint8)
+            self.cache.put(self.key(video_id), {"bytes": torch.from_numpy(data)}, ttl_s=self.ttl_s)
+            return
+        os.replace(spooled, self._path(video_id))        # atomic: readers see the whole file or none
+        self._evict()
+
+    def open(self, video_id: str) -> HashedFile:
+        """The stored file, opened and hashed (on disk only); VideoNotFound when it is missing,
+        expired or does not hash to its id (then deleted)."""
+        path = self._fresh(video_id)
+        if path is None:
+            raise VideoNotFound(f"no video with id {video_id}: upload it (again) first")
+        opened = HashedFile(path, self._files, max_bytes=1 << 62)
+        if opened.content_id != video_id:
+            opened.close()
+            log.warning("uploaded video %s: the stored file is not that video; deleted", video_id)
+            path.unlink(missing_ok=True)
+            raise VideoNotFound(f"no video with id {video_id}: upload it (again) first")
+        return opened
+
+    def reader(self, video_id: str) -> tuple[Callable[[], BinaryIO], Callable[[], None], Callable[[], None]]:
+        """(load, check, close) of a stored file for one request (on disk only): load() opens
+        and hashes it when the decode needs it (VideoNotFound if it went meanwhile), check()
+        after decoding, close() once the request is done."""
+        held: list[HashedFile] = []
+
+        def load() -> BinaryIO:
+            held.append(self.open(video_id))
+            return held[-1].reader()
+
+        def check() -> None:
+            if held:
+                held[-1].check_unchanged()
+
+        def close() -> None:
+            for opened in held:
+                opened.close()
+
+        return load, check, close
 
     def get(self, video_id: str) -> bytes:
+        """The stored bytes (shared cache only: on disk, `open`)."""
         data = self._verified(video_id, self.cache.get(self.key(video_id)))
         if data is None:
             raise VideoNotFound(f"no video with id {video_id}: upload it (again) first")
         return data
 
+    def close(self) -> None:
+        if self._temporary:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    # ----- on disk -------------------------------------------------------------------------------
+    def _path(self, video_id: str) -> Path:
+        return self.directory / video_id
+
+    def _fresh(self, video_id: str) -> Path | None:
+        """The stored file's path, or None when there is none or it expired (then deleted)."""
+        path = self._path(video_id)
+        try:
+            stored_at = path.stat().st_mtime
+        except OSError:
+            return None
+        if time.time() - stored_at > self.ttl_s:
+            path.unlink(missing_ok=True)
+            return None
+        return path
+
+    def _evict(self) -> None:
+        """Expired files go; then the oldest, while the stored files pass max_bytes."""
+        with self._lock:
+            files = []
+            for path in self.directory.iterdir():
+                if _VIDEO_ID.match(path.name):
+                    with contextlib.suppress(OSError):
+                        st = path.stat()
+                        files.append((st.st_mtime, st.st_size, path))
+            files.sort()
+            total, now = sum(size for _, size, _ in files), time.time()
+            for stored_at, size, path in files:
+                if now - stored_at <= self.ttl_s and total <= self.max_bytes:
+                    break
+                path.unlink(missing_ok=True)
+                total -= size
+
+    # ----- in a shared cache -----------------------------------------------------------------------
     def _verified(self, video_id: str, found) -> bytes | None:
         if found is None:
             return None

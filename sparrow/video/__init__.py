@@ -7,7 +7,7 @@ separate decode worker.
     load_frames(source, options, policy=policy) -> Frames; processor.process(frames)
 """
 
-from sparrow.video.decode import Source, load_frames
+from sparrow.video.decode import Source, load_frames, probe_video
 from sparrow.video.live import LiveSource
 from sparrow.video.options import QWEN_MAX_VISUAL_TOKENS, Frames, VideoOptions
 from sparrow.video.pipeline import prepare_video
@@ -41,6 +41,7 @@ __all__ = [
     "VideoPlan",
     "VideoProcessor",
     "load_frames",
+    "probe_video",
     "prepare_video",
     "processor_for",
     "processor_from_hf",

@@ -82,6 +82,22 @@ def load_frames(
         return _decode(media, options, processor, deadline)
 
 
+def probe_video(source: Source, options: VideoOptions | None = None, *, policy: SourcePolicy | None = None) -> None:
+    """Check that `source` is a video this module can read, at the cost of its first frame:
+    the container opens (with the allowed demuxers), has a video stream within the frame
+    size bound, and its first frame decodes. A typed VideoError otherwise (random bytes:
+    VideoUnreadable). For what is stored before anyone asks about it (an upload)."""
+    options = options or VideoOptions()
+    deadline = Deadline(options.timeout_s)
+    with _pyav_errors(options, remote=is_url(source)):
+        media = open_media(source, options, policy, deadline)
+        with media.open() as container:
+            stream = video_stream(container)
+            sized = _prepare_decoder(stream, options)
+            _first_frame(_Decoder(container, stream, deadline, options.max_bytes if media.streamed else None),
+                         sized, options)
+
+
 @contextlib.contextmanager
 def _pyav_errors(options: VideoOptions, remote: bool) -> Iterator[None]:
     """Turn anything PyAV/FFmpeg raises into a VideoError a user can act on."""

@@ -34,6 +34,15 @@ def is_url(source: object) -> bool:
     return isinstance(source, str) and bool(_URL.match(source))
 
 
+def shown(text: object, limit: int = 120) -> str:
+    """`text` quoted for an error message, cut to `limit` characters: a message never
+    echoes unbounded input (a 10k-character path would overflow gRPC's metadata)."""
+    text = str(text)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 @dataclass(frozen=True)
 class SourcePolicy:
     """Allowlists for video sources.
@@ -76,36 +85,52 @@ class SourcePolicy:
         """The real path (pathlib.Path) or the canonical URL (str) to read `source` from.
         Raises SourceNotAllowed for anything outside the allowlists."""
         if is_url(source):
-            return self._resolve_url(source)
+            return self.resolve_url(source)
         if isinstance(source, (str, os.PathLike)):
-            return self._resolve_path(source)
+            return self.resolve_path(source)
         raise InvalidRequest(f"a policy resolves paths and URLs, got {type(source).__name__}")
 
     def contains(self, path: str | os.PathLike) -> bool:
-        """Whether the real path of `path` lies inside the media root."""
-        if self.media_root is None:
-            return False
-        real = os.path.realpath(path)
-        return os.path.commonpath([real, self.media_root]) == str(self.media_root)
+        """Whether the real path of `path` lies inside the media root. A path that cannot be
+        resolved (a component removed or swapped for a symlink while it was being resolved)
+        does not: the caller refuses it rather than failing."""
+        return self.media_root is not None and self._real_inside(path) is not None
 
-    def _resolve_path(self, path: str | os.PathLike) -> pathlib.Path:
+    def _real_inside(self, path: str | os.PathLike) -> str | None:
+        """The real path of `path` when it lies inside the media root, else None."""
+        try:
+            real = os.path.realpath(path)
+            inside = os.path.commonpath([real, self.media_root]) == str(self.media_root)
+        except (OSError, ValueError):        # ValueError: a relative path left after a failed resolve
+            return None
+        return real if inside else None
+
+    def resolve_path(self, path: str | os.PathLike) -> pathlib.Path:
+        """The real path of a local `path` (relative to the media root, or absolute inside
+        it); SourceNotAllowed when it lies outside or local paths are not allowed."""
         raw = os.fspath(path)
         if isinstance(raw, bytes) or "\x00" in raw:
             raise SourceNotAllowed("a video path must be a text path without NUL characters")
         if self.media_root is None:
             raise SourceNotAllowed("local video paths are not allowed here; send the video's bytes or a URL")
-        joined = self.media_root / raw  # an absolute `raw` replaces the root, then must lie inside it
-        if not self.contains(joined):
-            raise SourceNotAllowed(f"{raw!r} is outside the allowed media directory")
-        return pathlib.Path(os.path.realpath(joined))
+        real = self._real_inside(self.media_root / raw)  # an absolute `raw` replaces the root, then must lie inside it
+        if real is None:
+            raise SourceNotAllowed(f"{shown(raw)} is outside the allowed media directory")
+        return pathlib.Path(real)
 
-    def _resolve_url(self, url: str) -> str:
+    def resolve_url(self, url: str) -> str:
+        """The canonical form of `url` ("scheme://host/..."); InvalidRequest for a string that
+        is no URL (a scheme-less name is never taken for a local path here), SourceNotAllowed
+        for a URL off the allowlists."""
+        if not is_url(url):
+            raise InvalidRequest(f"{shown(url)} is not a URL (scheme://host/...); a file in the media "
+                                 "directory is sent as a path")
         scheme = url.split(":", 1)[0].lower()
         if scheme == "file":
             raise SourceNotAllowed("file:// URLs are not allowed; send a path inside the media directory")
         if scheme not in self.allowed_schemes:
             allowed = ", ".join(sorted(self.allowed_schemes)) or "none"
-            raise SourceNotAllowed(f"URL scheme {scheme!r} is not allowed (allowed: {allowed})")
+            raise SourceNotAllowed(f"URL scheme {shown(scheme)} is not allowed (allowed: {allowed})")
         if _AMBIGUOUS.search(url) or not url.isascii():
             raise SourceNotAllowed("URLs with spaces, control characters, backslashes, user info ('@') "
                                    "or non-ASCII characters are not allowed; percent-encode them")
@@ -113,9 +138,9 @@ class SourcePolicy:
             parts = urllib.parse.urlsplit(url)
             host, port = parts.hostname, parts.port
         except ValueError as exc:  # e.g. a port that is not a number
-            raise SourceNotAllowed(f"malformed URL: {exc}") from exc
+            raise SourceNotAllowed(f"malformed URL: {shown(str(exc))}") from exc
         if not host or not self._host_allowed(host, port):
-            raise SourceNotAllowed(f"host {host!r} is not in the allowed hosts")
+            raise SourceNotAllowed(f"host {shown(host)} is not in the allowed hosts")
         return urllib.parse.urlunsplit((scheme, parts.netloc.lower(), parts.path, parts.query, ""))
 
     def _host_allowed(self, host: str, port: int | None) -> bool:

@@ -25,7 +25,7 @@ import av
 from sparrow.errors import InvalidRequest, RequestAborted, SourceNotAllowed, VideoTimeout, VideoTooLarge, VideoUnreadable
 from sparrow.video.live import LiveSnapshot, LiveSource
 from sparrow.video.options import MiB, VideoOptions
-from sparrow.video.policy import SourcePolicy, is_url
+from sparrow.video.policy import SourcePolicy, is_url, shown as _shown
 
 # Demuxers we let FFmpeg pick from. Playlist/concat demuxers (hls, concat, ...) are left out
 # on purpose: they open further files or URLs named inside an uploaded file.
@@ -74,9 +74,9 @@ def open_media(source: object, options: VideoOptions, policy: SourcePolicy | Non
     if is_url(source):
         if policy is None:
             raise SourceNotAllowed("URLs are read only with a SourcePolicy that allows their scheme and host")
-        return _url_media(policy.resolve(source), options, policy)
+        return _url_media(policy.resolve_url(source), options, policy)
     if isinstance(source, (str, os.PathLike)):
-        return _path_media(policy.resolve(source) if policy else source, options, policy)
+        return _path_media(policy.resolve_path(source) if policy else source, options, policy)
     if callable(getattr(source, "read", None)):
         return _file_media(source, options, deadline)
     raise InvalidRequest("video source must be a path, URL, bytes, a file object, a LiveSource or a "
@@ -131,8 +131,8 @@ def _path_media(path: str | os.PathLike, options: VideoOptions, policy: SourcePo
             yield container
 
     with open_regular_file(name, policy) as file:  # fail early, with the file's own error
-        _check_size(os.fstat(file.fileno()).st_size, f"video file {name!r}", options)
-    return Media(f"video file {name!r}", open_container, reopenable=True, streamed=False)
+        _check_size(os.fstat(file.fileno()).st_size, f"video file {_shown(name)}", options)
+    return Media(f"video file {_shown(name)}", open_container, reopenable=True, streamed=False)
 
 
 def open_regular_file(path: str | os.PathLike, policy: SourcePolicy | None, shown: str | None = None) -> BinaryIO:
@@ -141,19 +141,21 @@ def open_regular_file(path: str | os.PathLike, policy: SourcePolicy | None, show
     symlink, and the file actually opened must lie in the media root (a path component
     swapped for a symlink after `resolve` is caught here). `shown`: how errors name the file
     (default the path; a server names only the file, not its own directories). A failed
-    open is VideoUnreadable caused by the OSError (FileNotFoundError for a missing file)."""
-    shown = os.fspath(path) if shown is None else shown
+    open is VideoUnreadable caused by the OSError (FileNotFoundError for a missing file).
+    A file whose real path cannot be read back (moved or removed meanwhile) is refused as
+    outside the root: never an unexpected error."""
+    shown = _shown(os.fspath(path) if shown is None else shown)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) if policy else 0)
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        raise VideoUnreadable(f"cannot read video file {shown!r}: {exc.strerror}") from exc
+        raise VideoUnreadable(f"cannot read video file {shown}: {exc.strerror}") from exc
     try:
         opened = f"/proc/self/fd/{fd}"
         if policy is not None and os.path.exists(opened) and not policy.contains(opened):
-            raise SourceNotAllowed(f"{shown!r} is outside the allowed media directory")
+            raise SourceNotAllowed(f"{shown} is outside the allowed media directory")
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise VideoUnreadable(f"{shown!r} is not a regular file")
+            raise VideoUnreadable(f"{shown} is not a regular file")
     except BaseException:
         os.close(fd)
         raise
