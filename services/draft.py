@@ -14,8 +14,11 @@ dead replica means those sessions rebuild on the next one, which the retried cal
 A replica that has not seen a request, or whose copy is stale or was evicted, answers that
 request's part with `need_context`; the proposer then sends just those requests again, with
 their draft context by a state-cache key (or inline, when the cache could not store it), and
-the replica rebuilds them. When no replica answers `attempts` calls in a row, the requests
-left draft with a colocated copy of the draft for the rest of their lives. At temperature 0
+the replica rebuilds them. When no replica answers `attempts` calls in a row, or the step has
+waited `failover_s` on them (a dead deployment whose replacement is still starting, a hung
+replica), the requests left draft with a colocated copy of the draft for the rest of their
+lives, and for `retry_after_s` the requests that come after them do so at once, without
+waiting on the replicas again. At temperature 0
 the answer is the same whichever drafts (speculative decoding is lossless); with sampling,
 each request's generator state travels with its part of every call, so its draws are the
 same as well. A request's part never depends on its neighbours': every request has its own
@@ -244,7 +247,7 @@ class LocalDraftClient:
         self.worker = worker
         self.clients: dict[str, DraftSessions] = {}
 
-    def step(self, batch: DraftBatch) -> list[DraftReply]:
+    def step(self, batch: DraftBatch, timeout_s: float | None = None) -> list[DraftReply]:
         return self.worker.step(self.clients.setdefault(batch.client, DraftSessions(batch.client)), batch)
 
     def end(self, client: str, session: str) -> None:
@@ -295,16 +298,20 @@ class RemoteDraftStats:
 class RemoteDraftProposer:
     """The Proposer contract (sparrow.speculative.proposer) with the draft on draft replicas.
 
-    client: `step(DraftBatch) -> list[DraftReply]` (raises on an unreachable replica) and
-    `end(client_id, session)`. fallback: a colocated SparrowProposer, used for the rest of a
-    request once `attempts` calls in a row got it no proposal.
+    client: `step(DraftBatch, timeout_s) -> list[DraftReply]` (raises on an unreachable
+    replica, and when no answer came within timeout_s) and `end(client_id, session)`.
+    fallback: a colocated SparrowProposer, used for the rest of a request once `attempts` calls
+    in a row, or `failover_s` of one step, got it no proposal.
     """
 
     def __init__(self, client, fallback: SparrowProposer, spec: SpecConfig, cache: StateCache,
-                 attempts: int = 3, context_ttl_s: float = 600.0):
+                 attempts: int = 3, context_ttl_s: float = 600.0, failover_s: float = 1.0,
+                 retry_after_s: float = 10.0):
         self.client, self.fallback, self.spec, self.cache = client, fallback, spec, cache
         self.needs = fallback.needs
         self.attempts, self.context_ttl_s = attempts, context_ttl_s
+        self.failover_s, self.retry_after_s = failover_s, retry_after_s
+        self.down_until = 0.0     # time.monotonic() until which the replicas are not waited on (they just failed)
         self.client_id = uuid.uuid4().hex   # this target replica's sessions all go where this id is routed
         self.device = next(fallback.draft.parameters()).device    # where acceptance reads the draft's q
         self.failovers = 0        # calls that failed and were retried (for operators)
@@ -334,13 +341,18 @@ class RemoteDraftProposer:
         in one batched pass, those no call served and those already drafting locally."""
         proposals: list[Proposal | None] = [None] * len(batch)
         pending = [i for i, r in enumerate(batch) if r.state.local is None]
-        for _ in range(self.attempts):
-            if not pending:
+        start = time.monotonic()
+        failed = bool(pending) and start < self.down_until          # they just failed: do not wait on them again yet
+        for _ in range(0 if failed else self.attempts):
+            left = self.failover_s - (time.monotonic() - start)
+            if not pending or left <= 0:
                 break
-            pending = self._call_replicas(batch, pending, proposals)
+            pending, failed = self._call_replicas(batch, pending, proposals, left)
         if pending:
-            log.warning("no draft replica answered %d calls for %d request(s); drafting them in this process for "
-                        "the rest of their lives", self.attempts, len(pending))
+            if failed and start >= self.down_until:
+                self.down_until = time.monotonic() + self.retry_after_s
+            log.warning("no draft replica answered %d request(s) in %.2f s; drafting them in this process for the "
+                        "rest of their lives", len(pending), time.monotonic() - start)
             self.fallbacks += len(pending)
             for i in pending:
                 batch[i].state.local = self.fallback.begin_context(self._context_now(batch[i].state))
@@ -375,13 +387,14 @@ class RemoteDraftProposer:
             self.cache.delete(key)
 
     # ----- helpers -------------------------------------------------------------------------------
-    def _call_replicas(self, batch: list[DraftRequest], pending: list[int],
-                       proposals: list[Proposal | None]) -> list[int]:
-        """One DraftBatch for the requests `pending` (indices into batch); fills their
-        proposals and returns the ones still without one."""
+    def _call_replicas(self, batch: list[DraftRequest], pending: list[int], proposals: list[Proposal | None],
+                       timeout_s: float) -> tuple[list[int], bool]:
+        """One DraftBatch for the requests `pending` (indices into batch), answered within
+        timeout_s; fills their proposals and returns the ones still without one, and whether
+        the call failed (no answer at all)."""
         calls = [self._call(batch[i].state, batch[i].k, batch[i].sampling, batch[i].generator) for i in pending]
         try:
-            replies = self.client.step(DraftBatch(self.client_id, calls))
+            replies = self.client.step(DraftBatch(self.client_id, calls), timeout_s)
             if len(replies) != len(calls):
                 raise DraftUnavailable(f"{len(replies)} replies to a batch of {len(calls)}")
         except Exception as exc:  # noqa: BLE001 - any transport failure: try another replica
@@ -390,7 +403,7 @@ class RemoteDraftProposer:
             for i in pending:
                 batch[i].state.failovers += 1
                 self._publish(batch[i].state)     # the sessions rebuild wherever the next call lands
-            return pending
+            return pending, True
         retry = []
         for i, reply in zip(pending, replies):
             state = batch[i].state
@@ -407,7 +420,7 @@ class RemoteDraftProposer:
                 batch[i].generator.set_state(reply.rng_state)
             probs = reply.probs.decode(self.device) if reply.probs is not None else None
             proposals[i] = Proposal(reply.tokens, probs, reply.parents, reply.draw)
-        return retry
+        return retry, False
 
     def _publish(self, state: RemoteDraftState) -> None:
         """The next call carries the context as it is now: by cache key when it can be stored."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -50,7 +51,7 @@ SERVICER_FUNCTIONS = [
 class TargetDeployment(SparrowMethods):
     def __init__(self, settings: AppSettings, draft=None):
         quiet_client_errors("ray.serve")     # Serve logs what a method raises with a traceback
-        client = RayDraftClient(draft, settings.draft_call_timeout_s) if draft is not None else None
+        client = RayDraftClient(draft) if draft is not None else None
         engine, cache = build_engine(settings, client)
         placement = "remote" if client is not None else settings.placement
         self.service = SparrowService(engine, cache, settings.service, host="ray", draft_placement=placement)
@@ -154,25 +155,31 @@ class DraftDeployment:
             sessions.end(session_id)
 
     def describe(self) -> dict:
-        """This replica's actor name and the sessions it holds state for (all target
+        """This replica's actor name, process id, and the sessions it holds state for (all target
         replicas'), with the seconds since each was last used."""
         now = time.monotonic()
         live = {}
         for sessions in list(self.clients.values()):
             live.update(sessions.live(now))
-        return {"replica": self.replica, "sessions": live}
+        return {"replica": self.replica, "pid": os.getpid(), "sessions": live}
 
 
 class RayDraftClient:
     """DraftDeployment calls from the target's scheduler thread (blocking there is fine: it
-    is not the replica's event loop). A batch goes where its client id is routed."""
+    is not the replica's event loop). A batch goes where its client id is routed. A call
+    that times out is cancelled: with no live replica Serve queues it until one starts, and
+    the step has drafted in the target's process by then."""
 
-    def __init__(self, handle, timeout_s: float):
-        self.handle, self.timeout_s = handle, timeout_s
+    def __init__(self, handle):
+        self.handle = handle
 
-    def step(self, batch: DraftBatch) -> list[DraftReply]:
+    def step(self, batch: DraftBatch, timeout_s: float) -> list[DraftReply]:
         call = self.handle.options(multiplexed_model_id=batch.client).step.remote(batch)
-        return call.result(timeout_s=self.timeout_s)
+        try:
+            return call.result(timeout_s=timeout_s)
+        except TimeoutError:
+            call.cancel()
+            raise
 
     def end(self, client_id: str, session: str) -> None:
         self.handle.options(multiplexed_model_id=client_id).end.remote(client_id, session)      # not awaited
@@ -193,10 +200,12 @@ def build_app(settings: AppSettings):
 
 
 def start(settings: AppSettings, *, grpc_port: int, http_host: str = "127.0.0.1", http_port: int = 8000,
-          name: str = APP_NAME):
+          name: str = APP_NAME, proxy_location: str | None = None):
     """Start Serve's proxies and deploy the app on the connected Ray cluster; returns the
     ingress handle. HTTP listens on http_host; Serve's gRPC proxy on all interfaces, unless the job's
-    runtime_env is ray_bind.runtime_env(host) (as `sparrow serve --ray` makes it)."""
+    runtime_env is ray_bind.runtime_env(host) (as `sparrow serve --ray` makes it). proxy_location:
+    Serve's (None: its default, a proxy on every node; "HeadOnly" where several nodes share a host)."""
+    where = {} if proxy_location is None else {"proxy_location": proxy_location}
     serve.start(grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS),
-                http_options=HTTPOptions(host=http_host, port=http_port))
+                http_options=HTTPOptions(host=http_host, port=http_port), **where)
     return serve.run(build_app(settings), name=name, route_prefix=f"/{name}")

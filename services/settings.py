@@ -48,7 +48,7 @@ class AppSettings:
     service: ServiceConfig = ServiceConfig()
     prefix_cache_bytes: int = 8 << 30
     prefix_cache_entries: int = 32
-    draft_call_timeout_s: float = 10.0
+    draft_failover_s: float = 1.0             # the most a step waits on draft replicas before drafting in process
     draft_session_idle_s: float = 30.0         # a draft replica frees a session idle this long
     target_deployment: dict = field(default_factory=dict)
     draft_deployment: dict = field(default_factory=dict)
@@ -96,5 +96,6 @@ def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, Stat
     draft = load_draft(settings.draft, target, settings.draft_arch)
     spec = settings.spec_for(draft)
     local = SparrowProposer(draft, spec)
-    proposer = local if draft_client is None else RemoteDraftProposer(draft_client, local, spec, cache)
+    proposer = local if draft_client is None else RemoteDraftProposer(
+        draft_client, local, spec, cache, failover_s=settings.draft_failover_s)
     return Engine(target, spec=spec, proposer=proposer, prefix_cache=prefix, config=settings.engine), cache

@@ -47,7 +47,7 @@ class Replicas:
         self.rebuilds = [0] * n
         self.batches, self.replies = [], []
 
-    def step(self, batch):
+    def step(self, batch, timeout_s=None):
         self.calls += 1
         self.batches.append(batch)
         if self.calls == self.kill_at_call:
