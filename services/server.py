@@ -25,6 +25,14 @@ from .wire import add_sparrow_servicer, check_decoded
 log = logging.getLogger(__name__)
 
 
+# How far gRPC reads a client's stream ahead of the handler. Its default flow control grows a
+# stream's window with the measured bandwidth-delay product (up to 1 GiB while memory looks
+# free), so an upload sent faster than it is written to disk queued in this process: 4 x 128
+# MiB at once peaked at +500 MiB. A fixed window bounds it per stream; the window still opens
+# for whichever message the handler waits on, so chunks larger than it still arrive.
+READ_AHEAD_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4 << 20)]
+
+
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """gRPC channel/server options bounding message sizes (set on both ends)."""
     return [("grpc.max_send_message_length", max_message_bytes),
@@ -68,7 +76,7 @@ class GrpcSparrow(SparrowMethods, pb_grpc.SparrowServicer):
 
 async def start_server(service: SparrowService, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one)."""
-    server = grpc.aio.server(options=message_options(service.config.max_message_bytes))
+    server = grpc.aio.server(options=message_options(service.config.max_message_bytes) + READ_AHEAD_OPTIONS)
     add_sparrow_servicer(GrpcSparrow(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

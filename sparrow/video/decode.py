@@ -94,8 +94,8 @@ def probe_video(source: Source, options: VideoOptions | None = None, *, policy: 
         with media.open() as container:
             stream = video_stream(container)
             sized = _prepare_decoder(stream, options)
-            _first_frame(_Decoder(container, stream, deadline, options.max_bytes if media.streamed else None),
-                         sized, options)
+            with contextlib.closing(_Decoder(container, stream, deadline, None)) as decoder:
+                _first_frame(decoder, sized, options)
 
 
 @contextlib.contextmanager
@@ -233,15 +233,16 @@ def _decode(media: Media, options: VideoOptions, processor: VideoProcessor | Non
         stream = video_stream(container)
         sized = _prepare_decoder(stream, options)
         decoder = _Decoder(container, stream, deadline, options.max_bytes if media.streamed else None)
-        first = _first_frame(decoder, sized, options)
-        info = _stream_info(container, stream, first, media.live)
-        start, end = _time_range(media, info, options, deadline)
-        available = round((end - start) * info.rate) if info.rate else None
-        count = _frame_count(end - start, available, first.height, first.width, options, processor)
-        targets = sample_times(start, end, count)
-        decoder.push_back(first)
-        timed = _timed_frames(decoder, info, start, end, targets, _jump_s(stream, info, options), options)
-        picks = pick_nearest(timed, targets, keep=_RgbConverter(options))
+        with contextlib.closing(decoder):
+            first = _first_frame(decoder, sized, options)
+            info = _stream_info(container, stream, first, media.live)
+            start, end = _time_range(media, info, options, deadline)
+            available = round((end - start) * info.rate) if info.rate else None
+            count = _frame_count(end - start, available, first.height, first.width, options, processor)
+            targets = sample_times(start, end, count)
+            decoder.push_back(first)
+            timed = _timed_frames(decoder, info, start, end, targets, _jump_s(stream, info, options), options)
+            picks = pick_nearest(timed, targets, keep=_RgbConverter(options))
     return _assemble(picks, start, end, options)
 
 
@@ -335,6 +336,12 @@ class _Decoder:
 
     def push_back(self, frame: av.VideoFrame) -> None:
         self._back.append(frame)
+
+    def close(self) -> None:
+        """End the frame generator: it refers back to this decoder, and that cycle would keep
+        the codec context (and its decoding threads) alive until a cyclic garbage collection."""
+        self._frames.close()
+        self._back.clear()
 
     def seek(self, pts: int) -> bool:
         """Restart at the keyframe at or before `pts`; False (and decoding goes on where it
