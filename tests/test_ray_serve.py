@@ -5,10 +5,11 @@ as the shared state cache.
 What must hold: the answer through the proxy equals engine.generate token for token (a
 seeded sample too: the generator state travels with every draft call); 8 concurrent streams
 are all right; cancel and Abort free the target's state within a second; a second question
-on the same video skips prefill; bad input gets its code and the app keeps serving; killing
-the draft replica that serves a stream does not change the answer; nor does stopping Redis;
+on the same video skips prefill; killing the draft replica that serves a stream (or every
+draft replica) does not change the answer and stalls it < 2 s; nor does stopping Redis;
 a live session (one bidi stream, one replica) answers as the library does and a client that
-leaves frees it at once.
+leaves frees it at once. Bad input, deadlines, cancels and overload: tests/test_host_faults.py,
+the same cases on both hosts.
 """
 
 from __future__ import annotations
@@ -167,40 +168,6 @@ def test_cancel_abort_and_deadline_free_state_on_ray(app, client, clips):
     call = client.stream(PROMPTS[0], data=clips.data["a"], max_new_tokens=2000, ignore_eos=True, timeout=2.0)
     assert code_of(lambda: list(call)) == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_target_freed(app, since=started + 2.0)
-
-
-# ----- 4. bad input ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, code", [
-    (dict(prompt=" "), grpc.StatusCode.INVALID_ARGUMENT),
-    (dict(data=b"not a video at all" * 20), grpc.StatusCode.INVALID_ARGUMENT),
-    (dict(path="/etc/passwd"), grpc.StatusCode.PERMISSION_DENIED),
-    (dict(video_id="f" * 64), grpc.StatusCode.NOT_FOUND),
-    (dict(max_new_tokens=10_000), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (dict(data=b"\x00" * (3 * MiB)), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (dict(path="no-such.mp4"), grpc.StatusCode.NOT_FOUND),
-    (dict(temperature=float("inf")), grpc.StatusCode.INVALID_ARGUMENT),
-    (dict(video_options=pb.VideoOptions(min_pixels=2**32 - 1)), grpc.StatusCode.INVALID_ARGUMENT),
-], ids=["prompt", "not a video", "path", "unknown id", "tokens", "bytes", "missing file", "temperature inf",
-        "min_pixels"])
-def test_bad_input_gets_its_code_through_ray(client, clips, remote_reference_engine, kwargs, code):
-    kwargs = dict(kwargs)
-    prompt = kwargs.pop("prompt", PROMPTS[0])
-    if not {"data", "path", "video_id"} & set(kwargs):
-        kwargs["data"] = clips.data["b"]
-    assert code_of(lambda: list(client.stream(prompt, **kwargs))) == code
-    good = client.generate(PROMPTS[0], data=clips.data["b"], max_new_tokens=8)
-    assert good.token_ids == reference(remote_reference_engine, clips.data["b"], PROMPTS[0], max_new_tokens=8).token_ids
-
-
-def test_undecodable_request_is_invalid_argument_through_ray(client, clips, remote_reference_engine):
-    """The same status as the embedded host (tests/test_faults.py): the proxy's deserializer
-    hands the replica an Undecodable, not an exception of its own."""
-    call = client.channel.unary_stream("/sparrow.v1.Sparrow/Generate", request_serializer=None)
-    bad = pb.GenerateRequest(prompt="abc", video=pb.VideoSource(data=clips.data["b"])).SerializeToString()
-    assert code_of(lambda: list(call(bad.replace(b"abc", b"\xff\xfe\xfd"), timeout=60))) == \
-        grpc.StatusCode.INVALID_ARGUMENT
-    good = client.generate(PROMPTS[0], data=clips.data["b"], max_new_tokens=8)
-    assert good.token_ids == reference(remote_reference_engine, clips.data["b"], PROMPTS[0], max_new_tokens=8).token_ids
 
 
 def test_draft_calls_stay_on_one_draft_replica(app, client, clips, remote_reference_engine):
