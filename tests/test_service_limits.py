@@ -341,6 +341,24 @@ def test_every_refusal_cancellation_and_deadline_is_counted_by_reason(tight, cli
         endpoint.close()
 
 
+def test_a_cancelled_upload_leaves_nothing_behind(tight, clips):
+    release = threading.Event()
+
+    def messages():
+        yield pb.VideoChunk(data=clips.data["a"])
+        release.wait(30)
+
+    with SparrowClient(tight.address) as c:
+        call = c.stub.UploadVideo.future(messages(), timeout=60)
+        wait_for(lambda: tight.service.uploads.bytes_in_flight > 0)
+        assert any(name.startswith(".upload-") for name in stored_files(tight))     # the spool, while it lasts
+        call.cancel()
+        wait_for(lambda: tight.service.uploads.uploads == 0)
+    release.set()
+    assert tight.service.uploads.bytes_in_flight == 0
+    assert not any(name.startswith(".") for name in stored_files(tight))
+
+
 # ----- the symlink race -------------------------------------------------------------------------------
 @pytest.fixture
 def flipping(tmp_path, clips):
