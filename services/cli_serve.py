@@ -112,8 +112,13 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
 
     # A local cluster is started for --host (every Ray server on it; services.ray_bind), with
     # Ray's token authentication unless RAY_AUTH_MODE says otherwise; both read by Ray at import.
-    auth = ray_bind.token_auth()
-    cluster = ray_bind.local_cluster(args.host) if args.ray_address is None else {"address": args.ray_address}
+    # A cluster joined keeps its own (RAY_AUTH_MODE and its token must match it).
+    if args.ray_address is None:
+        auth, cluster = ray_bind.token_auth(), ray_bind.local_cluster(args.host)
+        where = f"a local cluster on {args.host}; Ray token authentication " + \
+            ("on" if auth == "token" else "OFF (RAY_AUTH_MODE)")
+    else:
+        cluster, where = {"address": args.ray_address}, f"the cluster at {args.ray_address} (its own authentication)"
     import ray
     from ray import serve
 
@@ -124,9 +129,7 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
     env = {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(settings.service.max_message_bytes)}
     print(models_line(settings), flush=True)
     ray.init(**cluster, runtime_env=ray_bind.runtime_env(args.host, env))
-    where = "a local cluster on " + args.host if args.ray_address is None else "the cluster at " + args.ray_address
-    print(f"sparrow: Ray: {where}; Ray token authentication {'on' if auth == 'token' else 'OFF (RAY_AUTH_MODE)'}",
-          flush=True)
+    print(f"sparrow: Ray: {where}", flush=True)
     ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=args.http_port)
     deployments = "TargetDeployment" + (" + DraftDeployment" if settings.placement == "remote" else "")
     print(f"sparrow: serving sparrow.v1.Sparrow on {args.host}:{args.port} (Ray Serve gRPC proxy: {deployments}); "

@@ -6,6 +6,8 @@ tree: GCS, raylet, agents, dashboard, monitor, Serve controller, proxy, replicas
 workers) is walked and each socket it holds is looked up in /proc/net/{tcp,tcp6,udp,udp6}.
 Ray's token authentication is on by default: the GCS refuses a call without the token
 (UNAUTHENTICATED) and answers one with it; the token file was written for its owner only.
+Without the CLI: the token is kept once written and RAY_AUTH_MODE set by the operator stands;
+the ray.init arguments each kind of host gets.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import grpc
 import pytest
 from conftest_services import free_port
 
-pytestmark = pytest.mark.slow
 
 
 def process_tree(root: int) -> dict[int, str]:
@@ -115,6 +116,7 @@ def served(tmp_path_factory):
                 pass
 
 
+@pytest.mark.slow
 def test_the_cluster_sparrow_serve_starts_listens_on_loopback_only(served):
     cli, port, http_port, _, lines = served
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:       # it serves (and the app is deployed)
@@ -133,6 +135,7 @@ def test_the_cluster_sparrow_serve_starts_listens_on_loopback_only(served):
     assert any("token authentication on" in line for line in lines), lines
 
 
+@pytest.mark.slow
 def test_ray_token_authentication_is_on_by_default(served):
     cli, _, _, token_path, _ = served
     assert stat.S_IMODE(token_path.stat().st_mode) == 0o600
@@ -152,3 +155,31 @@ def test_ray_token_authentication_is_on_by_default(served):
             except grpc.RpcError as exc:          # a GCS port that serves other services only
                 assert exc.code() == grpc.StatusCode.UNIMPLEMENTED, exc.details()
     assert answered, f"no GCS port answered the token holder: {gcs}"
+
+
+def test_token_auth_writes_a_token_for_its_owner_only_and_keeps_the_operators(tmp_path, monkeypatch):
+    from sparrow.services import ray_bind
+
+    path = tmp_path / "dir" / "token"
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(path))
+    assert ray_bind.token_auth() == "token" and os.environ["RAY_AUTH_MODE"] == "token"
+    token = path.read_text()
+    assert len(token) == 64 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ray_bind.token_auth() == "token" and path.read_text() == token          # an existing token is kept
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    path.unlink()
+    assert ray_bind.token_auth() == "disabled" and not path.exists()                # the operator's word stands
+
+
+def test_local_cluster_arguments_by_host(monkeypatch):
+    from sparrow.services import ray_bind
+
+    monkeypatch.setenv(ray_bind.LOOPBACK_ONLY_ENV, "0")            # as if set before Ray was imported
+    assert ray_bind.local_cluster("127.0.0.1") == {"address": "local", "dashboard_host": "127.0.0.1",
+                                                   "_node_ip_address": "127.0.0.1"}
+    assert ray_bind.local_cluster("::1")["_node_ip_address"] == "127.0.0.1"
+    assert ray_bind.local_cluster("10.1.2.3")["_node_ip_address"] == "10.1.2.3"
+    assert "_node_ip_address" not in ray_bind.local_cluster("0.0.0.0")             # Ray's default: its own choice
+    assert all(ray_bind.local_cluster(h)["dashboard_host"] == "127.0.0.1" for h in ("0.0.0.0", "10.1.2.3"))
