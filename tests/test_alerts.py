@@ -216,3 +216,27 @@ def test_webhook_queue_is_bounded_and_an_unreachable_receiver_gives_up():
     sink.close()
     c = sink.counts
     assert c["sent"] == 0 and c["failed"] >= 1 and c["failed"] + c["dropped"] == 20 and c["dropped"] >= 17
+
+
+# ----- the committed live target ----------------------------------------------------------------------------
+def test_an_alert_fires_on_a_live_world_stream_where_the_condition_holds():
+    """The committed live target (models/live/target) on a held-out live-world stream: the rule
+    "is a red shape in view ?", checked every second of stream, fires at each of the two red
+    visits in the first 30 s of this stream, while red is in view, and clears after each. (Both
+    red circles here turn orange before leaving, and the target takes orange for red for a
+    few seconds: precision on this stream is ~0.7; BENCHMARKS.md has it on five streams.)"""
+    from benchmarks.live_alerts import alert_stream, recall_precision
+    from sparrow.models.target import TargetModel
+
+    engine = Engine(TargetModel.from_pretrained("models/live/target"), spec=SpecConfig(method="none"))
+    rows = alert_stream(engine, seed=424247, seconds=30, window_s=12, every_s=1.0, colours=("red",))
+    engine.close()
+    assert len(rows) == 30
+    recall, precision, true_cases, firing = recall_precision(rows)
+    assert true_cases >= 6, rows
+    firing = [r["firing"] for r in rows]
+    fired = [r for r, before in zip(rows, [False, *firing]) if r["firing"] and not before]
+    cleared = [r for r, before in zip(rows, [False, *firing]) if before and not r["firing"]]
+    assert len(fired) == 2 and all(r["truth"] for r in fired), rows       # each visit, while red is in view
+    assert len(cleared) == 2 and not rows[-1]["firing"], rows
+    assert recall >= 0.8 and precision >= 0.6, (recall, precision, rows)
