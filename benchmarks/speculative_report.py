@@ -76,7 +76,8 @@ def report(result: dict, plot_path: str | None = None) -> str:
         lines += ["Skipped: " + "; ".join(f"{m} ({why})" for m, why in result["skipped"].items()) + ".", ""]
     ident = "all methods' tokens equal plain decoding's" if result["identical"] else \
         f"**{len(result['mismatches'])} MISMATCHES**"
-    lines += [f"Output identity at T=0: {ident}.", ""]
+    temps = "/".join(f"{t:g}" for t in cfg["temperatures"])
+    lines += [f"Output identity at T = {temps} (T > 0: the same seed): {ident}.", ""]
     for temp in cfg["temperatures"]:
         sizes = sorted({r["visual_tokens"] for r in summary if r["temperature"] == temp})
         lines += [f"**T = {temp:g}.** Cell: decode speedup / tau / draft ms per step / verify ms per step "

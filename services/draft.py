@@ -20,8 +20,8 @@ replica), the requests left draft with a colocated copy of the draft for the res
 lives, and for `retry_after_s` the requests that come after them do so at once, without
 waiting on the replicas again. At temperature 0
 the answer is the same whichever drafts (speculative decoding is lossless); with sampling,
-each request's generator state travels with its part of every call, so its draws are the
-same as well. A request's part never depends on its neighbours': every request has its own
+each request's generator state (a seeded request's: its seed and output position) travels
+with its part of every call, so its draws are the same as well. A request's part never depends on its neighbours': every request has its own
 session, generator and reply, and the batched draft passes are per-request exact.
 
 What comes back per request is what exact acceptance needs (DraftProbs): see there.
@@ -42,6 +42,7 @@ from sparrow.state_cache import StateCache
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer, SparrowState, build_context
 from sparrow.speculative.proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
+from sparrow.speculative.sampling import PositionNoise
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class DraftStep:
     rng_state: torch.Tensor | None        # the request's generator state (sampling only)
     context_key: str | None = None        # rebuild from this state-cache entry first ...
     context: dict[str, torch.Tensor] | None = None   # ... or from these tensors
+    noise_position: int | None = None     # a seeded request's next output position (sampling.PositionNoise)
 
 
 @dataclass(slots=True)
@@ -203,7 +205,8 @@ class DraftWorker:
                 for i in commits:
                     parts[i].length += len(batch.steps[i].commit_tokens)
             generators = [_generator(batch.steps[i].rng_state) for i in ready]
-            proposals = self.proposer.propose([DraftRequest(parts[i].state, batch.steps[i].k, batch.steps[i].sampling, g)
+            proposals = self.proposer.propose([DraftRequest(parts[i].state, batch.steps[i].k, batch.steps[i].sampling, g,
+                                                            noise=_noise(batch.steps[i]))
                                                for i, g in zip(ready, generators)]) if ready else []
             replies = [DraftReply(need_context=True) for _ in batch.steps]
             for i, g, proposal in zip(ready, generators, proposals):
@@ -230,6 +233,15 @@ class DraftWorker:
             return True
         # never seen here, or out of step (a call this replica never got, or a retried one)
         return session.state is not None and session.length + len(call.commit_tokens) == call.length
+
+
+def _noise(step: DraftStep) -> PositionNoise | None:
+    """A seeded request's position noise, as the target holds it: the same draws as colocated."""
+    if step.noise_position is None or step.sampling.seed is None:
+        return None
+    noise = PositionNoise(step.sampling.seed)
+    noise.position = step.noise_position
+    return noise
 
 
 def _generator(rng_state: torch.Tensor | None) -> torch.Generator:
@@ -359,7 +371,7 @@ class RemoteDraftProposer:
         local = [i for i in range(len(batch)) if proposals[i] is None]
         if local:
             drafts = self.fallback.propose([DraftRequest(batch[i].state.local, batch[i].k, batch[i].sampling,
-                                                         batch[i].generator) for i in local])
+                                                         batch[i].generator, noise=batch[i].noise) for i in local])
             for i, proposal in zip(local, drafts):
                 proposals[i] = proposal
         return proposals
@@ -392,7 +404,8 @@ class RemoteDraftProposer:
         """One DraftBatch for the requests `pending` (indices into batch), answered within
         timeout_s; fills their proposals and returns the ones still without one, and whether
         the call failed (no answer at all)."""
-        calls = [self._call(batch[i].state, batch[i].k, batch[i].sampling, batch[i].generator) for i in pending]
+        calls = [self._call(batch[i].state, batch[i].k, batch[i].sampling, batch[i].generator, batch[i].noise)
+                 for i in pending]
         try:
             replies = self.client.step(DraftBatch(self.client_id, calls), timeout_s)
             if len(replies) != len(calls):
@@ -433,14 +446,17 @@ class RemoteDraftProposer:
             else:
                 state.inline = True
 
-    def _call(self, state: RemoteDraftState, k: int, sampling: SamplingParams, generator) -> DraftStep:
-        rng = None if sampling.greedy else generator.get_state()
+    def _call(self, state: RemoteDraftState, k: int, sampling: SamplingParams, generator,
+              noise: PositionNoise | None) -> DraftStep:
+        rng = None if sampling.greedy or noise is not None else generator.get_state()
+        position = noise.position if noise is not None else None
         if state.rebuild:
             context = self._context_now(state).to_tensors() if state.inline else None
             key = None if state.inline else state.cache_keys[-1]
-            return DraftStep(state.session, state.length, [], None, k, sampling, rng, key, context)
+            return DraftStep(state.session, state.length, [], None, k, sampling, rng, key, context, position)
         features = torch.cat(state.pending_features) if state.pending_features else None
-        return DraftStep(state.session, state.length, list(state.pending_tokens), features, k, sampling, rng)
+        return DraftStep(state.session, state.length, list(state.pending_tokens), features, k, sampling, rng,
+                         noise_position=position)
 
     def _context_now(self, state: RemoteDraftState) -> DraftContext:
         """The prompt context plus every commit since. begin() reads only the anchors (in

@@ -49,8 +49,9 @@ class SamplingParams:
 
     @property
     def replayable(self) -> bool:
-        """Sampled with a seed: its tokens must be those of its solo run in any batch (so nothing
-        that depends on its neighbours, its k or its tree, may change)."""
+        """Sampled with a seed: its tokens are a function of its inputs and seed alone (the same in
+        any batch, with any k or tree, and equal to plain decoding's): Gumbel-max under noise
+        keyed by seed and position (speculative/sampling.py)."""
         return not self.greedy and self.seed is not None
 
 
@@ -67,7 +68,7 @@ class SpecConfig:
     engine is never slower than plain decoding where drafting cannot pay): the engine chooses
     each request's k in [0, num_draft_tokens] each step from its measured acceptance and the
     step's measured costs on this machine and this batch (draft_policy.DraftPolicy,
-    step_costs.MeasuredCosts); seeded sampling and a request's explicit k keep k fixed.
+    step_costs.MeasuredCosts); a request's explicit k keeps k fixed.
     False: every request drafts num_draft_tokens each step.
     tree_width/tree_branch/tree_budget: the shape of the draft tree (see the fields).
     adaptive_tree: each step, greedy requests' trees (chains too) are cut to the nodes worth
@@ -177,8 +178,6 @@ class EngineConfig:
                          draft (each gets at most its equal share, however large its tree
                          could be); 0: no cap. Verify cost grows with the tokens scored, so a
                          batch gives each request a smaller tree (BENCHMARKS.md: verify cost).
-                         A seeded sampled request keeps its whole tree: its tree decides its
-                         draws, which must be those of its solo run.
     """
 
     kv_cache_bytes: int = 2 << 30

@@ -30,8 +30,8 @@ class DraftPolicy:
 
     While the cost model cannot yet tell a row's cost from the step's, and now and then after
     (the model asks: `wants_sample`), a step drafts a depth chosen to teach it: the deepest
-    and none in turn at first, then each depth in turn. Requests whose k is pinned (seeded
-    sampling, an explicit k) always get their own k.
+    and none in turn at first, then each depth in turn. Requests whose k is pinned (an
+    explicit k) always get their own k.
     """
 
     PRIOR_WEIGHT = 8.0         # the engine's acceptance counts as this many of a request's own events

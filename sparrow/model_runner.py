@@ -33,7 +33,7 @@ from .prefix_cache import PrefixCache, PrefixEntry
 from .request import Request
 from .speculative.accept import AcceptResult, accept_tree_greedy, accept_tree_speculative
 from .speculative.proposer import BeginInput, DraftRequest, Proposal, Proposer, StepResult
-from .speculative.sampling import draw_token, logits_to_probs, new_generator
+from .speculative.sampling import PositionNoise, draw_token, logits_to_probs, new_generator
 from .speculative.tree import DraftTree
 from .video import ProcessedVideo, VideoOptions, prepare_video
 
@@ -86,7 +86,7 @@ class ModelRunner:
         as_messages(request.prompt)        # a conversation's turns are checked here, before any decoding
         k = self.draft_tokens(request.requested_k)
         request.k = k
-        request.pinned_k = request.requested_k is not None or request.sampling.replayable
+        request.pinned_k = request.requested_k is not None
         m.num_draft_tokens = k
         target = self.target
         given = request.entry                                  # a live window's snapshot
@@ -142,7 +142,8 @@ class ModelRunner:
         if self.prefix_cache is not None and request.video_key is not None and request.entry is None:
             self.prefix_cache.put(request.video_key, PrefixEntry.of(request.processed, job.video_prefix()))
         request.generator = new_generator(sampling.seed, self.target.device)   # sampling happens where the logits are
-        token = draw_token(pre.logits, sampling, request.generator)[0]
+        request.noise = PositionNoise(sampling.seed) if sampling.replayable else None
+        token = _first_token(pre.logits, sampling, request.generator, request.noise)
         if request.first_token_ids:
             probs = torch.softmax(pre.logits.float(), dim=-1)       # (V,) the raw next-token distribution
             ids = torch.tensor(request.first_token_ids, device=probs.device)
@@ -169,10 +170,9 @@ class ModelRunner:
         if drafting:
             self._catch_up([batch[i] for i in drafting])
             cap = self.config.step_draft_nodes
-            sharing = sum(not batch[i].sampling.replayable for i in drafting)
-            share = max(1, cap // sharing) if cap and sharing else None
-            calls = [DraftRequest(batch[i].draft_state, ks[i], batch[i].sampling, batch[i].generator,
-                                  None if batch[i].sampling.replayable else share) for i in drafting]
+            share = max(1, cap // len(drafting)) if cap else None
+            calls = [DraftRequest(batch[i].draft_state, ks[i], batch[i].sampling, batch[i].generator, share,
+                                  batch[i].noise) for i in drafting]
             for i, proposal in zip(drafting, self.proposer.propose(calls)):
                 proposals[i] = proposal
         self.times.draft_s += time.perf_counter() - t0
@@ -193,7 +193,7 @@ class ModelRunner:
                                            trees=proposals)
         results = []
         for request, proposal, lg, ft in zip(batch, proposals, logits, feats):
-            accept = _accept(proposal, lg, request.sampling, request.generator)
+            accept = _accept(proposal, lg, request.sampling, request.generator, request.noise)
             self.target.keep_path(request.state, lg.shape[0], list(accept.path))
             emitted = accept.tokens(proposal.tokens if proposal is not None else _NO_DRAFT)
             # The target's features before each emitted token: at the root, then at each accepted node.
@@ -265,11 +265,29 @@ def _features(results: list[StepResult]) -> torch.Tensor | None:
 
 
 def _accept(proposal: Proposal | None, logits: torch.Tensor, sampling: SamplingParams,
-            generator: torch.Generator) -> AcceptResult:
+            generator: torch.Generator, noise: PositionNoise | None) -> AcceptResult:
     """The one acceptance path (trees, chains included); a step without drafts is acceptance
-    of an empty tree."""
+    of an empty tree. A seeded request (noise) is greedy over its Gumbel-perturbed scores,
+    row 0 at the next position and the row after a node at depth d, d positions on: its
+    tokens are those of plain decoding with the same seed, whatever was drafted."""
     tree = proposal if proposal is not None else DraftTree.chain(_NO_DRAFT)
     if sampling.greedy:
         return accept_tree_greedy(tree, logits)
     p = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    return accept_tree_speculative(tree, p, generator)
+    if noise is None:
+        return accept_tree_speculative(tree, p, generator)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
+    result = accept_tree_greedy(tree, noise.scores(p, offsets))
+    noise.position += result.num_accepted + 1
+    return result
+
+
+def _first_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
+                 noise: PositionNoise | None) -> int:
+    """The token after the prompt (output position 0), from the prefill's (V,) logits."""
+    if noise is None or sampling.greedy:
+        return draw_token(logits, sampling, generator)[0]
+    p = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    token = int(noise.scores(p[None], torch.zeros(1, dtype=torch.long)).argmax())
+    noise.position = 1
+    return token

@@ -17,6 +17,7 @@ from .models.target import FeatureNeeds, PrefillJob, TargetState
 from .output import OutputProcessor
 from .prefix_cache import PrefixEntry
 from .speculative.proposer import DraftState
+from .speculative.sampling import PositionNoise
 
 
 @dataclass(eq=False)
@@ -36,7 +37,7 @@ class Request:
     submitted: float = field(default_factory=time.monotonic)
     aborted: threading.Event = field(default_factory=threading.Event)
     k: int = 0                              # most draft tokens a step may give it
-    pinned_k: bool = False                  # seeded sampling (or an explicit k): k never adapts
+    pinned_k: bool = False                  # an explicit k: k never adapts
     needs: FeatureNeeds = FeatureNeeds()
     first_token_ids: tuple[int, ...] = ()   # tokens whose first-position probability the output reports
     first_token_probs: tuple[float, ...] | None = None
@@ -49,6 +50,7 @@ class Request:
     state: TargetState | None = None
     draft_state: DraftState | None = None
     generator: torch.Generator | None = None
+    noise: PositionNoise | None = None      # a seeded request's randomness (sampling.PositionNoise)
     output: OutputProcessor | None = None
     accepted: int = 0                       # its draft tokens accepted so far ...
     rejected: int = 0                       # ... and verify steps that rejected one

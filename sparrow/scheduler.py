@@ -14,11 +14,11 @@ A decode step for the running batch reads as its phases:
     advance roll each target cache back to what was accepted; commit to the draft
     emit    OutputProcessor: stop tokens, stop strings, length, incremental text
 
-A request's tokens depend only on its own inputs and seed: its generator is its own and is
-drawn from in a fixed order (its drafts, then its acceptance); a seeded sampled request keeps
-its k for its whole life, so its draws are those of its solo run (greedy output does not
-depend on k at all). Requests join and leave between steps; one request's error, abort or
-stop ends that request only.
+A request's tokens depend only on its own inputs and seed: greedy output and seeded sampled
+output (Gumbel-max under noise keyed by seed and position, speculative/sampling.py) are those
+of plain decoding whatever k, tree or batch a step gives it, so the policy adapts every
+request's k; an unseeded sampled request draws from its own generator. Requests join and
+leave between steps; one request's error, abort or stop ends that request only.
 """
 
 from __future__ import annotations

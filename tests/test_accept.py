@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparrow.speculative.accept import accept_greedy, accept_speculative
-from sparrow.speculative.sampling import logits_to_probs
+from sparrow.speculative.sampling import PositionNoise, gumbel_noise, logits_to_probs
 
 
 def _one_hot_logits(tokens, vocab=8):
@@ -94,3 +94,24 @@ def test_cut_tail_keeps_the_most_likely_tokens_and_renormalizes():
     torch.testing.assert_close(got[0], torch.tensor([0, 0.5, 0.3, 0.1, 0]) / 0.9)
     assert int((cut_tail(q, mass=1e-6) > 0).sum()) == 2                             # one token a row
     assert cut_tail(q, mass=1.0, max_candidates=5) is q                              # a cap >= V is no cap
+
+
+def test_position_noise_draws_follow_p_and_are_keyed_by_seed_and_position():
+    """Seeded sampling's Gumbel-max: over seeds (and over positions) the argmax of log p + noise
+    is distributed as p; the same (seed, position) always gives the same noise; a draft's pick
+    of n is n distinct tokens, its first the draft's own Gumbel-max draw."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(6, generator=g) * 1.5, -1)
+    over_seeds = torch.tensor([int(PositionNoise(seed).scores(p[None], torch.zeros(1, dtype=torch.long)).argmax())
+                               for seed in range(6000)])
+    assert torch.allclose(torch.bincount(over_seeds, minlength=6) / 6000, p, atol=0.02)
+    noise = PositionNoise(5)
+    over_positions = noise.scores(p.expand(20000, 6), torch.arange(20000)).argmax(-1)
+    assert torch.allclose(torch.bincount(over_positions, minlength=6) / 20000, p, atol=0.01)
+    assert torch.equal(gumbel_noise(5, torch.tensor([7, 9]), 6), gumbel_noise(5, torch.tensor([7, 9]), 6))
+    assert not torch.equal(gumbel_noise(5, torch.tensor([7]), 6), gumbel_noise(6, torch.tensor([7]), 6))
+    assert not torch.equal(gumbel_noise(5, torch.tensor([7]), 6), gumbel_noise(5, torch.tensor([8]), 6))
+    noise.position = 40                                  # offsets count from the next token's position
+    picks = noise.pick(p, 2, n=3)
+    assert len(set(picks)) == 3
+    assert picks[0] == int(PositionNoise(5).scores(p[None], torch.tensor([42])).argmax())

@@ -67,7 +67,7 @@ def test_result_structure_identity_and_report(models_dir, tmp_path):
     json.dumps(result)                                           # --json writes it as is
 
     text = sr.report(result, "speculative.png")
-    assert "Output identity at T=0: all methods' tokens equal plain decoding's" in text
+    assert "Output identity at T = 0 (T > 0: the same seed): all methods' tokens equal plain decoding's" in text
     assert "| 108 |" in text and "SpecVLM" in text and "Bars" in text and "ablation-none" in text
     assert {b["bar"].split(" ")[0] for b in sr.bars(result)} == {"Sparrow"} and len(sr.bars(result)) == 5
     sr.plot(result, tmp_path / "plot.png")

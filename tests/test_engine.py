@@ -70,6 +70,30 @@ def test_sampling_seeded_reproducible_and_runs(any_target, small_video):
     assert a.finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("spec", [
+    SPEC,                                                                       # a chain, k fixed
+    SpecConfig(adaptive_k=False, num_draft_tokens=2, window=8, anchors=16),     # another k
+    SpecConfig(adaptive_k=False, num_draft_tokens=3, tree_width=2, tree_branch=2, tree_budget=8, window=8, anchors=16),
+    SpecConfig(adaptive_k=False, method="eagle-style", num_draft_tokens=3),
+], ids=["chain", "chain-k2", "tree", "eagle-style"])
+def test_seeded_sampling_equals_plain_decoding_with_the_same_seed(qwen_target, small_video, large_video, spec):
+    """A seeded sampled request emits plain decoding's tokens for that seed, token for token,
+    whatever the draft, k or tree, alone or beside another request (Gumbel-max keyed by
+    position: speculative/sampling.py)."""
+    plain = Engine(qwen_target, spec=SpecConfig(method="none"))
+    engine = Engine(qwen_target, tiny_draft(qwen_target, seed=2), spec)
+    for seed, temperature, top_p in ((3, 1.0, 1.0), (11, 0.7, 0.9)):
+        s = SamplingParams(max_new_tokens=24, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
+        want = plain.generate(small_video, PROMPTS[0], s).token_ids
+        out = engine.generate(small_video, PROMPTS[0], s)
+        assert out.token_ids == want and out.metrics.draft_tokens > 0
+        a = engine.stream(small_video, PROMPTS[0], s)
+        b = engine.stream(large_video, PROMPTS[1], SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed + 1))
+        for _ in b:
+            pass
+        assert [t for d in a for t in d.token_ids] == want
+
+
 def test_sampling_does_not_touch_global_rng(qwen_target, small_video):
     engine = Engine(qwen_target, tiny_draft(qwen_target), SPEC)
     torch.manual_seed(7)

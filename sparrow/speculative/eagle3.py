@@ -47,7 +47,7 @@ from ..models.target import FeatureNeeds
 from .sparrow_proposer import DraftContext, build_context
 from ..models.draft import DraftKV, RMSNorm, rope  # the Sparrow draft's cache, norm and rotary embedding
 from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
-from .sampling import draft_probs, sample
+from .sampling import PositionNoise, draft_probs, sample
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -269,7 +269,7 @@ class Eagle3Proposer:
         return self.begin_context(build_context(start.prefill, start.first_token, 0, self.context), start.room)
 
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
-        return [self.propose_one(r.state, r.k, r.sampling, r.generator) for r in batch]
+        return [self.propose_one(r.state, r.k, r.sampling, r.generator, r.noise) for r in batch]
 
     def commit(self, states: list[Eagle3State], results: list[StepResult]) -> None:
         for state, result in zip(states, results):
@@ -290,11 +290,11 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose_one(self, state: Eagle3State, k: int, sampling: SamplingParams,
-                    generator: torch.Generator) -> Proposal:
+                    generator: torch.Generator, noise: PositionNoise | None = None) -> Proposal:
         d, out = self.draft, state.last_out
         tokens, probs = [], []
         for j in range(k):
-            tok, q = self._draw(d.logits(out), sampling, generator)
+            tok, q = self._draw(d.logits(out), sampling, generator, noise, j)
             tokens.append(tok)
             if q is not None:
                 probs.append(q)
@@ -302,17 +302,18 @@ class Eagle3Proposer:
                 out = d.forward_entries(torch.tensor([tok], device=out.device), out[None], state.kv)[0]
         return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
 
-    def _draw(self, logits_d: torch.Tensor, sampling: SamplingParams,
-              generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    def _draw(self, logits_d: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
+              noise: PositionNoise | None, offset: int) -> tuple[int, torch.Tensor | None]:
         """A target-vocabulary token from (Vd,) draft logits, with q over the target vocabulary
-        (zero outside the draft vocabulary) when sampling."""
+        (zero outside the draft vocabulary) when sampling (a seeded request: its Gumbel-max
+        draw at `offset`)."""
         d = self.draft
         if sampling.greedy:
             return int(d.to_target_ids(logits_d.argmax())), None
         q_d = draft_probs(logits_d, sampling, self.draft_mass, self.draft_max_candidates)             # (Vd,)
         target_ids = d.to_target_ids(torch.arange(q_d.shape[0], device=q_d.device))
         q = q_d.new_zeros(self.vocab_size).index_copy_(0, target_ids, q_d)                            # (V,)
-        return sample(q, generator), q
+        return (noise.pick(q, offset)[0] if noise is not None else sample(q, generator)), q
 
     @torch.inference_mode()
     def commit_one(self, state: Eagle3State, tokens: list[int], features: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ import torch
 from ..config import SamplingParams
 from ..models.target import FeatureNeeds, PrefillOutput
 from .accept import AcceptResult
+from .sampling import PositionNoise
 from .tree import DraftTree
 
 
@@ -80,6 +81,7 @@ class DraftRequest:
     sampling: SamplingParams
     generator: torch.Generator
     budget: int | None = None           # the most draft nodes this step (the batch's share); None: the method's
+    noise: PositionNoise | None = None  # a seeded request's: draws are Gumbel-max under it (sampling.py)
 
 
 @dataclass(slots=True)

@@ -459,7 +459,9 @@ class _TreeGrowth:
             picks, scores, row = top[0][:n], top[1][:n], None
         else:
             q = draft_probs(logits, sampling, self.spec.draft_mass, self.spec.draft_max_candidates)
-            picks = torch.multinomial(q, n, replacement=True, generator=self.request.generator).tolist()
+            noise = self.request.noise
+            picks = (noise.pick(q, depth - 1, n) if noise is not None else
+                     torch.multinomial(q, n, replacement=True, generator=self.request.generator).tolist())
             scores = torch.log(q[picks].clamp(min=1e-30)).tolist()
             row = len(self.probs)
             self.probs.append(q)

@@ -52,7 +52,7 @@ from ..models.target import FeatureNeeds, PrefillOutput, TargetModel
 from .glimpse import text_to_visual_attention
 from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
 from .prune import prune_budget, prune_visual
-from .sampling import draw_token
+from .sampling import PositionNoise, draw_token
 
 
 @dataclass(slots=True)
@@ -241,7 +241,7 @@ class SpecVLMProposer:
     def propose(self, batch: list[DraftRequest]) -> list[Proposal]:
         """Each request's small VLM drafts on its own cache (a KV cache per request, in HF's
         layout): the batch is served one request after another."""
-        return [self.propose_one(r.state, r.k, r.sampling, r.generator) for r in batch]
+        return [self.propose_one(r.state, r.k, r.sampling, r.generator, r.noise) for r in batch]
 
     def commit(self, states: list[SpecVLMState], results: list[StepResult]) -> None:
         for state, result in zip(states, results):
@@ -249,7 +249,7 @@ class SpecVLMProposer:
 
     @torch.inference_mode()
     def propose_one(self, state: SpecVLMState, k: int, sampling: SamplingParams,
-                    generator: torch.Generator) -> Proposal:
+                    generator: torch.Generator, noise: PositionNoise | None = None) -> Proposal:
         if state.cache is None:
             raise RuntimeError("this request's draft state was already released")
         if not state.pending:
@@ -258,7 +258,7 @@ class SpecVLMProposer:
         state.pending = []
         for j in range(k):
             tok, q = draw_token(self._feed(state, feed), sampling, generator, self.draft_mass,
-                                self.draft_max_candidates)
+                                self.draft_max_candidates, noise, j)
             if q is not None:
                 probs.append(q)
             tokens.append(tok)
