@@ -139,7 +139,7 @@ class LiveCall:
         stats_every = opening.stats_every_s if opening.HasField("stats_every_s") else cfg.live_stats_every_s
         if not (math.isfinite(stats_every) and (stats_every == 0 or stats_every >= 0.1)):
             raise InvalidRequest(f"stats_every_s must be 0 (only the final stats) or >= 0.1, got {stats_every}")
-        url = self.service.policy.resolve(opening.url) if opening.url else None   # SourceNotAllowed: PERMISSION_DENIED
+        url = self.service.policy.resolve_url(opening.url) if opening.url else None   # INVALID_ARGUMENT / PERMISSION_DENIED
         self.service.admit_live(self)
         metrics, self.end_reason = None, "error"
         tasks: list[asyncio.Task] = []
