@@ -51,9 +51,11 @@ from sparrow.video import SourcePolicy, VideoOptions
 from .completion import completion
 from .config import ServiceConfig
 from .errors import DeadlineExceeded, LiveUnsupported, NotReady, status_for
+from .live_alerts import RULE_REQUESTS, LiveRules, check_webhook, rule_id_of
 from .live_messages import error_event, live_config, source_event, stats_message
 from .live_url import UrlFeeder
 from .protos import pb
+from .webhook import WebhookSink
 from .wire import Undecodable
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,7 @@ class LiveCall:
         self._asked: dict[str, _Tag | None] = {}   # running asked questions -> what their answer saw, once known
         self._early: dict[str, list] = {}          # their items that came before that
         self._feeder: UrlFeeder | None = None
+        self.rules: LiveRules | None = None        # the session's alert rules and their incidents
         self._finishing = False                    # the stream is draining to its end (half-close or source end)
         self._ending: asyncio.Future | None = None   # that drain, when the source's end started it
         self._bytes_lock = threading.Lock()
@@ -140,12 +143,17 @@ class LiveCall:
         if not (math.isfinite(stats_every) and (stats_every == 0 or stats_every >= 0.1)):
             raise InvalidRequest(f"stats_every_s must be 0 (only the final stats) or >= 0.1, got {stats_every}")
         url = self.service.policy.resolve_url(opening.url) if opening.url else None   # INVALID_ARGUMENT / PERMISSION_DENIED
+        if opening.webhook_url:
+            check_webhook(opening.webhook_url, cfg)                               # the same
         self.service.admit_live(self)
         metrics, self.end_reason = None, "error"
         tasks: list[asyncio.Task] = []
         try:
             self.session = await asyncio.to_thread(LiveSession, engine, config, on_event=self._from_thread_event)
             standing_ids = [await self._add_standing(q) for q in opening.standing]
+            self.rules = LiveRules(self.session, self.session_id, opening.url, cfg, self.out.put_nowait,
+                                   WebhookSink(opening.webhook_url) if opening.webhook_url else None)
+            rule_ids = [await self._run(self.rules.add, rule) for rule in opening.rules]
             metrics = self.new_metrics() if self.new_metrics else None
             yield pb.LiveResponse(opened=pb.LiveOpened(
                 session_id=self.session_id, fps=config.fps, window_s=config.window_s,
@@ -153,7 +161,7 @@ class LiveCall:
                 window_pairs=config.window_pairs, max_visual_tokens=config.options.max_visual_tokens * config.window_pairs,
                 standing_ids=standing_ids, max_duration_s=cfg.max_live_session_s, max_bytes=cfg.max_live_bytes,
                 spec_method=engine.spec.method if engine.proposer is not None else "none",
-                stale_after_s=config.stale_after_s))
+                stale_after_s=config.stale_after_s, rule_ids=rule_ids))
             if url is not None:
                 self._feeder = UrlFeeder(self.session, url, self._url_options(), self.service.policy,
                                          on_error=lambda exc: self._post(self._feeder_failed, exc),
@@ -213,6 +221,8 @@ class LiveCall:
         if self.session is not None:
             # On a fresh thread: the session's own may be blocked, and close() releases them.
             await asyncio.to_thread(self.session.close)      # frees the KV now, aborts running answers
+        if self.rules is not None:
+            await asyncio.to_thread(self.rules.close)        # the webhook's queue is sent (bounded wait)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ----- client messages -----------------------------------------------------------------------
@@ -261,6 +271,9 @@ class LiveCall:
                 question_id = request.remove_standing.question_id
                 if not await self._run(self.session.remove_standing, question_id):
                     raise InvalidRequest(f"no standing question {question_id!r}")
+            elif kind in RULE_REQUESTS:               # alert rules: each answered with the rules now
+                question_id = rule_id_of(request)
+                self.out.put_nowait(await self._run(self.rules.handle, request))
             elif kind == "end":
                 await self._run(self.session.end_of_stream)
             elif kind == "open":
@@ -401,7 +414,10 @@ class LiveCall:
 
     def _session_event(self, event: LiveEvent) -> None:
         kind, qid = event.kind, event.question_id or ""
-        if kind == "delta":
+        if kind == "check":
+            if self.rules is not None:
+                self.rules.on_check(event.check)
+        elif kind == "delta":
             self._send_chunk(qid, _Tag.of(event), event.delta, standing=True)
         elif kind == "done":
             self._send_done(qid, _Tag.of(event), event.output, standing=True)

@@ -33,10 +33,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .alerts import Check
 from .config import SamplingParams
 from .engine import Generation
 from .output import GenerationOutput, TokenDelta
 from .errors import InvalidRequest, NoFrames
+from .live_alerts import LiveAlerts
 from .live_source import CameraTime, SilenceWatch, SourceClock
 from .live_window import FramePair, LiveConfig, LiveWindow
 from .models.target import FeatureNeeds
@@ -91,7 +93,8 @@ class LiveEvent:
     kind "delta" (text, token_ids), "done" (output), "error" (error), "dropped" (count),
     the source's health: "stale" / "resumed" (silence and its end), "timestamp_reset",
     "format_changed" (codec or frame size), each with a `message`; `camera`: an answer's
-    newest frame, or for the source's events the newest frame when it happened."""
+    newest frame, or for the source's events the newest frame when it happened;
+    "check" (an alert rule's check: its P(yes) and, when it fired or cleared, its incident)."""
 
     kind: str
     question_id: str | None = None
@@ -104,6 +107,7 @@ class LiveEvent:
     camera: CameraTime | None = None
     stale: bool = False
     message: str = ""
+    check: Check | None = None
 
 
 @dataclass(slots=True)
@@ -148,6 +152,11 @@ class LiveSession:
         self._ingest_s = 0.0
         self._error: BaseException | None = None
         self._watch = SilenceWatch(self.config.stale_after_s, self._on_silence)
+        # Alert rules (sparrow/alerts.py): add / replace / remove / list, checked like standing questions.
+        self.alerts = LiveAlerts(self._lock, self.ask, self._window_end, self._check_open, engine.target.tokenizer,
+                                 on_check=lambda check: self._emit(LiveEvent("check", check.rule_id, check.start_s,
+                                                                             check.end_s, check=check)),
+                                 on_error=lambda rule_id, exc: self._emit(LiveEvent("error", rule_id, error=exc)))
 
     # ----- feeding ----------------------------------------------------------------------------------
     def push_frames(self, frames: np.ndarray, timestamps) -> int:
@@ -246,8 +255,10 @@ class LiveSession:
 
     # ----- questions ---------------------------------------------------------------------------------
     def ask(self, question: str, sampling: SamplingParams | None = None, *, question_id: str | None = None,
-            sink: Callable[[Any], None] | None = None) -> LiveAnswer:
-        """Answer `question` about the window as it is now (what has been prefilled)."""
+            sink: Callable[[Any], None] | None = None, first_token_ids: tuple[int, ...] = ()) -> LiveAnswer:
+        """Answer `question` about the window as it is now (what has been prefilled).
+        first_token_ids: the output reports their first-position probabilities (Engine.submit);
+        such a question decodes without drafts (an alert rule's check: one token)."""
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequest("question must be a non-empty string")
         sampling = sampling or SamplingParams()
@@ -271,7 +282,8 @@ class LiveSession:
                         self._answers.discard(gen)
 
             gen.request = self.engine.submit(None, question, sampling, prefix=entry,
-                                             num_draft_tokens=self._draft_k, sink=deliver)
+                                             num_draft_tokens=0 if first_token_ids else self._draft_k, sink=deliver,
+                                             first_token_ids=first_token_ids)
             self._answers.add(gen)
         return LiveAnswer(question_id, question, start_s, end_s, gen, camera, self._watch.stale)
 
@@ -346,6 +358,7 @@ class LiveSession:
             answers = list(self._answers)
             self._answers.clear()
             self._standing.clear()
+            self.alerts.clear()
         if decoder is not None:
             decoder.abort()
         for gen in answers:
@@ -361,6 +374,11 @@ class LiveSession:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidRequest("the live session is closed")
+
+    def _window_end(self) -> float:
+        """Stream time the prefilled window reaches (0 before the first pair). Lock held."""
+        pairs = self._window.pairs
+        return pairs[-1].end_s if pairs else 0.0
 
     def _sample(self, frame: np.ndarray, pts: float) -> int:
         """Place the frame on the stream clock; keep the first frame of each 1/fps slot; pair
@@ -459,8 +477,10 @@ class LiveSession:
             for q in due:
                 while q.next_s <= pair.end_s + 1e-9:
                     q.next_s += q.every_s
+            rules = self.alerts.due(pair.end_s)
         for q in due:
             self._ask_standing(q)
+        self.alerts.run(rules)
 
     def _ask_standing(self, q: _Standing) -> None:
         with self._lock:
