@@ -340,3 +340,17 @@ def test_training_puts_answers_where_the_engine_decodes_them():
             differ += not torch.allclose(logits[1:], contiguous[1:], atol=1e-3)
     engine.close()
     assert same >= 3 and differ == same
+
+
+def test_presence_contrast_asks_the_colour_in_view_and_others_not():
+    from sparrow.training.live_world import Clip, presence_contrast
+
+    red, blue = View("circle", "red", 0), View("circle", "blue", 0)
+    clip = Clip((0, 1, 2, 3), (None, blue, blue, red))          # blue earlier, red now
+    for seed in range(5):
+        asks = presence_contrast(clip, random.Random(seed), 3)
+        colours = [next(c for c in PALETTE if f" {c} " in q) for q, _ in asks]
+        assert [a for _, a in asks] == ["yes", "no", "no", "no"] and colours[0] == "red"
+        assert colours[1] == "blue" and len(set(colours)) == 4      # the earlier colour first, all distinct
+    empty = Clip((0, 1), (None, None))
+    assert [a for _, a in presence_contrast(empty, random.Random(0), 2)] == ["no", "no"]

@@ -37,7 +37,7 @@ from sparrow.video import VideoOptions, load_frames
 from sparrow.video.live_world import LiveStream
 
 from .live_world import (LIVE_CAPTION_PROMPTS, LIVE_KINDS, STANDING_KINDS, Clip, clip_frames, live_caption,
-                         live_questions, live_tokenizer)
+                         live_questions, live_tokenizer, presence_contrast)
 from .world_target import EVAL_SEED, WORLD_TARGET_HELP, WorldTargetConfig, lm_parameters, new_world_target
 from .world_target_data import PooledVideo, Stage, pooled_loss
 from .world_target_train import train_world_target
@@ -70,6 +70,7 @@ class LiveTargetConfig(WorldTargetConfig):
     # only reading the named colour against the frame lowers the loss (asked one at a time, the
     # model sat at chance for 1,000+ steps).
     contrast: bool = True
+    contrast_negatives: int = 1                # "no" colours asked per clip on such a step
     eval_every: int = 500
     eval_videos: int = 8                       # held-out streams per periodic check (3 clip lengths each)
     log_every: int = 50
@@ -95,6 +96,7 @@ LIVE_TARGET_HELP = {
     "pairs": "shortest and longest training clip, in frame pairs (seconds), comma-separated",
     "ramp_steps": "steps over which the longest training clip grows from the shortest to the longest (0: no ramp)",
     "contrast": "presence-only focus steps ask each clip both its yes and its no question (true/false)",
+    "contrast_negatives": "colours not in view asked about per clip on a contrasted presence step",
 }
 
 
@@ -195,7 +197,7 @@ class LiveData:
         c = self.c
         kinds = stage.kinds if focus else c.kinds
         if focus and c.contrast and kinds == ("present_now",):
-            pairs = [(video, [(q, a)]) for video, clip in batch for _, q, a in live_questions(clip, rng, kinds)]
+            pairs = [(video, [qa]) for video, clip in batch for qa in _contrasted(clip, rng, c.contrast_negatives)]
             return pooled_loss(target, [v for v, _ in pairs], [chat for _, chat in pairs], c.loss_weighting, decode=True)
         captions = 0.0 if focus else c.caption_prob if stage.start == 0 or c.stage_caption_prob is None \
             else c.stage_caption_prob
@@ -207,6 +209,14 @@ class LiveData:
     def heldout(self, target: TargetModel) -> dict:
         c = self.c
         return live_accuracy(target, list(range(EVAL_SEED, EVAL_SEED + c.eval_videos)), (4, 16, 32), c.kinds)
+
+
+def _contrasted(clip: Clip, rng: random.Random, negatives: int) -> list[tuple[str, str]]:
+    """A contrasted presence step's questions about one clip: with one negative, live_questions'
+    pair (the "no" colour one the clip showed earlier half the time); with more, presence_contrast."""
+    if negatives == 1:
+        return [(q, a) for _, q, a in live_questions(clip, rng, ("present_now",))]
+    return presence_contrast(clip, rng, negatives)
 
 
 def _one_question(clip: Clip, rng: random.Random, kinds: tuple[str, ...]) -> tuple[str, str]:

@@ -147,6 +147,18 @@ def _presence(clip: Clip, rng: random.Random) -> list[tuple[str, str, str]]:
     return [("present_now", rng.choice(LIVE_QUESTIONS["present_now"]).format(c=c), a) for c, a in asks]
 
 
+def presence_contrast(clip: Clip, rng: random.Random, negatives: int) -> list[tuple[str, str]]:
+    """Presence asked both ways about one clip: the colour in view now ("yes", when one is) and
+    `negatives` colours that are not ("no"): those the clip showed earlier first, then others."""
+    now = clip.now.color if clip.now else None
+    earlier = sorted(clip.colours_seen - {now})
+    others = sorted(set(PALETTE) - {now} - set(earlier))
+    rng.shuffle(earlier)
+    rng.shuffle(others)
+    asks = ([(now, "yes")] if now else []) + [(c, "no") for c in (earlier + others)[:negatives]]
+    return [(rng.choice(LIVE_QUESTIONS["present_now"]).format(c=c), a) for c, a in asks]
+
+
 def live_words() -> list[str]:
     words = {NOTHING, NONE, "yes", "no", "leaves", "is", "in", "view", "now", "appears", "turns"}
     for texts in (*LIVE_QUESTIONS.values(), LIVE_CAPTION_PROMPTS):
