@@ -138,6 +138,8 @@ def test_training_on_the_store_lowers_the_loss(qwen_target, store):
     for _ in range(10):
         last = topk.train_step().loss
     assert last < first
+    greedy = DraftTrainer.fresh(qwen_target, store, TrainConfig(**{**_fields(CFG), "store_responses": "greedy"}))
+    assert len(greedy.samples) == 6 and {r["kind"] for r in greedy.samples.responses} == {"greedy"}
     with pytest.raises(InvalidRequest, match="not among the stored budgets"):
         DraftTrainer.fresh(qwen_target, store, TrainConfig(**{**_fields(CFG), "bridge_tokens": 4}))
     with pytest.raises(InvalidRequest, match="feature layers"):

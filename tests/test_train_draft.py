@@ -108,3 +108,13 @@ def test_the_recipe_on_a_tiny_world_beats_an_untrained_draft_on_fresh_videos(tmp
     trainer.fit()
     rows = tau_rows(target, trainer.draft, WorldVideo(), list(range(3 * 10**9, 3 * 10**9 + 3)), k=4)
     assert rows["tau"] >= 1.8 and rows["tau"] >= rows["tau_untrained"] + 0.6, rows
+
+
+@needs_pair
+def test_compare_drafts_runs_every_draft_on_the_same_videos():
+    from sparrow.training.world_compare import compare_drafts
+
+    report = compare_drafts(WORLD / "target", {"a": WORLD / "draft", "b": WORLD / "draft"}, ((84, 8),), 2, seed=424242)
+    a, b = report["84x8"]["a"]["T=0"], report["84x8"]["b"]["T=0"]
+    assert a == b and len(a["per_video"]) == 2 and a["steps"] > 0        # the same draft: the same tau, video by video
+    assert 1.0 <= a["min"] <= a["median"] <= a["max"] <= 5.0 and 1.0 <= a["pooled"] <= 5.0

@@ -8,6 +8,7 @@
     sparrow world train-live-target --out DIR                  a target for live streams (real time, "now")
     sparrow world train-draft  --target DIR --out DIR          the train-draft path on world data
     sparrow world eval         --target DIR [--draft DIR]      accuracy by video length, held-out tau
+    sparrow world compare-drafts --target DIR --drafts A=DIR,B=DIR   tau side by side on the same videos
     sparrow world demo         [--seed N]                      the committed pair on a fresh video
 
 Every TrainConfig / WorldTargetConfig field is an option of the same name (dashes for
@@ -211,6 +212,17 @@ def _cmd_world_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_world_compare_drafts(args: argparse.Namespace) -> int:
+    from .world_compare import compare_drafts
+
+    drafts = dict(part.split("=", 1) for part in args.drafts.split(","))
+    report = compare_drafts(args.target, drafts, args.videos_at, args.videos, args.seed, args.temperatures, args.k,
+                            log=lambda line: print(line, file=sys.stderr, flush=True), dtype=args.dtype,
+                            device=args.device)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def _cmd_world_demo(args: argparse.Namespace) -> int:
     from .world_demo import DEFAULT_MODELS, run_world_demo
 
@@ -348,6 +360,19 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--seed", type=int, default=10**6, help="seed of the first video (held out from training's)")
     add_placement_arguments(p)
     p.set_defaults(func=_cmd_world_eval)
+
+    p = wsub.add_parser("compare-drafts", parents=parents, help="several drafts' tau on the same fresh world videos")
+    p.add_argument("--target", required=True, help="the world target")
+    p.add_argument("--drafts", required=True, help="NAME=DIR,... (e.g. committed=models/world/draft,new=out/draft)")
+    p.add_argument("--videos-at", type=_sizes, default=((168, 28), (168, 448), (168, 1392)),
+                   help="SIDExFRAMES list (default 168x28,168x448,168x1392: 0.5k, 8k and 25k visual tokens)")
+    p.add_argument("--videos", type=int, default=5, help="fresh videos per size")
+    p.add_argument("--seed", type=int, default=31337, help="seed of the videos (keep it apart from training's)")
+    p.add_argument("--temperatures", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.0,),
+                   help="comma-separated (default 0)")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    add_placement_arguments(p)
+    p.set_defaults(func=_cmd_world_compare_drafts)
 
     p = wsub.add_parser("demo", parents=parents, help="stream answers about a fresh world video with the committed pair")
     p.add_argument("--seed", type=int, help="video seed (default: a fresh random one)")

@@ -56,6 +56,7 @@ class TrainConfig:
     draft_intermediate: int | None = None      # None: the target's intermediate size
     # data
     length_balance: float = 0.0         # feature store: 0 uniform over responses, 1 each video length alike
+    store_responses: str = "all"        # feature store: "all", "greedy" or "sampled" responses
     responses: str = "target"           # "target": the target's own greedy generation; "answer": the manifest's
     max_new_tokens: int = 64            # length cap of the target's responses
     fps: float | None = 2.0             # video sampling (sparrow.video.VideoOptions)
@@ -78,6 +79,7 @@ class TrainConfig:
         check(self.bridge_tokens >= 0, "bridge_tokens must be >= 0")
         check(self.topk >= 0, "topk must be >= 0 (0: the whole distribution)")
         check(0.0 <= self.length_balance <= 1.0, "length_balance must be in [0, 1]")
+        check(self.store_responses in ("all", "greedy", "sampled"), "store_responses must be all, greedy or sampled")
         check(0.0 <= self.bridge_dropout <= 1.0, "bridge_dropout must be in [0, 1]")
         check(self.responses in RESPONSE_SOURCES, f"responses must be one of {RESPONSE_SOURCES}")
         check(self.max_new_tokens >= 2, "max_new_tokens must be >= 2 (a chain needs two tokens)")
@@ -117,6 +119,7 @@ TRAIN_HELP = {
     "draft_intermediate": "MLP width of a fresh draft (default: the target's)",
     "length_balance": "training on a feature store: how evenly video lengths (octaves of visual tokens) are drawn "
                       "(0: as often as the store holds them, 1: each length alike)",
+    "store_responses": "training on a feature store: which of its responses (all, greedy or sampled)",
     "responses": "what the draft learns to continue: target (the target's own greedy answers) or answer "
                  "(the manifest's)",
     "max_new_tokens": "length cap of the target's responses",

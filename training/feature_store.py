@@ -287,6 +287,17 @@ class FeatureStore:
         if not self.responses:
             raise InvalidRequest(f"{self.path}: the feature store holds no responses")
 
+    def only(self, kind: str) -> "FeatureStore":
+        """This store with only its "greedy" or "sampled" responses ("all": itself)."""
+        if kind == "all":
+            return self
+        kept = [r for r in self.responses if r["kind"] == kind]
+        if not kept:
+            raise InvalidRequest(f"{self.path}: the feature store holds no {kind} responses")
+        view = object.__new__(FeatureStore)
+        view.path, view.header, view.contexts, view.responses = self.path, self.header, self.contexts, kept
+        return view
+
     @staticmethod
     def is_store(path: str | Path) -> bool:
         return (Path(path) / INDEX_NAME).is_file()

@@ -84,6 +84,8 @@ class DraftTrainer:
                  log: Callable[[str], None] | None = None):
         if not len(samples):
             raise InvalidRequest("no training samples")
+        if isinstance(samples, FeatureStore):
+            samples = samples.only(cfg.store_responses)
         self.store = samples if isinstance(samples, FeatureStore) else None
         if self.store is not None:
             if cfg.context != "text":
