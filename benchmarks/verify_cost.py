@@ -5,12 +5,15 @@ the engine's ragged verify. World target, one thread, medians.
 
     python -m benchmarks.verify_cost [--reps 20] [--tokens 1,2,5,9,17,33,65] [--attention packed,sdpa]
                                      [--videos-at 168x28,168x448,168x1392] [--clock wall|thread] [--out BENCHMARKS.md]
+                                     [--prefix kernel,torch]
 
 --attention compares the target's verify attention paths (TargetModel.verify_attention) side by
 side; every ratio is against the first path's decode step. Paths and step sizes are interleaved
 within each repetition (a shared machine's load moves all of them alike). --clock thread times
 the CPU time of the calling thread (with one torch thread a step runs on it alone), which
-leaves out time that other processes take on a loaded machine.
+leaves out time that other processes take on a loaded machine. --prefix runs each path once per
+CPU prefix implementation of the packed path (kernels/cpu_prefix.py: "kernel", the compiled
+kernel; "torch", torch's CPU flash-attention op), labelled path:prefix, interleaved the same way.
 
 The ratio verify / decode bounds any draft's speedup: with tau tokens emitted per step, a
 perfect-draft speedup is at most tau * decode / (verify + draft). It is what the tree's node
@@ -32,6 +35,7 @@ import torch  # noqa: E402
 
 from benchmarks.report import write_section  # noqa: E402
 from benchmarks.machine import machine  # noqa: E402
+from sparrow.kernels import cpu_prefix  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.speculative.tree import DraftTree  # noqa: E402
 from sparrow.training.world import LADDER, WorldVideo  # noqa: E402
@@ -63,7 +67,9 @@ def step_times(target: TargetModel, state, paths: list[str], sizes: list[int], r
     times: dict[tuple[str, int], list[float]] = {(p, n): [] for p in paths for n in sizes}
     for _ in range(reps + 2):
         for path in paths:
-            target.verify_attention = path
+            attention, _, prefix = path.partition(":")
+            target.verify_attention = attention
+            cpu_prefix.IMPL = prefix or cpu_prefix.IMPL
             for n in sizes:
                 shape = [binary_tree(n - 1)] if tree and n > 2 else None
                 t0 = clock()
@@ -83,12 +89,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--videos-at", default=",".join(f"{s}x{f}" for s, f in (LADDER[0], LADDER[-1])),
                     help="world videos, side x frames (168x28: ~0.5k visual tokens, 168x448: ~8k, 168x1392: ~25k)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    ap.add_argument("--prefix", help="comma list of CPU prefix implementations for the packed path "
+                                     "(kernel, torch), each run with every --attention path")
     ap.add_argument("--out", help="BENCHMARKS.md to write the section into")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     target = TargetModel.from_pretrained(f"{args.models}/target")
     sizes = [int(x) for x in args.tokens.split(",")]
     paths = [x.strip() for x in args.attention.split(",") if x.strip()]
+    if args.prefix:
+        if set(x.strip() for x in args.prefix.split(",")) - {"kernel", "torch", ""}:
+            ap.error(f"--prefix: kernel or torch, not {args.prefix!r}")
+        paths = [f"{p}:{x.strip()}" for p in paths for x in args.prefix.split(",") if x.strip()]
+        if "kernel" in args.prefix and cpu_prefix.load() is not None:   # built before any timing
+            print(f"CPU prefix kernel ready in {cpu_prefix.build_seconds[0]:.1f} s", flush=True)
     videos_at = [tuple(int(x) for x in part.split("x")) for part in args.videos_at.split(",")]
     rows = ["| visual tokens | draft | attention | " + " | ".join(f"{n} tokens" for n in sizes) + " |",
             "|---|---|---|" + "---|" * len(sizes)]

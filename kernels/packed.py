@@ -11,9 +11,9 @@ tokens on the 2-core CPU), and the masked kernel's slower inner loop. Here:
              qg (B, Hkv, G*nq, D): one pass over kv head h's keys serves all G*nq rows (GQA
              without repeat_kv copies)
     prefix   all rows see all P cached keys: ONE unmasked attention call returning the rows'
-             normalised outputs o_p and log-sum-exps lse_p (CPU: torch's flash-attention op
-             `_scaled_dot_product_flash_attention_for_cpu`, which streams the keys in blocks;
-             elsewhere fp32 matmuls)
+             normalised outputs o_p and log-sum-exps lse_p (CPU: the compiled kernel of
+             cpu_prefix.py, or torch's flash-attention op `_scaled_dot_product_flash_attention_for_cpu`
+             where it is off or not built; elsewhere fp32 matmuls)
     own      the nq new keys: scores s (G*nq, nq) plus the tree's additive bias (0 / -inf)
     merge    a softmax over [lse_p, s] gives the prefix's total weight w_p and the new keys'
              weights w_o: out = w_p * o_p + w_o @ v_own, exact (o_p is already normalised)
@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_prefix
 from .reference import chain_tree
 
 _NEG_INF = float("-inf")
@@ -82,10 +83,15 @@ except (AttributeError, RuntimeError):
 
 def prefix_partial(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention of every row over all of k/v: outputs (B, Hkv, R, Dv) in q's dtype and
-    log-sum-exps (B, Hkv, R) fp32. qg (B, Hkv, R, D); k, v (B, Hkv, P >= 1, D)."""
+    """Unmasked attention of every row over all of k/v: outputs (B, Hkv, R, Dv) in q's dtype or
+    fp32 and log-sum-exps (B, Hkv, R) fp32. qg (B, Hkv, R, D); k, v (B, Hkv, P >= 1, D). On a CPU
+    the compiled kernel (cpu_prefix.py; torch's flash op where it is off or not built)."""
+    if qg.device.type == "cpu":
+        done = cpu_prefix.prefix_attention(qg, k, v, scale)
+        if done is not None:
+            return done
     if qg.device.type == "cpu" and _FLASH_CPU is not None:
-        return _FLASH_CPU(qg, k, v, scale=scale)
+        return _FLASH_CPU(qg, k, v, scale=scale)[:2]
     scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)).mul_(scale)       # (B, Hkv, R, P)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return torch.matmul(scores.sub_(lse).exp_(), v.float()).to(qg.dtype), lse.squeeze(-1)

@@ -1,0 +1,336 @@
+// Unmasked attention of every query row of a kv head over its cached prefix, on the CPU: the
+// prefix part of kernels/packed.py. One pass over the keys serves all R rows (the G query heads
+// of the kv head times the step's nq tokens): keys and values are read once, a block of BN at a
+// time (K transposed to fp32 by 16 x 16 register tiles, fp32 V read in place, bf16 converted),
+// while the block AHEAD blocks on is prefetched into L2 in slices between the row groups, so the
+// loads overlap the arithmetic. Rows go RB at a time (each key / value load serves RB rows);
+// each row keeps its running max / sum / accumulator (online softmax, base 2, exp2 by a
+// polynomial). Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them on
+// what -march=native gives (one AVX-512 register, two AVX2 ones, ...). Work items are (batch,
+// kv head, split): with fewer (batch, kv head) pairs than torch threads the keys are cut into
+// splits, merged at the end by log-sum-exp. Returns the normalised outputs (B, Hkv, R, Dv) and
+// the rows' natural log-sum-exps (B, Hkv, R), both fp32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int BN = 128;                      // keys per block
+constexpr int W = 16;                        // floats per vector (one AVX-512 register, two AVX2 ones)
+constexpr int NV = BN / W;                   // vectors per block of scores
+constexpr int TV = 2;                        // vectors of keys scored at a time
+constexpr int AHEAD = 6;                     // blocks between the one computed and the one prefetched
+constexpr int RB = 8;                        // rows sharing each load of a key or value
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float FLOOR = -1e30f;              // the running max before any key (finite: no inf - inf)
+
+// GCC/Clang vector extensions: the compiler maps them onto the widest registers -march gives
+typedef float vf __attribute__((vector_size(W * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(W * 4), aligned(4)));
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf loadv(const float* p) { vf r; std::memcpy(&r, p, sizeof r); return r; }
+inline void storev(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
+
+// 2^x for x <= 0 (clamped at -126), ~1e-7 relative: round to n, 2^f on [-0.5, 0.5] by its Taylor
+// series to degree 6, times 2^n by the exponent bits.
+inline vf exp2v(vf x) {
+  const vf lo = splat(-126.f);
+  x = x < lo ? lo : x;
+  const vi n = __builtin_convertvector(x - 0.5f, vi);  // x <= 0: truncation of x - 0.5 is round(x)
+  const vf f = (x - __builtin_convertvector(n, vf)) * LN2;
+  vf p = splat(1.f / 720.f);
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  return p * (vf)((n + 127) << 23);
+}
+
+inline float hmax(vf x) { float m = x[0]; for (int i = 1; i < W; ++i) m = std::max(m, x[i]); return m; }
+inline float hsum(vf x) { float s = 0.f; for (int i = 0; i < W; ++i) s += x[i]; return s; }
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+typedef uint16_t vh __attribute__((vector_size(W * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(W * 4), aligned(4)));
+
+inline vf load_row(const float* p) { return loadv(p); }
+inline vf load_row(const c10::BFloat16* p) {      // 16 bf16 -> fp32: the bits shifted up
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+// 16 x 16 transpose in registers: at each stage, bit b of the row index and of the column index
+// trade places (two-source shuffles), so after the four stages a[i][c] holds the old a[c][i].
+inline void transpose16(vf* a) {
+#if defined(__clang__)                           // clang's shuffle takes constant indices only
+  float t[W][W];
+  for (int i = 0; i < W; ++i) storev(t[i], a[i]);
+  for (int i = 0; i < W; ++i)
+    for (int c = 0; c < W; ++c) a[i][c] = t[c][i];
+#else
+  const auto stage = [a](int b, vi lo, vi hi) {
+    for (int i = 0; i < W; ++i) {
+      if (i & b) continue;
+      const vf x = a[i], y = a[i | b];
+      a[i] = __builtin_shuffle(x, y, lo);
+      a[i | b] = __builtin_shuffle(x, y, hi);
+    }
+  };
+  const vi lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const vi hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const vi lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const vi hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const vi lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const vi hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  stage(1, lo1, hi1);
+  stage(2, lo2, hi2);
+  stage(4, lo4, hi4);
+  stage(8, lo8, hi8);
+#endif
+}
+
+// Rows j0 .. j0 + n of K into kt (D x BN, fp32): 16 x 16 tiles transposed in registers where D
+// is whole vectors and the block is whole tiles; element by element otherwise.
+template <typename T>
+inline void load_keys_t(const T* k, int64_t k_stride, int64_t n, int64_t D, float* kt) {
+  if (D % W == 0 && n == BN) {
+    for (int64_t g = 0; g < BN; g += W)
+      for (int64_t e = 0; e < D; e += W) {
+        vf a[W];
+        for (int i = 0; i < W; ++i) a[i] = load_row(k + (g + i) * k_stride + e);
+        transpose16(a);
+        for (int i = 0; i < W; ++i) storev(kt + (e + i) * BN + g, a[i]);
+      }
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) kt[d * BN + j] = to_float(k[j * k_stride + d]);
+}
+
+// NR rows (r0 ..) against the block in kt (D x BN, K transposed) and vb (BN x DVP): scores,
+// the online-softmax update of m, l and the accumulators acc (rows x DVP).
+template <int NR, int DC>
+inline void rows_block(const float* q, int64_t d_rt, int64_t dvp, int64_t n, const float* kt, const float* vb,
+                       int64_t vs, float* m, float* l, float* acc, float* p) {
+  const int64_t D = DC > 0 ? DC : d_rt;
+  for (int c0 = 0; c0 < NV; c0 += TV) {             // scores, TV vectors of keys at a time: NR x TV registers
+    vf s[NR][TV];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < TV; ++c) s[r][c] = vf{};
+    for (int64_t d = 0; d < D; ++d) {
+      vf kd[TV];
+      for (int c = 0; c < TV; ++c) kd[c] = loadv(kt + d * BN + (c0 + c) * W);
+      for (int r = 0; r < NR; ++r) {
+        const vf qd = splat(q[r * D + d]);
+        for (int c = 0; c < TV; ++c) s[r][c] += qd * kd[c];
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < TV; ++c) storev(p + r * BN + (c0 + c) * W, s[r][c]);
+  }
+  if (n < BN)                                        // the last block: keys past n do not exist
+    for (int r = 0; r < NR; ++r)
+      for (int64_t j = n; j < BN; ++j) p[r * BN + j] = FLOOR;
+  float alpha[NR];
+  for (int r = 0; r < NR; ++r) {
+    float* pr = p + r * BN;
+    vf mv = loadv(pr);
+    for (int c = 1; c < NV; ++c) { const vf x = loadv(pr + c * W); mv = x > mv ? x : mv; }
+    const float mx = std::max(m[r], hmax(mv));
+    alpha[r] = exp2v(splat(m[r] - mx))[0];
+    vf sum = vf{};
+    const vf mxv = splat(mx);
+    for (int c = 0; c < NV; ++c) {
+      const vf e = exp2v(loadv(pr + c * W) - mxv);
+      sum += e;
+      storev(pr + c * W, e);
+    }
+    if (n < BN)                                      // 2^-126 each, not 0: taken out again
+      for (int64_t j = n; j < BN; ++j) { sum[0] -= pr[j]; pr[j] = 0.f; }
+    m[r] = mx;
+    l[r] = l[r] * alpha[r] + hsum(sum);
+  }
+  for (int64_t d0 = 0; d0 < dvp; d0 += TV * W) {      // accumulators in registers, NV vectors a row at a time
+    const int nc = static_cast<int>(std::min<int64_t>(TV, (dvp - d0) / W));
+    vf a[NR][TV];
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < nc; ++c) a[r][c] = loadv(acc + r * dvp + d0 + c * W) * alpha[r];
+    for (int64_t j = 0; j < n; ++j) {
+      vf vj[TV];
+      for (int c = 0; c < nc; ++c) vj[c] = loadv(vb + j * vs + d0 + c * W);
+      for (int r = 0; r < NR; ++r) {
+        const vf pj = splat(p[r * BN + j]);
+        for (int c = 0; c < nc; ++c) a[r][c] += pj * vj[c];
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < nc; ++c) storev(acc + r * dvp + d0 + c * W, a[r][c]);
+  }
+}
+
+// One (batch, kv head, key range) item. q: R x D rows (fp32, already times scale * log2 e);
+// k, v: the head's first key row and the stride between key rows. Writes the range's normalised
+// output rows (R x Dv) and base-2 log-sum-exps (R).
+template <typename T, int DC>
+void attend_range(const float* q, int64_t rows, int64_t d_rt, int64_t dv, const T* k, int64_t k_stride,
+                  const T* v, int64_t v_stride, int64_t begin, int64_t end, float* out, float* lse2) {
+  const int64_t D = DC > 0 ? DC : d_rt;
+  const int64_t dvp = (dv + W - 1) / W * W;           // value rows padded to whole vectors (zeros)
+  std::vector<float> kt(D * BN, 0.f), vb(BN * dvp, 0.f), p(RB * BN), m(rows, FLOOR), l(rows, 0.f),
+      acc(rows * dvp, 0.f);
+  // fp32 values of whole vectors are read where they lie; others are converted / padded into vb
+  const bool v_direct = std::is_same<T, float>::value && dv % W == 0;
+  const int64_t vs = v_direct ? v_stride : dvp;
+  // The block AHEAD blocks on is prefetched into L2 while this one is computed, its lines spread
+  // over the row groups (slots), so the loads overlap the arithmetic instead of preceding it.
+  const int64_t lk = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64, lv = (dv * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t slots = 1 + rows / RB + 3;
+  int64_t next_line = 0, next_total = 0, next_j0 = 0;
+  const auto prefetch_upto = [&](int64_t upto) {
+    for (; next_line < std::min(upto, next_total); ++next_line) {
+      const int64_t j = next_j0 + next_line / (lk + lv), c = next_line % (lk + lv);
+      const char* line = c < lk ? reinterpret_cast<const char*>(k + j * k_stride) + c * 64
+                                : reinterpret_cast<const char*>(v + j * v_stride) + (c - lk) * 64;
+      __builtin_prefetch(line, 0, 2);
+    }
+  };
+  for (int64_t j0 = begin; j0 < end; j0 += BN) {
+    const int64_t n = std::min<int64_t>(BN, end - j0);
+    prefetch_upto(next_total);                 // what is left of the last block's share
+    next_j0 = j0 + AHEAD * BN;
+    next_total = next_j0 < end ? std::min<int64_t>(BN, end - next_j0) * (lk + lv) : 0;
+    next_line = 0;
+    int64_t slot = 1;
+    prefetch_upto(next_total * slot / slots);
+    if (!v_direct)                             // the block, fp32: V as is, K transposed (D x BN)
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < dv; ++d) vb[j * dvp + d] = to_float(v[(j0 + j) * v_stride + d]);
+    load_keys_t(k + j0 * k_stride, k_stride, n, D, kt.data());
+    const float* vblock = v_direct ? reinterpret_cast<const float*>(v + j0 * v_stride) : vb.data();
+    int64_t r = 0;                             // rows by RB, the rest by 4, 2, 1
+    const auto group = [&](auto nr) {
+      constexpr int NR = decltype(nr)::value;
+      for (; r + NR <= rows; r += NR) {
+        prefetch_upto(next_total * ++slot / slots);
+        rows_block<NR, DC>(q + r * D, D, dvp, n, kt.data(), vblock, vs, m.data() + r, l.data() + r,
+                           acc.data() + r * dvp, p.data());
+      }
+    };
+    group(std::integral_constant<int, RB>());
+    group(std::integral_constant<int, 4>());
+    group(std::integral_constant<int, 2>());
+    group(std::integral_constant<int, 1>());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < dv; ++d) out[r * dv + d] = acc[r * dvp + d] * inv;
+    lse2[r] = m[r] + std::log2(l[r]);
+  }
+}
+
+template <typename T, int DC>
+void run(const at::Tensor& qs, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = qs.size(0), H = qs.size(1), R = qs.size(2), D = qs.size(3);
+  const int64_t P = k.size(2), DV = v.size(3);
+  const int64_t pairs = B * H;
+  const int64_t threads = at::get_num_threads();
+  // splits of >= 1024 keys each, only as many as the idle threads need
+  int64_t splits = pairs >= threads ? 1 : std::min<int64_t>((threads + pairs - 1) / pairs, std::max<int64_t>(1, P / 1024));
+  const int64_t chunk = ((P + splits - 1) / splits + BN - 1) / BN * BN;
+  splits = (P + chunk - 1) / chunk;
+  std::vector<float> part_out(splits > 1 ? pairs * splits * R * DV : 0), part_lse(pairs * splits * R);
+  const float* qp = qs.data_ptr<float>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, pairs * splits, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t pair = item / splits, sp = item % splits, b = pair / H, h = pair % H;
+      const int64_t begin = sp * chunk, end = std::min(P, begin + chunk);
+      float* o = splits > 1 ? part_out.data() + item * R * DV : op + pair * R * DV;
+      attend_range<T, DC>(qp + pair * R * D, R, D, DV, kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
+                               vp + b * v.stride(0) + h * v.stride(1), v.stride(2), begin, end, o,
+                               part_lse.data() + item * R);
+    }
+  });
+  float* lp = lse.data_ptr<float>();
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* ls = part_lse.data() + pair * splits * R + r;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, ls[sp * R]);
+      float total = 0.f;
+      for (int64_t sp = 0; sp < splits; ++sp) total += std::exp2(ls[sp * R] - mx);
+      const float lse2 = mx + std::log2(total);
+      lp[pair * R + r] = lse2 * LN2;
+      if (splits == 1) continue;
+      float* o = op + (pair * R + r) * DV;
+      std::fill(o, o + DV, 0.f);
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const float w = std::exp2(ls[sp * R] - lse2);
+        const float* po = part_out.data() + ((pair * splits + sp) * R + r) * DV;
+        for (int64_t d = 0; d < DV; ++d) o[d] += w * po[d];
+      }
+    }
+  }
+}
+
+template <typename T>
+void dispatch_dim(const at::Tensor& qs, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse) {
+  switch (qs.size(3)) {
+    case 32: return run<T, 32>(qs, k, v, out, lse);
+    case 64: return run<T, 64>(qs, k, v, out, lse);
+    case 128: return run<T, 128>(qs, k, v, out, lse);
+    default: return run<T, 0>(qs, k, v, out, lse);
+  }
+}
+
+}  // namespace
+
+std::vector<at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "prefix_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "prefix_attention: q, k, v must be (B, Hkv, rows|P, D)");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "prefix_attention: k and v must share a dtype");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && v.size(0) == q.size(0) && v.size(1) == q.size(1)
+                  && k.size(2) == v.size(2) && k.size(3) == q.size(3) && k.size(2) >= 1,
+              "prefix_attention: shapes do not match (q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), ")");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "prefix_attention: k and v need a contiguous last dim");
+  // q times scale * log2(e): the scores come out in base 2, exp2 needs no further multiply
+  const at::Tensor qs = (q.to(at::kFloat) * (scale * LOG2E)).contiguous();
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (k.scalar_type() == at::kFloat) {
+    dispatch_dim<float>(qs, k, v, out, lse);
+  } else if (k.scalar_type() == at::kBFloat16) {
+    dispatch_dim<c10::BFloat16>(qs, k, v, out, lse);
+  } else {
+    TORCH_CHECK(false, "prefix_attention: keys must be float32 or bfloat16, not ", k.scalar_type());
+  }
+  return {out, lse};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("prefix_attention", &prefix_attention, "unmasked attention of all rows over the cached prefix (out, lse)");
+}

@@ -1,0 +1,163 @@
+"""The compiled CPU prefix kernel (kernels/cpu_prefix.py, csrc/cpu_prefix.cpp) under the packed
+verify attention: equal to the reference attention within fp32 tolerance for chains, trees, GQA
+groups, prefixes that are not whole blocks (1, 127, 129, 1023, 2000 keys), batches of several
+rows; bf16 keys and values; the key range cut in splits when threads outnumber the kv heads;
+greedy through it equal to HF greedy. A build that fails falls back to torch's op, logged once;
+IMPL = "torch" keeps the kernel out.
+
+The first test builds the kernel (~30-50 s on a 2-core box with a cold torch extension cache;
+a cached build loads in well under a second).
+"""
+
+import logging
+import shutil
+
+import pytest
+import torch
+from helpers import OracleProposer
+from test_kernels import FP32, random_tree
+from test_verify_attention import PROMPT, _hf_greedy
+
+import sparrow.kernels.packed as packed
+from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.kernels import cpu_prefix
+from sparrow.kernels.packed import verify_attention_packed
+from sparrow.kernels.reference import verify_attention_ref
+from sparrow.tiny import tiny_draft
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the kernel cannot be built (torch's op is used)")
+    module = cpu_prefix.load()
+    assert module is not None, "the CPU prefix kernel did not build (see the log)"
+    return module
+
+
+@pytest.fixture
+def calls(kernel, monkeypatch):
+    """Forces the split path at every length and counts the kernel's calls that returned a result."""
+    monkeypatch.setattr(packed, "DENSE_PREFIX", -1)
+    monkeypatch.setattr(cpu_prefix, "IMPL", "kernel")
+    done = []
+    real = cpu_prefix.prefix_attention
+
+    def counted(*args):
+        out = real(*args)
+        done.append(out is not None)
+        return out
+    monkeypatch.setattr(cpu_prefix, "prefix_attention", counted)
+    return done
+
+
+def _case(seed, heads, hkv, dim, nq, prefixes, tree, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    bsz = len(prefixes)
+    capacity = max(prefixes) + nq + 5                          # a preallocated cache, partly filled
+    q = torch.randn(bsz, heads, nq, dim, generator=g)
+    k, v = (torch.randn(bsz, hkv, capacity, dim, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, torch.tensor(prefixes), (random_tree(nq, g) if tree else None)
+
+
+CASES = [  # heads, kv heads, dim, tokens, prefixes (one per batch row), tree
+    (4, 2, 32, 5, [1], False),                 # P = 1
+    (4, 2, 32, 13, [127], True),               # under one block
+    (4, 2, 32, 5, [129], False),               # a block and one key
+    (8, 1, 64, 6, [1023], True),               # GQA 8:1
+    (4, 4, 16, 3, [2000], False),              # 1:1, many blocks (the prefetch runs ahead)
+    (4, 2, 24, 5, [300], True),                # a head dim that is not whole vectors
+    (4, 2, 128, 4, [515], False),
+    (4, 2, 32, 5, [700, 700, 700], True),      # batch > 1, one prefix length: one call for all rows
+    (4, 2, 32, 9, [700, 33, 1500], False),     # batch > 1, ragged
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernel_matches_the_reference(case, calls):
+    q, k, v, prefix, tree = _case(case, *CASES[case])
+    same = len(set(prefix.tolist())) == 1
+    got = verify_attention_packed(q, k, v, prefix, tree, prefix_len=int(prefix[0]) if same else None)
+    torch.testing.assert_close(got, verify_attention_ref(q, k, v, prefix, tree), **FP32)
+    assert calls and all(calls)
+
+
+@pytest.mark.parametrize("case", [1, 3, 7])
+def test_kernel_bf16_cache(case, calls):
+    """bf16 K/V (a bf16 cache): the kernel reads them as they are and computes in fp32, so it
+    equals the reference on the same values upcast, within fp32 tolerance."""
+    q, k, v, prefix, tree = _case(case, *CASES[case], dtype=torch.bfloat16)
+    got = verify_attention_packed(q.bfloat16(), k, v, prefix, tree)
+    assert got.dtype == torch.bfloat16 and all(calls)
+    want = verify_attention_ref(q.bfloat16().float(), k.float(), v.float(), prefix, tree)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)    # the output rounded to bf16
+    qh = q.bfloat16().float()[:, :k.shape[1]]                 # the kernel alone: one query head a kv head
+    o, lse = cpu_prefix.prefix_attention(qh, k[:, :, :100], v[:, :, :100], 0.3)
+    scores = qh @ k[:, :, :100].float().transpose(-1, -2) * 0.3
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), **FP32)
+    torch.testing.assert_close(o, torch.softmax(scores, -1) @ v[:, :, :100].float(), **FP32)
+
+
+def test_kernel_splits_the_keys_when_threads_outnumber_kv_heads(kernel):
+    """One (batch, kv head) pair and 2+ threads: the keys are cut in splits merged by their
+    log-sum-exps; the same as one thread's single pass."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 1, 10, 32, generator=g), torch.randn(1, 1, 4099, 32, generator=g), \
+        torch.randn(1, 1, 4099, 32, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.prefix_attention(q, k, v, 0.2)
+        torch.set_num_threads(4)
+        split = kernel.prefix_attention(q, k, v, 0.2)
+    finally:
+        torch.set_num_threads(threads)
+    scores = q @ k.transpose(-1, -2) * 0.2
+    for got in (one, split):
+        torch.testing.assert_close(got[1], torch.logsumexp(scores, -1), **FP32)
+        torch.testing.assert_close(got[0], torch.softmax(scores, -1) @ v, **FP32)
+
+
+def test_torch_switch_keeps_the_kernel_out(calls, monkeypatch):
+    monkeypatch.setattr(cpu_prefix, "IMPL", "torch")
+    q, k, v, prefix, tree = _case(0, *CASES[2])
+    torch.testing.assert_close(verify_attention_packed(q, k, v, prefix, tree),
+                               verify_attention_ref(q, k, v, prefix, tree), **FP32)
+    assert calls == [False]                    # asked, declined: torch's op computed it
+
+
+def test_a_failed_build_falls_back_and_logs_once(tmp_path, monkeypatch, caplog):
+    """A source that does not compile (as on a machine without a working compiler): the build is
+    tried once, logged once, and every call is computed by torch's op."""
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_prefix, "SOURCE", bad)
+    monkeypatch.setattr(cpu_prefix, "_cpu_tag", lambda: "broken_for_test")
+    monkeypatch.setattr(cpu_prefix, "_module", [None])
+    monkeypatch.setattr(cpu_prefix, "_failed", [False])
+    monkeypatch.setattr(cpu_prefix, "IMPL", "kernel")
+    monkeypatch.setattr(packed, "DENSE_PREFIX", -1)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    q, k, v, prefix, tree = _case(1, *CASES[1])
+    with caplog.at_level(logging.WARNING, logger=cpu_prefix.__name__):
+        for _ in range(2):
+            torch.testing.assert_close(verify_attention_packed(q, k, v, prefix, tree),
+                                       verify_attention_ref(q, k, v, prefix, tree), **FP32)
+    assert cpu_prefix._failed[0] and cpu_prefix.load() is None
+    assert len([r for r in caplog.records if "not built" in r.getMessage()]) == 1
+
+
+def test_greedy_through_the_kernel_is_hf_greedy(any_target, small_video, calls):
+    """Chains all accepted and none accepted, and draft trees: every verify step's prefix goes
+    through the kernel, and the tokens are HF's."""
+    reference = _hf_greedy(any_target, small_video, 16)
+    sampling = SamplingParams(max_new_tokens=16)
+    chain = SpecConfig(adaptive_k=False, num_draft_tokens=4, window=8, anchors=16)
+    for corrupt in (False, True):
+        oracle = OracleProposer(reference, corrupt=corrupt, vocab_size=any_target.vocab_size)
+        assert Engine(any_target, spec=chain, proposer=oracle).generate(small_video, PROMPT, sampling
+                                                                         ).token_ids == reference
+    tree = SpecConfig(adaptive_k=False, num_draft_tokens=3, tree_width=2, tree_branch=2, tree_budget=6)
+    out = Engine(any_target, tiny_draft(any_target, seed=1), tree).generate(small_video, PROMPT, sampling)
+    assert out.token_ids == reference and out.metrics.draft_tokens > 0
+    assert calls and all(calls)
