@@ -12,6 +12,9 @@
 // the rows' natural log-sum-exps (B, Hkv, R), both fp32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -44,6 +47,18 @@ inline void storev(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
 // 2^x for x <= 0 (clamped at -126), ~1e-7 relative: round to n, 2^f on [-0.5, 0.5] by its Taylor
 // series to degree 6, times 2^n by the exponent bits.
 inline vf exp2v(vf x) {
+#if defined(__AVX512F__)                         // round and 2^n in one instruction each
+  const __m512 n = _mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf f = x - (vf)n;                        // [-0.5, 0.5]; the coefficients are ln2^i / i!
+  vf p = splat(1.5403530393381606e-4f);
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 0.24022650695910071f;
+  p = p * f + 0.69314718055994531f;
+  p = p * f + 1.f;
+  return (vf)_mm512_scalef_ps((__m512)p, n);     // far below: 0, not a denormal of another scale
+#else
   const vf lo = splat(-126.f);
   x = x < lo ? lo : x;
   const vi n = __builtin_convertvector(x - 0.5f, vi);  // x <= 0: truncation of x - 0.5 is round(x)
@@ -56,10 +71,16 @@ inline vf exp2v(vf x) {
   p = p * f + 1.f;
   p = p * f + 1.f;
   return p * (vf)((n + 127) << 23);
+#endif
 }
 
+#if defined(__AVX512F__)
+inline float hmax(vf x) { return _mm512_reduce_max_ps((__m512)x); }
+inline float hsum(vf x) { return _mm512_reduce_add_ps((__m512)x); }
+#else
 inline float hmax(vf x) { float m = x[0]; for (int i = 1; i < W; ++i) m = std::max(m, x[i]); return m; }
 inline float hsum(vf x) { float s = 0.f; for (int i = 0; i < W; ++i) s += x[i]; return s; }
+#endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
