@@ -29,7 +29,7 @@ namespace {
 constexpr int BN = 128;                      // keys per block
 constexpr int W = 16;                        // floats per vector (one AVX-512 register, two AVX2 ones)
 constexpr int NV = BN / W;                   // vectors per block of scores
-constexpr int TV = 2;                        // vectors of keys scored at a time
+constexpr int TV = 2;                        // vectors of keys scored at a time by RB rows (2 TV by fewer)
 constexpr int AHEAD = 6;                     // blocks between the one computed and the one prefetched
 constexpr int RB = 8;                        // rows sharing each load of a key or value
 constexpr float LOG2E = 1.4426950408889634f;
@@ -156,20 +156,21 @@ template <int NR, int DC>
 inline void rows_block(const float* q, int64_t d_rt, int64_t dvp, int64_t n, const float* kt, const float* vb,
                        int64_t vs, float* m, float* l, float* acc, float* p) {
   const int64_t D = DC > 0 ? DC : d_rt;
-  for (int c0 = 0; c0 < NV; c0 += TV) {             // scores, TV vectors of keys at a time: NR x TV registers
-    vf s[NR][TV];
+  constexpr int TN = NR >= 8 ? TV : 2 * TV;          // vectors a row: NR x TN accumulators in registers
+  for (int c0 = 0; c0 < NV; c0 += TN) {             // scores, TN vectors of keys at a time: NR x TN registers
+    vf s[NR][TN];
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < TV; ++c) s[r][c] = vf{};
+      for (int c = 0; c < TN; ++c) s[r][c] = vf{};
     for (int64_t d = 0; d < D; ++d) {
-      vf kd[TV];
-      for (int c = 0; c < TV; ++c) kd[c] = loadv(kt + d * BN + (c0 + c) * W);
+      vf kd[TN];
+      for (int c = 0; c < TN; ++c) kd[c] = loadv(kt + d * BN + (c0 + c) * W);
       for (int r = 0; r < NR; ++r) {
         const vf qd = splat(q[r * D + d]);
-        for (int c = 0; c < TV; ++c) s[r][c] += qd * kd[c];
+        for (int c = 0; c < TN; ++c) s[r][c] += qd * kd[c];
       }
     }
     for (int r = 0; r < NR; ++r)
-      for (int c = 0; c < TV; ++c) storev(p + r * BN + (c0 + c) * W, s[r][c]);
+      for (int c = 0; c < TN; ++c) storev(p + r * BN + (c0 + c) * W, s[r][c]);
   }
   if (n < BN)                                        // the last block: keys past n do not exist
     for (int r = 0; r < NR; ++r)
@@ -193,13 +194,13 @@ inline void rows_block(const float* q, int64_t d_rt, int64_t dvp, int64_t n, con
     m[r] = mx;
     l[r] = l[r] * alpha[r] + hsum(sum);
   }
-  for (int64_t d0 = 0; d0 < dvp; d0 += TV * W) {      // accumulators in registers, NV vectors a row at a time
-    const int nc = static_cast<int>(std::min<int64_t>(TV, (dvp - d0) / W));
-    vf a[NR][TV];
+  for (int64_t d0 = 0; d0 < dvp; d0 += TN * W) {      // accumulators in registers, NV vectors a row at a time
+    const int nc = static_cast<int>(std::min<int64_t>(TN, (dvp - d0) / W));
+    vf a[NR][TN];
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < nc; ++c) a[r][c] = loadv(acc + r * dvp + d0 + c * W) * alpha[r];
     for (int64_t j = 0; j < n; ++j) {
-      vf vj[TV];
+      vf vj[TN];
       for (int c = 0; c < nc; ++c) vj[c] = loadv(vb + j * vs + d0 + c * W);
       for (int r = 0; r < NR; ++r) {
         const vf pj = splat(p[r * BN + j]);
