@@ -84,7 +84,8 @@ def test_greedy_responses_are_the_engines_and_sampled_ones_differ(qwen_target, s
 
 
 def test_a_half_precision_store_holds_the_same_states_rounded(qwen_target, videos, store, tmp_path):
-    half = build_store(qwen_target, _samples(videos[:1]), tmp_path, StoreConfig(**{**_fields(STORE), "disk_dtype": "bfloat16"}))
+    bf16 = StoreConfig(**{**_fields(STORE), "disk_dtype": "bfloat16"})
+    half = build_store(qwen_target, _samples(videos[:1]), tmp_path, bf16)
     half = FeatureStore(half.parent)
     for i in range(len(half)):
         assert half.responses[i]["id"] == store.responses[i]["id"]
@@ -115,7 +116,8 @@ def test_an_interrupted_build_goes_on_and_other_settings_are_refused(qwen_target
     again = FeatureStore(tmp_path)
     assert [r["id"] for r in again.responses] == [r["id"] for r in full.responses]
     for i in range(len(again)):
-        assert torch.equal(again.signals(i, qwen_target.lm_head()).features, full.signals(i, qwen_target.lm_head()).features)
+        head = qwen_target.lm_head()
+        assert torch.equal(again.signals(i, head).features, full.signals(i, head).features)
     with pytest.raises(InvalidRequest, match="other settings"):
         build_store(qwen_target, samples, tmp_path, StoreConfig(**{**_fields(STORE), "sampled": 1}))
 

@@ -184,19 +184,16 @@ class _Builder:
             pre = target.prefill(inputs, capacity, self.layers, self.bridge, prefix=prefix)
             cid = f"v{v}p{p}"
             tensors.update(self._context(cid, pre))
-            records.append({"type": "context", "id": cid, "video": _video_name(s.video, v), "prompt": prompt_json(s.prompt),
-                            "visual_tokens": processed.num_visual_tokens, "num_prompt": int(pre.text_token_ids.shape[0])})
-            seed = self.cfg.seed + 1000 * (1000 * v + p)
-            for j, sampling in enumerate(self.cfg.samplings(seed)):
+            records.append({"type": "context", "id": cid, "video": _video_name(s.video, v),
+                            "prompt": prompt_json(s.prompt), "visual_tokens": processed.num_visual_tokens,
+                            "num_prompt": int(pre.text_token_ids.shape[0])})
+            for j, sampling in enumerate(self.cfg.samplings(self.cfg.seed + 1000 * (1000 * v + p))):
                 out = self.engine.generate(processed, s.prompt, sampling, video_key=key)
                 if len(out.token_ids) < 2:
                     continue                                     # nothing to draft
                 rid = f"{cid}r{j}"
                 tensors.update(self._response(rid, pre, list(out.token_ids)))
-                records.append({"type": "response", "id": rid, "context": cid, "kind": "sampled" if sampling.seed is not None
-                                else "greedy", "temperature": sampling.temperature, "seed": sampling.seed,
-                                "length": len(out.token_ids), "text": out.text,
-                                "correct": None if s.answer is None else out.text.strip() == s.answer.strip()})
+                records.append(_response_record(rid, cid, sampling, out, s.answer))
         if not any(r["type"] == "response" for r in records):
             raise InvalidRequest("no usable prompt or response for this video")
         return tensors, records
@@ -224,6 +221,14 @@ class _Builder:
 
     def _disk(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu", self.dtype).contiguous()
+
+
+def _response_record(rid: str, cid: str, sampling: SamplingParams, out, answer: str | None) -> dict:
+    """What the index says of one response; `correct`: whether it is the sample's answer (None
+    without one). A wrong answer is kept all the same."""
+    return {"type": "response", "id": rid, "context": cid, "kind": "greedy" if sampling.greedy else "sampled",
+            "temperature": sampling.temperature, "seed": sampling.seed, "length": len(out.token_ids), "text": out.text,
+            "correct": None if answer is None else out.text.strip() == answer.strip()}
 
 
 def _claim(out: Path, header: dict) -> None:

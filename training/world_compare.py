@@ -49,7 +49,8 @@ def compare_drafts(target_dir: str | Path, drafts: dict[str, str | Path], videos
             prompt = random.Random(video_seed).choice(CAPTION_PROMPTS)
             processed = next(iter(engines.values())).process_video(video.source, world.options())
             for t in temperatures:
-                sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=t, seed=None if t == 0 else video_seed)
+                sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=t,
+                                          seed=None if t == 0 else video_seed)
                 for name, engine in engines.items():
                     m = engine.generate(processed, prompt, sampling, video_key=f"{size}x{frames}/{video_seed}").metrics
                     counts[(name, t)].append((m.accepted_tokens, m.steps))
