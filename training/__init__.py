@@ -4,7 +4,8 @@ world that gives a tiny target something real to know.   import: sparrow.trainin
 from .config import TrainConfig
 from .data import Sample, load_samples, write_manifest
 from .evaluate import TauReport, held_out_tau
+from .feature_store import FeatureStore, StoreConfig, build_store
 from .trainer import DraftTrainer, new_draft
 
-__all__ = ["DraftTrainer", "Sample", "TauReport", "TrainConfig", "held_out_tau", "load_samples", "new_draft",
-           "write_manifest"]
+__all__ = ["DraftTrainer", "FeatureStore", "Sample", "StoreConfig", "TauReport", "TrainConfig", "build_store",
+           "held_out_tau", "load_samples", "new_draft", "write_manifest"]
