@@ -229,21 +229,24 @@ void attend_range(const float* q, int64_t rows, int64_t d_rt, int64_t dv, const 
   // over the row groups (slots), so the loads overlap the arithmetic instead of preceding it.
   const int64_t lk = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64, lv = (dv * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   const int64_t slots = 1 + rows / RB + 3;
-  int64_t next_line = 0, next_total = 0, next_j0 = 0;
+  int64_t next_line = 0, next_total = 0, next_j = 0, next_c = 0;   // next_line = (next_j - first) * (lk + lv) + next_c
   const auto prefetch_upto = [&](int64_t upto) {
     for (; next_line < std::min(upto, next_total); ++next_line) {
-      const int64_t j = next_j0 + next_line / (lk + lv), c = next_line % (lk + lv);
-      const char* line = c < lk ? reinterpret_cast<const char*>(k + j * k_stride) + c * 64
-                                : reinterpret_cast<const char*>(v + j * v_stride) + (c - lk) * 64;
+      const char* line = next_c < lk ? reinterpret_cast<const char*>(k + next_j * k_stride) + next_c * 64
+                                     : reinterpret_cast<const char*>(v + next_j * v_stride) + (next_c - lk) * 64;
       __builtin_prefetch(line, 0, 2);
+      if (++next_c == lk + lv) {
+        next_c = 0;
+        ++next_j;
+      }
     }
   };
   for (int64_t j0 = begin; j0 < end; j0 += BN) {
     const int64_t n = std::min<int64_t>(BN, end - j0);
     prefetch_upto(next_total);                 // what is left of the last block's share
-    next_j0 = j0 + AHEAD * BN;
-    next_total = next_j0 < end ? std::min<int64_t>(BN, end - next_j0) * (lk + lv) : 0;
-    next_line = 0;
+    next_j = j0 + AHEAD * BN;
+    next_total = next_j < end ? std::min<int64_t>(BN, end - next_j) * (lk + lv) : 0;
+    next_line = next_c = 0;
     int64_t slot = 1;
     prefetch_upto(next_total * slot / slots);
     if (!v_direct)                             // the block, fp32: V as is, K transposed (D x BN)
