@@ -61,9 +61,11 @@ LABEL org.opencontainers.image.title="sparrow" \
       org.opencontainers.image.description="Lossless speculative decoding for long-video LLMs, served over gRPC" \
       org.opencontainers.image.licenses="Apache-2.0"
 
-# wget: KubeRay's default head probes call the dashboard agent with it.
+# wget: KubeRay's default head probes call the dashboard agent with it. g++: the CPU verify
+# kernel (kernels/csrc/cpu_prefix.cpp) is compiled for the node's CPU at server start, into
+# TORCH_EXTENSIONS_DIR (without a compiler the server uses torch's op, same outputs).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends wget=1.21.3-1+deb12u1 \
+    && apt-get install -y --no-install-recommends wget=1.21.3-1+deb12u1 g++=4:12.2.0-3 \
     && rm -rf /var/lib/apt/lists/*
 
 COPY --from=build /usr/local /usr/local
@@ -75,6 +77,7 @@ ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/home/sparrow/.cache/huggingface \
     HF_HUB_OFFLINE=1 \
+    TORCH_EXTENSIONS_DIR=/home/sparrow/.cache/torch_extensions \
     RAY_USAGE_STATS_ENABLED=0
 
 # A numeric user, so Kubernetes' runAsNonRoot can verify it.

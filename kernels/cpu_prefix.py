@@ -35,6 +35,7 @@ _lock = threading.Lock()
 _module: list = [None]           # the loaded extension, once built
 _failed: list = [False]          # a build failed in this process: never tried again
 build_seconds: list = [None]     # how long the first load took (a build, or a cached load)
+_background = threading.Event()  # start_loading's build is running
 
 
 def _cpu_tag() -> str:
@@ -72,6 +73,23 @@ def load():
     return _module[0]
 
 
+def start_loading() -> None:
+    """Build (or load) the kernel on a thread of its own, now: a server calls this at startup, so
+    its first long verify neither pays the build nor waits on it (until it is ready, verify uses
+    torch's op). Not a daemon: interpreter exit waits for a build in progress rather than kill it
+    holding the build directory's lock."""
+    if IMPL != "kernel" or _module[0] is not None or _failed[0] or _background.is_set():
+        return
+    _background.set()
+
+    def build() -> None:
+        try:
+            load()
+        finally:
+            _background.clear()
+    threading.Thread(target=build, name="sparrow-cpu-prefix-build").start()
+
+
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the kernel takes these operands (CPU; fp32 or bf16 K/V; last dim contiguous)."""
     return (IMPL == "kernel" and q.device.type == "cpu" and k.dtype in DTYPES and v.dtype == k.dtype
@@ -83,7 +101,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Unmasked attention of every row of q (B, Hkv, R, D) over all of k, v (B, Hkv, P >= 1, D):
     outputs (B, Hkv, R, Dv) and natural log-sum-exps (B, Hkv, R), both fp32. None where the
     kernel does not apply (usable) or is not built: the caller computes it another way."""
-    if not usable(q, k, v):
+    if not usable(q, k, v) or (_module[0] is None and _background.is_set()):     # being built: torch's op meanwhile
         return None
     module = load()
     if module is None:

@@ -11,6 +11,8 @@ a cached build loads in well under a second).
 
 import logging
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -145,6 +147,37 @@ def test_a_failed_build_falls_back_and_logs_once(tmp_path, monkeypatch, caplog):
                                        verify_attention_ref(q, k, v, prefix, tree), **FP32)
     assert cpu_prefix._failed[0] and cpu_prefix.load() is None
     assert len([r for r in caplog.records if "not built" in r.getMessage()]) == 1
+
+
+def test_a_build_started_at_startup_never_holds_up_a_verify(kernel, monkeypatch):
+    """start_loading builds on its own thread; until it is done every verify is computed by
+    torch's op without waiting on it, and after it the kernel serves."""
+    release = threading.Event()
+    built = kernel
+
+    def slow_load():
+        release.wait(30)
+        cpu_prefix._module[0] = built
+        return built
+    monkeypatch.setattr(cpu_prefix, "_module", [None])
+    monkeypatch.setattr(cpu_prefix, "load", slow_load)
+    monkeypatch.setattr(packed, "DENSE_PREFIX", -1)
+    q, k, v, prefix, tree = _case(2, *CASES[1])
+    want = verify_attention_ref(q, k, v, prefix, tree)
+    p = int(prefix[0])
+    operands = (q[:, :1], k[:, :1, :p], v[:, :1, :p], 0.1)            # one kv head's rows over its prefix
+    cpu_prefix.start_loading()
+    try:
+        assert cpu_prefix.prefix_attention(*operands) is None                # not waited on
+        torch.testing.assert_close(verify_attention_packed(q, k, v, prefix, tree), want, **FP32)
+    finally:
+        release.set()
+    for _ in range(300):
+        if not cpu_prefix._background.is_set():
+            break
+        time.sleep(0.01)
+    assert cpu_prefix._module[0] is built
+    assert cpu_prefix.prefix_attention(*operands) is not None
 
 
 def test_greedy_through_the_kernel_is_hf_greedy(any_target, small_video, calls):
