@@ -51,6 +51,10 @@ class ServiceConfig:
     max_live_bytes: int = 16 << 30         # media and raw frame bytes a session may send
     max_live_window_s: float = 600.0       # the longest window a session may keep
     live_stats_every_s: float = 5.0        # default wall seconds between LiveStats messages
+    # A session's answers (asked, standing, alert checks) in flight at once; more wait, up to
+    # max_live_queued_questions, then a question is refused (RESOURCE_EXHAUSTED; the session goes on).
+    max_live_questions: int = 4
+    max_live_queued_questions: int = 8
     # URL prefixes a session's alert webhook (LiveOpen.webhook_url) may start with; none: no webhooks.
     live_webhook_prefixes: tuple[str, ...] = ()
 
@@ -69,6 +73,8 @@ class ServiceConfig:
             raise ValueError("max_live_sessions must be >= 0 (0: no live sessions)")
         if self.max_live_bytes < 1:
             raise ValueError("max_live_bytes must be >= 1")
+        if self.max_live_questions < 1 or self.max_live_queued_questions < 0:
+            raise ValueError("need max_live_questions >= 1 and max_live_queued_questions >= 0")
         for name in ("max_live_session_s", "max_live_window_s", "live_stats_every_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

@@ -44,7 +44,7 @@ from sparrow.config import SamplingParams
 from sparrow.engine import Engine
 from sparrow.output import GenerationOutput, TokenDelta
 from sparrow.errors import InvalidRequest, ResourceExhausted, SparrowError
-from sparrow.live import LiveAnswer, LiveEvent, LiveSession, LiveStats
+from sparrow.live import LiveAnswer, LiveEvent, LiveMemoryExhausted, LiveSession, LiveStats
 from sparrow.live_source import CameraTime
 from sparrow.video import SourcePolicy, VideoOptions
 
@@ -149,7 +149,9 @@ class LiveCall:
         metrics, self.end_reason = None, "error"
         tasks: list[asyncio.Task] = []
         try:
-            self.session = await asyncio.to_thread(LiveSession, engine, config, on_event=self._from_thread_event)
+            self.session = await asyncio.to_thread(LiveSession, engine, config, on_event=self._from_thread_event,
+                                                   max_questions=cfg.max_live_questions,
+                                                   max_queued_questions=cfg.max_live_queued_questions)
             standing_ids = [await self._add_standing(q) for q in opening.standing]
             self.rules = LiveRules(self.session, self.session_id, opening.url, cfg, self.out.put_nowait,
                                    WebhookSink(opening.webhook_url) if opening.webhook_url else None)
@@ -282,6 +284,8 @@ class LiveCall:
                 raise InvalidRequest("an empty LiveRequest: set one of its fields")
         except SessionLimit:
             raise
+        except LiveMemoryExhausted as exc:   # no KV memory for the window: the session cannot go on
+            raise SessionLimit(str(exc)) from exc
         except SparrowError as exc:          # the client's mistake: said on the stream, the session goes on
             self._emit_error(exc, question_id)
 
@@ -367,7 +371,7 @@ class LiveCall:
         await self._run(session.end_of_stream)
         await self._run(session.wait_ingested)
         # An ingest task already running when wait_ingested looked has left the session's
-        # queue; the scheduler runs tasks in order, so once this one has run, that one has
+        # queue; the scheduler runs one task at a time, so once this one has run, that one has
         # finished too (and asked the standing questions it made due).
         await asyncio.wrap_future(self.service.engine.scheduler.call_soon(_nothing))
         # Read off the loop: the answers' last items, posted before the count dropped, are
@@ -426,6 +430,8 @@ class LiveCall:
             self._send_done(qid, _Tag.of(event), event.error, standing=True)
         elif kind in _SOURCE_EVENTS:
             self.out.put_nowait(pb.LiveResponse(event=source_event(_SOURCE_EVENTS[kind], event.message, event.camera)))
+        elif kind == "error" and isinstance(event.error, LiveMemoryExhausted):   # decoded media's first frame
+            self.out.put_nowait(SessionLimit(str(event.error)))
         elif kind == "error":
             self._emit_error(event.error, qid)
         elif kind == "dropped":

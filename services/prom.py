@@ -116,6 +116,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "How far a live session's window trails its newest frame (observed about once a second per session).",
                buckets=LAG_BUCKETS),
     MetricSpec("live_kv_bytes", "gauge", "KV cache bytes held by the live sessions of this server or replica."),
+    # per open session, by its slot: a small number a new session reuses once its holder ended
+    # (bounded labels); a free slot reads 0
+    MetricSpec("live_session_lag_seconds", "gauge", "How far an open live session's window trails its newest frame.",
+               labels=("model_name", "slot")),
+    MetricSpec("live_session_frames_dropped", "gauge", "Frames an open live session dropped so far (ingest behind).",
+               labels=("model_name", "slot")),
+    MetricSpec("live_questions_refused", "counter",
+               "Live questions refused: the session's answers in flight and queued were at their limits."),
 )
 SPECS = {spec.name: spec for spec in METRICS}
 
@@ -207,6 +215,7 @@ class Recorder:
         self._cache_hits = 0
         self._live_kv: dict[int, int] = {}          # session -> its KV bytes (the gauge is their sum)
         self._live_ids = 0
+        self._live_slots: set[int] = set()          # slots of the open sessions (per-session gauges)
 
     def record_request(self, metrics: SpecMetrics, ttft_s: float | None, *, finish_reason: str = "stop",
                        e2e_s: float | None = None) -> None:
@@ -266,8 +275,10 @@ class Recorder:
             self._live_ids += 1
             key = self._live_ids
             self._live_kv[key] = 0
+            slot = min(set(range(len(self._live_slots) + 1)) - self._live_slots)
+            self._live_slots.add(slot)
             self._set_live_gauges()
-        return LiveSessionMetrics(self, key)
+        return LiveSessionMetrics(self, key, slot)
 
     def _set_live_gauges(self) -> None:
         """Lock held. Gauges are set, not incremented (Ray's Gauge can only be set)."""
@@ -279,15 +290,15 @@ class LiveSessionMetrics:
     """One live session's share of the live metrics: `update` with its sparrow.live.LiveStats
     (counters advance by what changed since the last update), `end` once."""
 
-    def __init__(self, recorder: Recorder, key: int):
-        self.recorder, self.key = recorder, key
-        self._seen = {"frames_received": 0, "frames_dropped": 0, "pairs_prefilled": 0}
+    def __init__(self, recorder: Recorder, key: int, slot: int = 0):
+        self.recorder, self.key, self.slot = recorder, key, slot
+        self._seen = {"frames_received": 0, "frames_dropped": 0, "pairs_prefilled": 0, "questions_refused": 0}
         self._ended = False
 
     def update(self, stats) -> None:
         r, labels = self.recorder, self.recorder.labels
         for field, metric in (("frames_received", "live_frames_ingested"), ("frames_dropped", "live_frames_dropped"),
-                              ("pairs_prefilled", "live_pairs_prefilled")):
+                              ("pairs_prefilled", "live_pairs_prefilled"), ("questions_refused", "live_questions_refused")):
             value = getattr(stats, field)
             r.sink.inc(metric, value - self._seen[field], labels)
             self._seen[field] = value
@@ -295,6 +306,7 @@ class LiveSessionMetrics:
             r.sink.observe("live_ingest_lag_seconds", stats.lag_s, labels)
         with r._lock:
             if not self._ended:
+                self._set_session(stats.lag_s, stats.frames_dropped)
                 r._live_kv[self.key] = stats.kv_bytes
                 r._set_live_gauges()
 
@@ -304,9 +316,18 @@ class LiveSessionMetrics:
             if self._ended:
                 return
             self._ended = True
+            self._set_session(0.0, 0)
+            r._live_slots.discard(self.slot)
             r._live_kv.pop(self.key, None)
             r._set_live_gauges()
         r.sink.inc("live_sessions_ended", 1, {**r.labels, "reason": reason})
+
+    def _set_session(self, lag_s: float, dropped: int) -> None:
+        """This session's gauges (recorder lock held)."""
+        r = self.recorder
+        labels = {**r.labels, "slot": str(self.slot)}
+        r.sink.set("live_session_lag_seconds", lag_s, labels)
+        r.sink.set("live_session_frames_dropped", dropped, labels)
 
 
 # ----- the process-wide recorder ------------------------------------------------------------------

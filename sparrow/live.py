@@ -17,8 +17,14 @@ source PTS and the wall-clock time it arrived, and answers carry those of their 
 frame. A source silent for `stale_after_s` is stale: an event, and answers marked stale.
 
 Memory is bounded: the session's cache holds the text before the video + the window; drafts
-whose context is text (sparrow) never see the video grow. Ingest that falls behind real time
-(more than `max_lag_s` of pairs waiting) drops the oldest waiting pairs, counted in stats.
+whose context is text (sparrow) never see the video grow. The cache is a slot of the engine's
+KV arena, taken at the first frame (when the window's size is known) like a request's: a
+session that cannot get it is refused (LiveMemoryExhausted). Ingest that falls behind real
+time (more than `max_lag_s` of pairs waiting) drops the oldest waiting pairs, counted in stats.
+
+Fairness: a session's pairs are scheduler tasks keyed by the session, served round-robin
+across sessions, so one session's backlog never delays another's frames; its questions are
+bounded and queued per session (live_questions.py).
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from .alerts import Check
 from .config import SamplingParams
 from .engine import Generation
 from .output import GenerationOutput, TokenDelta
-from .errors import InvalidRequest, NoFrames
+from .errors import InvalidRequest, NoFrames, ResourceExhausted
 from .live_alerts import LiveAlerts
+from .live_questions import LiveQuestions
 from .live_source import CameraTime, SilenceWatch, SourceClock
 from .live_window import FramePair, LiveConfig, LiveWindow
 from .models.target import FeatureNeeds
@@ -70,6 +77,12 @@ class LiveStats:
     newest_source_pts_s: float = 0.0   # camera time of the newest frame received
     newest_wall_time_s: float = 0.0
     stale: bool = False          # no frame for stale_after_s now
+    questions_queued: int = 0    # questions waiting now for one in flight to end
+    questions_refused: int = 0   # questions refused: in flight and queued were full
+
+
+class LiveMemoryExhausted(ResourceExhausted):
+    """The engine's KV arena has no room for the session's window: the session cannot go on."""
 
 
 @dataclass(slots=True)
@@ -123,13 +136,17 @@ class LiveSession:
     """One live stream on an engine. Feed it `push_frames` (raw frames with stream times) or
     `feed` (container bytes: MPEG-TS or fragmented MP4, decoded on a thread); `ask` a
     question at any time; `add_standing` questions asked every N seconds of stream, whose
-    answers arrive as LiveEvents. Thread-safe. `close()` frees the cache at once."""
+    answers arrive as LiveEvents. Thread-safe. `close()` frees the cache at once.
+    max_questions: answers (asked, standing, alert checks) in flight at once (None: no bound);
+    max_queued_questions: more wait up to this many, then a question is refused."""
 
     def __init__(self, engine, config: LiveConfig | None = None, *,
-                 on_event: Callable[[LiveEvent], None] | None = None):
+                 on_event: Callable[[LiveEvent], None] | None = None,
+                 max_questions: int | None = None, max_queued_questions: int = 0):
         self.engine, self.config = engine, config or LiveConfig()
         self.on_event = on_event
         self._lock = threading.RLock()
+        self._questions = LiveQuestions(self._lock, max_questions, max_queued_questions)
         self._ids = itertools.count(1)
         self._closed = False
         drafting = engine.proposer is not None and engine.spec.method in _SNAPSHOT_METHODS
@@ -144,7 +161,8 @@ class LiveSession:
         self._pending: tuple[np.ndarray, CameraTime, int] | None = None   # a sampled frame waiting for its partner
         self._waiting: deque[tuple[FramePair, Any]] = deque()       # pairs handed to the scheduler
         self._standing: dict[str, _Standing] = {}
-        self._answers: set[Generation] = set()
+        self._slot = None                          # the window's KV slot in the engine's arena
+        self._refused: LiveMemoryExhausted | None = None
         self._decoder: LiveDecoder | None = None
         self._framing: TsFraming | None = None    # MPEG-TS media: packet framing and program changes
         self._feeding = threading.Lock()          # chunks in order; a media switch waits for the old decoder
@@ -278,13 +296,14 @@ class LiveSession:
                 if not isinstance(item, TokenDelta):
                     # The answer's last item, handed on first: whoever sees running_answers
                     # reach 0 has been given every answer's last item.
-                    with self._lock:
-                        self._answers.discard(gen)
+                    self._questions.ended(gen)
 
-            gen.request = self.engine.submit(None, question, sampling, prefix=entry,
-                                             num_draft_tokens=0 if first_token_ids else self._draft_k, sink=deliver,
-                                             first_token_ids=first_token_ids)
-            self._answers.add(gen)
+            def submit() -> None:
+                gen.request = self.engine.submit(None, question, sampling, prefix=entry,
+                                                 num_draft_tokens=0 if first_token_ids else self._draft_k,
+                                                 sink=deliver, first_token_ids=first_token_ids)
+
+            self._questions.admit(question_id, gen, submit, put)     # now, queued, or ResourceExhausted
         return LiveAnswer(question_id, question, start_s, end_s, gen, camera, self._watch.stale)
 
     def add_standing(self, question: str, every_s: float, sampling: SamplingParams | None = None,
@@ -321,7 +340,8 @@ class LiveSession:
             return LiveStats(c["received"], c["sampled"], c["dropped"], c["prefilled"], c["evicted"], len(pairs),
                              len(pairs) * window.tpp, window.kv_bytes, start, end, newest.stream_s,
                              max(0.0, newest.stream_s - end) if pairs else newest.stream_s, window.shift,
-                             self._ingest_s, newest.source_pts_s, newest.wall_time_s, self._watch.stale)
+                             self._ingest_s, newest.source_pts_s, newest.wall_time_s, self._watch.stale,
+                             self._questions.queued, self._questions.refused)
 
     @property
     def newest(self) -> CameraTime | None:
@@ -337,7 +357,7 @@ class LiveSession:
     def running_answers(self) -> int:
         """Answers (asked and standing) the engine is still producing."""
         with self._lock:
-            return len(self._answers)
+            return len(self._questions.answers)
 
     @property
     def error(self) -> BaseException | None:
@@ -355,16 +375,19 @@ class LiveSession:
             for _, future in self._waiting:
                 future.cancel()
             self._waiting.clear()
-            answers = list(self._answers)
-            self._answers.clear()
             self._standing.clear()
             self.alerts.clear()
         if decoder is not None:
             decoder.abort()
-        for gen in answers:
-            gen.abort()
+        self._questions.close()
         with self._lock:              # after any running ingest task (it holds the lock)
             self._window.clear()
+            slot, self._slot = self._slot, None
+        if slot is not None:          # the arena is the scheduler thread's
+            try:
+                self.engine.scheduler.call_soon(slot.release, key=self)
+            except RuntimeError:      # the engine is closed: nothing else uses its arena
+                slot.release()
 
     @property
     def closed(self) -> bool:
@@ -374,6 +397,8 @@ class LiveSession:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidRequest("the live session is closed")
+        if self._refused is not None:
+            raise self._refused
 
     def _window_end(self) -> float:
         """Stream time the prefilled window reaches (0 before the first pair). Lock held."""
@@ -420,17 +445,39 @@ class LiveSession:
         return queued
 
     def _start(self, shape: tuple[int, int]) -> None:
-        """The first frame fixes the frame size, the grid and the cache; prefill the text before the video."""
+        """The first frame fixes the frame size, the grid and the cache (a slot of the engine's
+        KV arena); prefill the text before the video."""
         self._window.start(*shape)
+        try:
+            self.engine.scheduler.call_soon(self._take_kv, key=self).result()
+        except LiveMemoryExhausted as exc:
+            self._refused = exc
+            raise
         self._frame_shape = shape
-        self.engine.scheduler.call_soon(self._window.prefill_text).result()
+
+    def _take_kv(self) -> None:
+        """The scheduler thread (the arena is its own): the window's slot, then the text before the video."""
+        window = self._window
+        capacity = window.s + self.config.window_pairs * window.tpp
+        arena = self.engine.runner.arena
+        if self._slot is not None:       # an earlier first frame whose text prefill failed
+            self._slot.release()
+            self._slot = window.kv = None
+        slot = arena.allocate(capacity)
+        if slot is None:
+            raise LiveMemoryExhausted(
+                f"the live window needs {capacity} tokens of KV memory ({window.tpp} per frame pair x "
+                f"{self.config.window_pairs} pairs + {window.s}); {arena.free_tokens} of the engine's {arena.tokens} "
+                "are free; try again later, or a shorter window or smaller frames")
+        self._slot, window.kv = slot, slot.cache
+        window.prefill_text()
 
     def _queue_pair(self, a: np.ndarray, b: np.ndarray, camera_a: CameraTime, index: int,
                     camera_b: CameraTime | None = None) -> int:
         newest = camera_b or camera_a
         frames = np.stack([a, b])
         pair = FramePair(index, camera_a.stream_s, newest.stream_s + self.config.pair_s / 2, frames, camera=newest)
-        future = self.engine.scheduler.call_soon(lambda: self._ingest(pair))
+        future = self.engine.scheduler.call_soon(lambda: self._ingest(pair), key=self)
         self._waiting.append((pair, future))
         self._drop_if_behind()
         return 1
@@ -496,8 +543,7 @@ class LiveSession:
             if isinstance(item, TokenDelta):
                 self._emit(LiveEvent("delta", answer.question_id, answer.start_s, answer.end_s, delta=item, **tag))
             else:
-                with self._lock:
-                    self._answers.discard(answer.generation)
+                self._questions.ended(answer.generation)
                 if isinstance(item, GenerationOutput):
                     self._emit(LiveEvent("done", answer.question_id, answer.start_s, answer.end_s, output=item, **tag))
                 else:
@@ -547,4 +593,4 @@ class LiveSession:
         self._emit(LiveEvent("error", error=exc))
 
 
-__all__ = ["LiveSession", "LiveAnswer", "LiveEvent", "LiveStats"]
+__all__ = ["LiveSession", "LiveAnswer", "LiveEvent", "LiveStats", "LiveMemoryExhausted"]

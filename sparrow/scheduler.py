@@ -70,7 +70,8 @@ class Scheduler:
         self._prefilling: deque[Request] = deque()
         self._running: list[Request] = []
         self._to_prepare: deque[Request] = deque()   # submitted, not yet prepared
-        self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()   # call_soon work (live ingest)
+        # call_soon work (live ingest), one queue per key (a live session), served round-robin
+        self._tasks: dict[Any, deque[tuple[Callable[[], Any], Future]]] = {}
         self._preparers = 0                          # worker threads preparing them
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -101,16 +102,18 @@ class Scheduler:
                 self._start(threading.Thread(target=self._prepare_loop, name="sparrow-prepare", daemon=True))
         return request
 
-    def call_soon(self, fn: Callable[[], Any]) -> Future:
+    def call_soon(self, fn: Callable[[], Any], key: Any = None) -> Future:
         """Run `fn` on the scheduler thread between steps (work that uses the target model
         outside a request: a live session's frame prefill). It is paced like a prefill slice:
         while streams decode, tasks and prefill slices share about prefill_share of the time.
-        Keep a task short (one slice). The future gets its result or exception."""
+        Tasks of one `key` (a live session) run in order; keys take turns, one task each
+        (round-robin), so one session's backlog never delays another's frames. Keep a task
+        short (one slice). The future gets its result or exception."""
         future: Future = Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            self._tasks.append((fn, future))
+            self._tasks.setdefault(key, deque()).append((fn, future))
             self._ensure_thread()
             self._cv.notify_all()
         return future
@@ -288,11 +291,16 @@ class Scheduler:
         return min(self._prefilling, key=lambda r: r.job.end - r.job.cursor)     # min keeps the first of ties
 
     def _run_task(self) -> None:
-        """One call_soon task, paced like a prefill slice while streams decode."""
+        """One call_soon task (the next key's turn), paced like a prefill slice while streams decode."""
         if not self._tasks or (self._running and time.perf_counter() < self._next_slice_at):
             return
         with self._cv:
-            fn, future = self._tasks.popleft()
+            # The key whose turn it is goes to the back of the turns (a dict keeps insertion order).
+            key = next(iter(self._tasks))
+            queue = self._tasks.pop(key)
+            fn, future = queue.popleft()
+            if queue:
+                self._tasks[key] = queue
         if not future.set_running_or_notify_cancel():
             return
         t0 = time.perf_counter()
