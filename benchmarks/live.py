@@ -4,6 +4,7 @@ against re-prefilling the window for each question; and the real-time factor ing
     python -m benchmarks.live --out BENCHMARKS.md                  # 5 streams, 10 s / 1 min / 10 min
     python -m benchmarks.live --points 10,60 --reps 2              # quick
     python -m benchmarks.live --alerts --out BENCHMARKS.md         # alert rules: recall, precision
+    python -m benchmarks.live --cameras 1,2,4,6,8 --out BENCHMARKS.md   # N cameras at real time (live_cameras.py)
 
 Each rep is a fresh live-world stream (2 fps frames at the world's 84 px: 9 visual tokens a
 frame pair, one pair a second). For each --window (seconds kept), one LiveSession ingests the
@@ -273,10 +274,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fire-at", type=float, default=0.5, help="the rules' fire_at (--alerts)")
     parser.add_argument("--alert-thresholds", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.3, 0.7],
                         help="other P(yes) thresholds read off the same checks (--alerts)")
+    parser.add_argument("--cameras", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                        help="only N cameras at real time, for each N (live_cameras.py), e.g. 1,2,4,6,8")
+    parser.add_argument("--camera-seconds", type=float, default=180, help="stream seconds per camera (--cameras)")
+    parser.add_argument("--camera-every", type=float, default=3, help="standing question every N s (--cameras)")
+    parser.add_argument("--camera-window", type=float, default=16, help="each session's window, s (--cameras)")
     parser.add_argument("--out", help="write the table into this BENCHMARKS.md")
     args = parser.parse_args(argv)
     if args.alerts:
         return _alerts(args, argv)
+    if args.cameras:
+        return _cameras(args, argv)
     points = [float(p) for p in args.points.split(",")]
     windows = [float(w) for w in args.windows.split(",")]
     target = TargetModel.from_pretrained(args.target)
@@ -333,6 +341,23 @@ def _alerts(args, argv) -> None:
     print(body)
     if args.out:
         write_section(args.out, "live-alerts", "Live sessions: alert rules' recall and precision",
+                      "python -m benchmarks.live " + " ".join(argv if argv is not None else sys.argv[1:]), body)
+
+
+def _cameras(args, argv) -> None:
+    from .live_cameras import cameras_table, run_cameras
+
+    engine = Engine(TargetModel.from_pretrained(args.target), spec=SpecConfig(method="none"))
+    load = os.getloadavg()
+    rows = [row for n in args.cameras
+            for row in run_cameras(engine, n, args.camera_seconds, args.seed + 400, args.camera_window, args.camera_every)]
+    engine.close()
+    body = (f"Target `{args.target}`; {args.camera_seconds:.0f} s streams, a standing question every "
+            f"{args.camera_every:g} s, window {args.camera_window:g} s; machine: {os.cpu_count()} CPU cores, no GPU; "
+            f"load average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after.\n" + cameras_table(rows))
+    print(body)
+    if args.out:
+        write_section(args.out, "live-cameras", "Live sessions: cameras at real time",
                       "python -m benchmarks.live " + " ".join(argv if argv is not None else sys.argv[1:]), body)
 
 
