@@ -251,3 +251,31 @@ def test_service_refuses_a_burst_past_the_bound_with_resource_exhausted(tiny_mod
     event = next(r.event for r in responses if r.HasField("event") and r.event.question_id == "q2")
     assert event.kind == pb.LIVE_EVENT_KIND_ERROR and "refused" in event.message
     assert responses[-1].HasField("stats") and responses[-1].stats.final           # the session went on, ended OK
+
+
+def test_per_session_lag_and_drops_in_metrics(engine):
+    from sparrow.services import prom
+
+    recorder = prom.Recorder(prom.PrometheusSink(), "tiny")
+
+    def value(name: str, **labels) -> float | None:
+        return recorder.sink.registry.get_sample_value(f"sparrow:{name}", {"model_name": "tiny", **labels})
+
+    first, second = recorder.live_session(), recorder.live_session()
+    session = LiveSession(engine, config(), max_questions=1)
+    push(session, 0, 2, seed=1)
+    session.wait_ingested(60)
+    stats = session.stats
+    first.update(stats)
+    second.update(type(stats)(**{**{f: getattr(stats, f) for f in stats.__slots__},
+                                 "lag_s": 3.5, "frames_dropped": 4, "questions_refused": 2}))
+    assert value("live_session_lag_seconds", slot="0") == stats.lag_s
+    assert (value("live_session_lag_seconds", slot="1"), value("live_session_frames_dropped", slot="1")) == (3.5, 4)
+    assert value("live_questions_refused_total") == 2
+    first.end("ok")
+    assert value("live_session_lag_seconds", slot="0") == 0.0          # a free slot reads 0 ...
+    third = recorder.live_session()                                    # ... and the next session takes it
+    assert third.slot == 0
+    third.end("ok")
+    second.end("ok")
+    session.close()
