@@ -350,7 +350,8 @@ def _cameras(args, argv) -> None:
     engine = Engine(TargetModel.from_pretrained(args.target), spec=SpecConfig(method="none"))
     load = os.getloadavg()
     rows = [row for n in args.cameras
-            for row in run_cameras(engine, n, args.camera_seconds, args.seed + 400, args.camera_window, args.camera_every)]
+            for row in run_cameras(engine, n, args.camera_seconds, args.seed + 400, args.camera_window, args.camera_every,
+                                   stream=live_stream, fps=FPS, question=QUESTION, sampling=SAMPLING)]
     engine.close()
     body = (f"Target `{args.target}`; {args.camera_seconds:.0f} s streams, a standing question every "
             f"{args.camera_every:g} s, window {args.camera_window:g} s; machine: {os.cpu_count()} CPU cores, no GPU; "

@@ -13,25 +13,27 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
+from sparrow.config import SamplingParams
 from sparrow.engine import Engine
 from sparrow.live import LiveEvent, LiveSession
 from sparrow.live_window import LiveConfig
 
-from .live import FPS, QUESTION, SAMPLING, live_stream
-
 P90_BOUND_S = 2.0
+Render = Callable[[int, int], np.ndarray]    # (first, count) -> uint8 frames [count, H, W, 3] at fps
 
 
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run_cameras(engine: Engine, n: int, seconds: float, seed: int, window_s: float, every_s: float,
+def run_cameras(engine: Engine, n: int, seconds: float, seed: int, window_s: float, every_s: float, *,
+                stream: Callable[[int], Render], fps: float, question: str, sampling: SamplingParams,
                 max_questions: int = 4, max_queued: int = 8) -> list[dict]:
-    """One run of n cameras; a row per session."""
+    """One run of n cameras (camera i: stream(seed + i)); a row per session."""
     latencies: list[list[float]] = [[] for _ in range(n)]
     errors = [0] * n
     max_lag = [0.0] * n
@@ -44,21 +46,21 @@ def run_cameras(engine: Engine, n: int, seconds: float, seed: int, window_s: flo
                 errors[i] += 1
         return seen
 
-    sessions = [LiveSession(engine, LiveConfig(fps=FPS, window_s=window_s), on_event=on_event(i),
+    sessions = [LiveSession(engine, LiveConfig(fps=fps, window_s=window_s), on_event=on_event(i),
                             max_questions=max_questions, max_queued_questions=max_queued) for i in range(n)]
-    renders = [live_stream(seed + i) for i in range(n)]
-    total = int(seconds * FPS)
+    renders = [stream(seed + i) for i in range(n)]
+    total = int(seconds * fps)
     start = time.monotonic() + 0.5
 
     def camera(i: int) -> None:
         session = sessions[i]
         for k in range(total):
-            wait = start + k / FPS - time.monotonic()
+            wait = start + k / fps - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-            session.push_frames(renders[i](k, 1), [k / FPS])
+            session.push_frames(renders[i](k, 1), [k / fps])
             if k == 1:
-                session.add_standing(QUESTION, every_s, SAMPLING)
+                session.add_standing(question, every_s, sampling)
             if k % 2:
                 max_lag[i] = max(max_lag[i], session.stats.lag_s)
 
