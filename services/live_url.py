@@ -10,7 +10,7 @@ from collections.abc import Callable
 from sparrow.live import LiveSession
 from sparrow.live_source import RESET_S
 from sparrow.video import SourcePolicy, VideoOptions
-from sparrow.video.decode import _pyav_errors as pyav_errors
+from sparrow.video.decode import pyav_errors
 from sparrow.video.sources import Deadline, open_media
 from sparrow.video.stream import decoded_frames, video_stream
 

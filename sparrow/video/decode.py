@@ -77,7 +77,7 @@ def load_frames(
     if isinstance(source, np.ndarray):
         return _frames_from_array(source, options, processor)
     deadline = Deadline(options.timeout_s, cancelled)
-    with _pyav_errors(options, remote=is_url(source)):
+    with pyav_errors(options, remote=is_url(source)):
         media = open_media(source, options, policy, deadline)
         return _decode(media, options, processor, deadline)
 
@@ -89,7 +89,7 @@ def probe_video(source: Source, options: VideoOptions | None = None, *, policy: 
     VideoUnreadable). For what is stored before anyone asks about it (an upload)."""
     options = options or VideoOptions()
     deadline = Deadline(options.timeout_s)
-    with _pyav_errors(options, remote=is_url(source)):
+    with pyav_errors(options, remote=is_url(source)):
         media = open_media(source, options, policy, deadline)
         with media.open() as container:
             stream = video_stream(container)
@@ -99,7 +99,7 @@ def probe_video(source: Source, options: VideoOptions | None = None, *, policy: 
 
 
 @contextlib.contextmanager
-def _pyav_errors(options: VideoOptions, remote: bool) -> Iterator[None]:
+def pyav_errors(options: VideoOptions, remote: bool) -> Iterator[None]:
     """Turn anything PyAV/FFmpeg raises into a VideoError a user can act on."""
     try:
         yield
