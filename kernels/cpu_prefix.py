@@ -90,6 +90,11 @@ def start_loading() -> None:
     threading.Thread(target=build, name="sparrow-cpu-prefix-build").start()
 
 
+def ready() -> bool:
+    """The kernel is built and switched on (no build is started here)."""
+    return IMPL == "kernel" and _module[0] is not None
+
+
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the kernel takes these operands (CPU; fp32 or bf16 K/V; last dim contiguous)."""
     return (IMPL == "kernel" and q.device.type == "cpu" and k.dtype in DTYPES and v.dtype == k.dtype

@@ -38,6 +38,10 @@ _NEG_INF = float("-inf")
 # 16k+ the masked kernel is the slower one (1.3x at 16k, 1.75x at 25k with 13 tokens). Measured
 # on the 2-core CPU, one thread, 2 kv heads of dim 32 (kernels/README.md).
 DENSE_PREFIX = 8192
+# With the compiled prefix kernel (cpu_prefix.py) ready, the split pays from fewer keys: at 8,064
+# keys 5- and 13-token verify steps 15-17% faster than the one masked call (BENCHMARKS.md, the
+# hot path after the CPU prefix kernel). Below this many keys the masked call stays.
+KERNEL_DENSE_PREFIX = 2048
 # A step calls the attention once per layer with the same new-token mask: what is made from it
 # is kept for the next call. A tree is matched by value (a copy is kept); a dense mask by its
 # bias's identity, which the entry holds, so a freed tensor's reused id cannot match. Entries are
@@ -113,7 +117,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         return F.scaled_dot_product_attention(qg, k.narrow(2, 0, end), v.narrow(2, 0, end), scale=scale
                                               ).view(bsz, heads, 1, dv)
     bias = own_bias(None, nq, group, q.device) if bias is None else bias
-    if prefix_len <= DENSE_PREFIX:
+    dense = min(DENSE_PREFIX, KERNEL_DENSE_PREFIX) if q.device.type == "cpu" and cpu_prefix.ready() else DENSE_PREFIX
+    if prefix_len <= dense:
         end = prefix_len + nq
         mask = dense_mask(bias, prefix_len).to(q.dtype)
         return F.scaled_dot_product_attention(qg, k.narrow(2, 0, end), v.narrow(2, 0, end), attn_mask=mask,

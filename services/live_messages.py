@@ -52,7 +52,8 @@ def stats_message(stats: LiveStats, *, bytes_received: int, session_s: float, fi
         kv_bytes=stats.kv_bytes, window_start_s=stats.window_start_s, window_end_s=stats.window_end_s,
         newest_s=stats.newest_s, lag_s=stats.lag_s, ingest_seconds=stats.ingest_seconds,
         bytes_received=bytes_received, session_seconds=session_s, final=final,
-        newest_source_pts_s=stats.newest_source_pts_s, newest_wall_time_s=stats.newest_wall_time_s, stale=stats.stale)
+        newest_source_pts_s=stats.newest_source_pts_s, newest_wall_time_s=stats.newest_wall_time_s, stale=stats.stale,
+        questions_queued=stats.questions_queued, questions_refused=stats.questions_refused)
 
 
 def source_event(kind: int, message: str, camera: CameraTime | None) -> pb.LiveEvent:

@@ -251,6 +251,7 @@ def test_service_refuses_a_burst_past_the_bound_with_resource_exhausted(tiny_mod
     event = next(r.event for r in responses if r.HasField("event") and r.event.question_id == "q2")
     assert event.kind == pb.LIVE_EVENT_KIND_ERROR and "refused" in event.message
     assert responses[-1].HasField("stats") and responses[-1].stats.final           # the session went on, ended OK
+    assert responses[-1].stats.questions_refused == len(ids) - 2 and responses[-1].stats.questions_queued == 0
 
 
 def test_per_session_lag_and_drops_in_metrics(engine):
