@@ -116,6 +116,12 @@ class ModelRunner:
                 f"max_new_tokens {request.sampling.max_new_tokens} + {k + 1}), more than this engine's whole KV "
                 f"cache ({arena_tokens} tokens); use fewer frames, a smaller resolution or fewer new tokens")
         request.needs, request.entry, request.processed, request.inputs = needs, entry, processed, inputs
+        if entry is None and not request.aborted.is_set():
+            # the vision tower here, on a worker thread: a long video's never holds up the scheduler's
+            # decode steps and other prefills (it counts as prefill time)
+            t1 = time.perf_counter()
+            request.embeds = target.prompt_embeds(inputs)
+            m.prefill_seconds += time.perf_counter() - t1
 
     def draft_tokens(self, requested: int | None) -> int:
         """A request's k: its own (checked) or the engine's."""
@@ -129,9 +135,10 @@ class ModelRunner:
 
     def prefill_job(self, request: Request) -> PrefillJob:
         entry = request.entry
+        embeds, request.embeds = request.embeds, None
         return PrefillJob(self.target, request.inputs, request.slot.cache, request.needs,
                           prefix=entry.prefix if entry is not None else None,
-                          chunk_tokens=self.config.prefill_chunk_tokens)
+                          chunk_tokens=self.config.prefill_chunk_tokens, embeds=embeds)
 
     def start_decoding(self, request: Request) -> int:
         """After the prefill: keep the video's prefix for later questions, draw the first
@@ -253,6 +260,7 @@ class ModelRunner:
                 self.proposer.end(request.draft_state)
         finally:
             request.state = request.draft_state = request.job = request.inputs = request.processed = None
+            request.embeds = None
             request.slot = None
 
 

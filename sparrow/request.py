@@ -43,6 +43,7 @@ class Request:
     first_token_probs: tuple[float, ...] | None = None
     inputs: dict | None = None
     processed: Any = None
+    embeds: Any = None                      # the prompt's input embeddings, made while preparing (vision tower)
     entry: PrefixEntry | None = None
     capacity: int = 0
     slot: KVSlot | None = None

@@ -181,7 +181,8 @@ class PrefillJob:
     so a scheduler can interleave a 25k-token prefill with other requests' decode steps.
 
     The prompt's embeddings are built once (the vision tower runs on the first step, over the
-    whole video), then the language model runs over them chunk by chunk on top of the
+    whole video, unless `embeds` brings them: `TargetModel.prompt_embeds`, which a scheduler runs
+    on a worker thread), then the language model runs over them chunk by chunk on top of the
     request's KV cache. With `prefix` the cache starts as a copy of the video prefix's and
     only the rest of the prompt runs. `end` stops early (a video-prefix prefill).
     `time_shift` moves the prompt later on the temporal axis (a live window's text before
@@ -191,7 +192,7 @@ class PrefillJob:
 
     def __init__(self, target: "TargetModel", inputs: dict, kv, needs: FeatureNeeds = FeatureNeeds(),
                  prefix: "VideoPrefix | None" = None, chunk_tokens: int = 1 << 30, end: int | None = None,
-                 time_shift: int = 0):
+                 time_shift: int = 0, embeds: torch.Tensor | None = None):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.target, self.inputs, self.kv, self.needs = target, inputs, kv, needs
@@ -210,7 +211,9 @@ class PrefillJob:
         self.start = self.cursor
         self.collector = FeatureCollector(self.ids, target.video_token_id, needs, prefix)
         self.chunk_tokens = chunk_tokens
-        self._embeds: torch.Tensor | None = None
+        # embeds: the prompt's input embeddings made beforehand (prompt_embeds; the vision tower
+        # run off the scheduler thread), used when they cover [start, end)
+        self._embeds = embeds if embeds is not None and embeds.shape[1] == self.end - self.start else None
         self._logits: torch.Tensor | None = None
 
     @property
@@ -429,6 +432,12 @@ class TargetModel:
 
     def build_inputs(self, video: ProcessedVideo, prompt: Prompt) -> dict[str, torch.Tensor]:
         return {**self.text_inputs(self.prompt_ids(prompt, video.num_visual_tokens)), **self._video_inputs(video)}
+
+    @torch.inference_mode()
+    def prompt_embeds(self, inputs: dict) -> torch.Tensor:
+        """(1, T, H) input embeddings of a whole prompt, its video's visual tokens in place (the
+        vision tower's work, done here so it can run off the scheduler thread): PrefillJob(embeds=)."""
+        return self.family.prompt_embeds(self.hf, inputs, 0, inputs["input_ids"].shape[1], self.video_token_id)
 
     def text_inputs(self, ids: list[int]) -> dict[str, torch.Tensor]:
         """The model's inputs for token ids (a prompt's, with its video placeholders if any)."""
