@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow import Engine, SpecConfig
+from sparrow.kernels import cpu_prefix
 from sparrow.models.draft import CONFIG_NAME as DRAFT_CONFIG, SparrowDraft
 from sparrow.models.target import TargetModel
 from sparrow.prefix_cache import PrefixCache
@@ -88,6 +89,8 @@ class Models:
             raise FileNotFoundError(f"no target model at {path} (expected a save_pretrained directory; "
                                     f"--models DIR must hold world/target)")
         self.target = TargetModel.from_pretrained(path)
+        if self.target.device.type == "cpu":
+            cpu_prefix.load()         # the verify kernel built (or loaded) before anything is timed
         self._drafts: dict[str, SparrowDraft] = {}
         self._small: TargetModel | None = None
 

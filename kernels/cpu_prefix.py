@@ -106,10 +106,10 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Unmasked attention of every row of q (B, Hkv, R, D) over all of k, v (B, Hkv, P >= 1, D):
     outputs (B, Hkv, R, Dv) and natural log-sum-exps (B, Hkv, R), both fp32. None where the
     kernel does not apply (usable) or is not built: the caller computes it another way."""
-    if not usable(q, k, v) or (_module[0] is None and _background.is_set()):     # being built: torch's op meanwhile
-        return None
-    module = load()
-    if module is None:
+    module = _module[0]
+    if not usable(q, k, v) or module is None:
+        if module is None and usable(q, k, v):
+            start_loading()          # never built on a step (~30 s): torch's op until it is ready
         return None
     out, lse = module.prefix_attention(q, k, v, float(scale))
     return out, lse

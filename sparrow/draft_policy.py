@@ -28,9 +28,11 @@ class DraftPolicy:
     dear at its length, drafts less or not at all), and keeps the best. So drafting stops
     where it cannot pay: a failing draft, a big batch, a slow verify.
 
-    While the cost model cannot yet tell a row's cost from the step's, and now and then after
+    While the cost model cannot yet tell a row's cost from the step's at the batch's cached
+    length (a long video after short ones is new ground), and now and then after
     (the model asks: `wants_sample`), a step drafts a depth chosen to teach it: the deepest
-    and none in turn at first, then each depth in turn. Requests whose k is pinned (an
+    and half of it in turn at first (a plain step would teach as much and emit fewer tokens),
+    then each depth in turn. Requests whose k is pinned (an
     explicit k) always get their own k.
     """
 
@@ -80,9 +82,11 @@ class DraftPolicy:
         free = [i for i, r in enumerate(batch) if not r.pinned_k and caps[i] > 0]
         if not self.adaptive or not free:
             return caps
-        if self.costs.wants_sample(next(self._steps)):
+        ctx = [r.context for r in batch]
+        if self.costs.wants_sample(next(self._steps), ctx):
             n = next(self._samples)
-            k = (self.k_max if n % 2 == 0 else 0) if not self.costs.ready() else n % (self.k_max + 1)
+            # new ground: two drafting depths in turn (both emit tokens; the fit is linear in rows)
+            k = (self.k_max if n % 2 == 0 else self.k_max // 2) if not self.costs.ready(ctx) else n % (self.k_max + 1)
             return [min(c, k) if i in free else c for i, c in enumerate(caps)]
         return self._best(batch, caps, free)
 
@@ -111,9 +115,9 @@ class DraftPolicy:
     def linear_costs(self, batch: list[Request]) -> tuple[float, float] | None:
         """The batch's step as a + b * (draft nodes verified): a plain step's verify time and
         the mean cost of one more row (for TreeTrim); None until the model is ready."""
-        if not self.costs.ready():
-            return None
         ctx = [r.context for r in batch]
+        if not self.costs.ready(ctx):
+            return None
         plain = self.costs.verify_s([1] * len(batch), ctx)
         return plain, (self.costs.verify_s([2] * len(batch), ctx) - plain) / len(batch)
 

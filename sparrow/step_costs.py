@@ -4,18 +4,22 @@
 A step verifies rows_r = 1 + drafts_r tokens for each request r of the batch, whose target
 cache holds ctx_r tokens. Its verify time is fitted as
 
-    verify = a + b * sum_r rows_r + c * sum_r rows_r * ctx_r / 1000
+    verify = a + b * sum_r rows_r + e * sum_r ctx_r / 1000 + c * sum_r rows_r * ctx_r / 1000
 
-(a: the step's fixed cost; b: a row through the MLPs and the head; c: a row's attention over
-its cached keys, which on a CPU at 25k tokens is most of a step and on a GPU near nothing),
-and the draft's time for a step of depth k as d0 + d1 * k. Both are least squares over the
-last samples, coefficients kept >= 0. The verify fit is local in the cached length: a
+(a: the step's fixed cost; b: a row through the MLPs and the head; e: reading a request's
+cached keys, once a step for all its rows (the packed verify, kernels/packed.py); c: a row's
+own attention work over those keys, which on a CPU at 25k tokens is a large share of a step and
+on a GPU near nothing), and the draft's time for a step of depth k as d0 + d1 * k. Both are
+least squares over the last samples, coefficients kept >= 0. The verify fit is local in the cached length: a
 sample's weight falls with how far its mean cached length is from the step's, by octaves
 (LOCALITY), because one line does not hold across lengths (below ~8k keys the CPU verify runs
 one masked call, above it the packed split, kernels/packed.py; fitted globally, the 0.5k and
 25k samples made a 25k row look twice as dear as it is, and the default engine stopped
-drafting where drafting paid). The first step of each size (rows in all, or draft depth) is
-not a sample: it pays one-time costs (kernels chosen, buffers allocated for a new shape)
+drafting where drafting paid). The model is ready at a length once the samples near it
+(within NEAR octaves) have two step sizes: the 0.5k samples of one video say nothing of a row
+at 25k (fitted from them, a 25k row looked 7 ms dear where it costs ~1 ms, and the default
+engine stopped drafting on the next long video). The first step of each size (rows in all at
+a length, or draft depth) is not a sample: it pays one-time costs (kernels chosen, buffers allocated for a new shape)
 that can be several times a warm step's; nor is a step OUTLIER times slower than the fit
 predicts, nor a draft OUTLIER times dearer than the step's verify (a compile of a new draft
 shape - its greedy chain and its sampled level compile at different steps -, a pause). The model says when it needs a sample it cannot get
@@ -31,6 +35,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 WINDOW = 64            # samples kept per fit
+NEAR = 1.0             # octaves of cached length within which samples make the model ready there
 LOCALITY = 0.5         # a verify sample d octaves of cached length away weighs 1 / (1 + (d / LOCALITY)^2)
 OUTLIER = 5.0          # a sample this many times the fit's prediction is a one-off, not a cost
 RESAMPLE_EVERY = 50    # steps between samples taken only to keep the fit current
@@ -39,9 +44,9 @@ RESAMPLE_EVERY = 50    # steps between samples taken only to keep the fit curren
 class CostModel(Protocol):
     """Seconds a step would take; what the policy compares expected tokens against."""
 
-    def ready(self) -> bool: ...
+    def ready(self, contexts: Sequence[int] | None = None) -> bool: ...
 
-    def wants_sample(self, step: int) -> bool: ...
+    def wants_sample(self, step: int, contexts: Sequence[int] | None = None) -> bool: ...
 
     def verify_s(self, rows: Sequence[int], contexts: Sequence[int]) -> float: ...
 
@@ -69,24 +74,26 @@ class MeasuredCosts:
     """The default CostModel: fitted from the steps this engine ran."""
 
     def __init__(self, window: int = WINDOW, resample_every: int = RESAMPLE_EVERY):
-        # verify: (rows, rows x ctx / 1000, log2 of the mean cached length, seconds)
-        self.verify_samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        # verify: (rows, ctx / 1000, rows x ctx / 1000, log2 of the mean cached length, seconds)
+        self.verify_samples: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)
         self.draft_samples: deque[tuple[float, float]] = deque(maxlen=window)           # (depth, s)
         self.resample_every = resample_every
-        self._verify: dict[int, np.ndarray] = {}      # half-octave of cached length -> (a, b, c), lazily
+        self._verify: dict[int, np.ndarray] = {}      # half-octave of cached length -> (a, b, e, c), lazily
         self._draft: tuple[float, float] | None = None
-        self._seen_rows: set[int] = set()             # step sizes run once already (warm)
+        self._seen_rows: set[tuple[int, int]] = set()  # (rows, half-octave) run once already (warm)
         self._seen_depths: set[int] = set()
 
-    def ready(self) -> bool:
-        return len({s[0] for s in self.verify_samples}) >= 2    # a row's cost and the step's are apart
+    def ready(self, contexts: Sequence[int] | None = None) -> bool:
+        """A row's cost and the step's are apart: two step sizes sampled (near this length)."""
+        near = _octaves(contexts) if contexts is not None else None
+        return len({s[0] for s in self.verify_samples if near is None or abs(s[3] - near) <= NEAR}) >= 2
 
-    def wants_sample(self, step: int) -> bool:
-        return not self.ready() or step % self.resample_every == self.resample_every - 1
+    def wants_sample(self, step: int, contexts: Sequence[int] | None = None) -> bool:
+        return not self.ready(contexts) or step % self.resample_every == self.resample_every - 1
 
     def verify_s(self, rows: Sequence[int], contexts: Sequence[int]) -> float:
-        a, b, c = self._fit_verify(_octaves(contexts))
-        return float(a + b * sum(rows) + c * _attention(rows, contexts))
+        a, b, e, c = self._fit_verify(_octaves(contexts))
+        return float(a + b * sum(rows) + e * sum(contexts) / 1000.0 + c * _attention(rows, contexts))
 
     def draft_s(self, depth: int) -> float:
         if depth <= 0:
@@ -96,11 +103,13 @@ class MeasuredCosts:
 
     def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
                draft_s: float) -> None:
-        total = int(sum(rows))
-        if total in self._seen_rows and not (self.ready() and verify_s > OUTLIER * self.verify_s(rows, contexts)):
-            self.verify_samples.append((float(total), _attention(rows, contexts), _octaves(contexts), float(verify_s)))
+        total, octaves = int(sum(rows)), _octaves(contexts)
+        size = (total, round(2 * octaves))
+        if size in self._seen_rows and not (self.ready(contexts) and verify_s > OUTLIER * self.verify_s(rows, contexts)):
+            self.verify_samples.append((float(total), sum(contexts) / 1000.0, _attention(rows, contexts), octaves,
+                                        float(verify_s)))
             self._verify.clear()
-        self._seen_rows.add(total)
+        self._seen_rows.add(size)
         if depth > 0:
             # a draft step is never OUTLIER x dearer than its own fit or than the step's verify
             # (a one-layer draft against the target): one that is paid something once
@@ -111,14 +120,14 @@ class MeasuredCosts:
             self._seen_depths.add(depth)
 
     def _fit_verify(self, octaves: float) -> np.ndarray:
-        """(a, b, c) weighted towards samples near `octaves` (log2 of the step's mean cached
+        """(a, b, e, c) weighted towards samples near `octaves` (log2 of the step's mean cached
         length); kept per half-octave. Callers check `ready` first."""
         key = round(2 * octaves)
         if key not in self._verify:
             data = np.array(self.verify_samples)
-            w = np.sqrt(1.0 / (1.0 + ((data[:, 2] - key / 2) / LOCALITY) ** 2))
-            x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]]) * w[:, None]
-            self._verify[key] = _nonnegative_lstsq(x, data[:, 3] * w)
+            w = np.sqrt(1.0 / (1.0 + ((data[:, 3] - key / 2) / LOCALITY) ** 2))
+            x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]]) * w[:, None]
+            self._verify[key] = _nonnegative_lstsq(x, data[:, 4] * w)
         return self._verify[key]
 
     def _fit_draft(self) -> tuple[float, float]:

@@ -25,10 +25,10 @@ class StubCosts:
         self.a, self.b, self.c, self.d = a, b, c, d
         self.recorded = []
 
-    def ready(self):
+    def ready(self, contexts=None):
         return True
 
-    def wants_sample(self, step):
+    def wants_sample(self, step, contexts=None):
         return False
 
     def verify_s(self, rows, contexts):
@@ -120,17 +120,28 @@ def test_verify_costs_are_fitted_near_the_steps_cached_length_and_one_offs_are_n
     assert costs.verify_s([5], [25_000]) == pytest.approx(0.014, rel=0.05)
 
 
-def test_until_the_costs_are_known_it_samples_deep_and_plain_steps_in_turn():
-    """The first step of each size is a cold one (its cost is not a sample): two of each."""
+def test_until_the_costs_are_known_it_samples_two_depths_in_turn_at_each_length():
+    """The first step of each size at a length is a cold one (its cost is not a sample): two of
+    each, the deepest and half of it. A much longer video is new ground: what a row costs there
+    is sampled again before the policy trusts the fit (from 1k samples alone a 25k row would be
+    priced by the 1k steps' slope)."""
     policy = DraftPolicy(K, adaptive=True)
     batch = [request(0.9, 1000)]
     for cold in (10.0, 1.0):
         assert policy.choose(batch) == [K]
         policy.record(batch, [K + 1], 0.020 * cold, K, 0.002 * cold, [K], [K])
-        assert policy.choose(batch) == [0]
-        policy.record(batch, [1], 0.010 * cold, 0, 0.0, [0], [0])
-    assert policy.costs.ready() and policy.linear_costs(batch) == pytest.approx((0.010, 0.0025))
+        assert policy.choose(batch) == [K // 2]
+        policy.record(batch, [K // 2 + 1], 0.015 * cold, K // 2, 0.001 * cold, [K // 2], [K // 2])
+    assert policy.costs.ready([1000]) and policy.linear_costs(batch) == pytest.approx((0.010, 0.0025))
     assert policy.costs.draft_s(K) == pytest.approx(0.002)
+    long = [request(0.9, 25_000)]
+    assert not policy.costs.ready([25_000]) and policy.linear_costs(long) is None
+    for cold in (10.0, 1.0):
+        assert policy.choose(long) == [K]
+        policy.record(long, [K + 1], 0.013 * cold, K, 0.002, [K], [K])
+        assert policy.choose(long) == [K // 2]
+        policy.record(long, [K // 2 + 1], 0.0115 * cold, K // 2, 0.001, [K // 2], [K // 2])
+    assert policy.linear_costs(long) == pytest.approx((0.010, 0.00075), rel=0.05)      # not 1k's 0.0025
 
 
 def test_a_requests_acceptance_starts_from_the_engines():
