@@ -169,7 +169,8 @@ class EngineConfig:
                          take about this long (from the measured cost of the request's previous
                          slice: it grows with the cached length), so a running stream waits
                          about this much at most; the prefill with the fewest positions left
-                         runs first (scheduler.OLDEST_EVERY: the oldest is never starved)
+                         runs first (scheduler.STARVED_SLICES: one that waited 5 x prefill_slice_s
+                         goes first, so none is starved)
     prefill_share        ... and prefill gets about this share of the time while streams decode
                          (the rest goes to decode steps); alone, a prefill runs slices of about
                          4 x prefill_slice_s (scheduler.ALONE_SLICES), at most a chunk

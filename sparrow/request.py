@@ -59,6 +59,8 @@ class Request:
     decode_start: float = 0.0
     waited: bool = False                    # counted once in the scheduler's waited_for_memory
     prefill_s_per_token: float = 0.0        # measured on its last prefill slice
+    prefill_last_slice: int = 0             # positions of that slice
+    prefill_turn_at: float = 0.0            # when it was admitted or last ran a slice (perf_counter)
     done: bool = False
 
     def abort(self) -> None:

@@ -44,9 +44,10 @@ from .step_costs import CostModel
 
 log = logging.getLogger(__name__)
 
-FIRST_SLICE = 256      # prompt positions of a prefill's first slice while streams decode
+FIRST_SLICE = 256      # prompt positions of the engine's first prefill slice while streams decode
 ALONE_SLICES = 4       # a prefill alone runs slices of about this many prefill_slice_s
-OLDEST_EVERY = 4       # every 4th prefill slice goes to the oldest prefill, the rest to the shortest
+SLICE_GROWTH = 2       # a prefill's slice at most this many times its previous one's positions
+STARVED_SLICES = 5     # a prefill that waited this many prefill_slice_s since its last slice goes first
 EXIT_JOIN_S = 5.0      # at interpreter exit, how long each scheduler's threads get to stop
 
 # Every scheduler not yet collected, and every thread they started: at interpreter exit the
@@ -76,7 +77,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
-        self._slices = 0                             # prefill slices chosen (OLDEST_EVERY)
+        self._fresh_s_per_token = 0.0                # a first slice's seconds per position, last measured
         # Counters for operators and tests: decode steps, the largest batch, requests that had
         # to wait for KV memory, prefill slices run; requests that ended (abort, deadline) before
         # their preparation began, while it ran (stopped at the next packet, or before the
@@ -226,6 +227,7 @@ class Scheduler:
                 return
             self._waiting.popleft()
             request.slot = slot
+            request.prefill_turn_at = time.perf_counter()
             try:
                 request.job = self.runner.prefill_job(request)
             except Exception as exc:  # noqa: BLE001 - this request's inputs, not the engine's
@@ -236,13 +238,18 @@ class Scheduler:
     def _prefill_slice(self) -> None:
         """One chunk of one prefill: a long prompt is spread over several loop turns. The
         prefill with the fewest positions left goes first (a short question is not queued
-        behind a 25k-token video), except that every OLDEST_EVERY-th slice goes to the oldest
-        (a long prefill is never starved). While streams decode or other prefills wait, a
-        slice is sized to about prefill_slice_s (from the measured seconds per position of
-        the request's last slice: it grows with the cached length); while streams decode,
-        slices also wait their turn so that prefill takes about prefill_share of the time.
-        Alone, a prefill runs slices of about ALONE_SLICES x prefill_slice_s (at most a chunk):
-        a request that arrives meanwhile waits at most that for its first slice."""
+        behind a 25k-token video), except that one that has waited STARVED_SLICES x
+        prefill_slice_s since its last slice goes first (a long prefill is never starved, and
+        a short one is not made to wait for the long one's turn mid-way). While streams
+        decode or other prefills wait, a slice is sized to about prefill_slice_s: from the
+        measured seconds per position of the request's last slice (it grows with the cached
+        length, so a slice is at most SLICE_GROWTH x the last one's positions), and for a
+        request's first slice from the last first slice measured (a short question's whole
+        prompt is one slice, not a probe and a rest with another prefill's turn between);
+        while streams decode, slices also wait their turn so that prefill takes about
+        prefill_share of the time. Alone, a prefill runs slices of about ALONE_SLICES x
+        prefill_slice_s (at most a chunk): a request that arrives meanwhile waits at most that
+        for its first slice."""
         if not self._prefilling:
             return
         cfg, now = self.config, time.perf_counter()
@@ -253,13 +260,14 @@ class Scheduler:
             self._prefilling.remove(request)
             self._finish(request, "abort")
             return
-        limit = None
-        if self._running or len(self._prefilling) > 1:     # unmeasured yet: a probe of FIRST_SLICE positions
-            limit = (max(16, int(cfg.prefill_slice_s / request.prefill_s_per_token))
-                     if request.prefill_s_per_token else FIRST_SLICE)
-        elif request.prefill_s_per_token:        # alone: longer slices, still short enough for a newcomer
-            limit = max(16, int(ALONE_SLICES * cfg.prefill_slice_s / request.prefill_s_per_token))
-        start = request.job.cursor
+        limit, per_token = None, request.prefill_s_per_token or self._fresh_s_per_token
+        if self._running or len(self._prefilling) > 1:     # nothing measured yet: a probe of FIRST_SLICE
+            limit = max(16, int(cfg.prefill_slice_s / per_token)) if per_token else FIRST_SLICE
+        elif per_token:                          # alone: longer slices, still short enough for a newcomer
+            limit = max(16, int(ALONE_SLICES * cfg.prefill_slice_s / per_token))
+        if limit is not None and request.prefill_last_slice:
+            limit = min(limit, SLICE_GROWTH * request.prefill_last_slice)
+        start, first = request.job.cursor, not request.prefill_last_slice
         t0 = time.perf_counter()
         try:
             done = request.job.step(limit)
@@ -269,7 +277,11 @@ class Scheduler:
             return
         spent = time.perf_counter() - t0
         request.metrics.prefill_seconds += spent
-        request.prefill_s_per_token = spent / max(1, request.job.cursor - start)
+        request.prefill_last_slice = max(1, request.job.cursor - start)
+        request.prefill_s_per_token = spent / request.prefill_last_slice
+        request.prefill_turn_at = time.perf_counter()
+        if first:
+            self._fresh_s_per_token = request.prefill_s_per_token
         self._next_slice_at = time.perf_counter() + spent * (1 - cfg.prefill_share) / cfg.prefill_share
         self.stats["prefill_slices"] += 1
         if done:
@@ -283,11 +295,12 @@ class Scheduler:
             self._emit(request, [first])
 
     def _next_prefill(self) -> Request:
-        """The prefill whose slice runs next: fewest positions left (ties: the oldest); every
-        OLDEST_EVERY-th slice, the oldest."""
-        self._slices += 1
-        if self._slices % OLDEST_EVERY == 0:
-            return self._prefilling[0]
+        """The prefill whose slice runs next: fewest positions left (ties: the oldest), unless
+        one has waited STARVED_SLICES x prefill_slice_s for a slice (the longest waiting)."""
+        starved = time.perf_counter() - STARVED_SLICES * self.config.prefill_slice_s
+        waiting = min(self._prefilling, key=lambda r: r.prefill_turn_at)
+        if waiting.prefill_turn_at < starved:
+            return waiting
         return min(self._prefilling, key=lambda r: r.job.end - r.job.cursor)     # min keeps the first of ties
 
     def _run_task(self) -> None:

@@ -9,7 +9,7 @@ import pytest
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest, ResourceExhausted, VideoError
 from sparrow.config import EngineConfig
-from sparrow.scheduler import OLDEST_EVERY
+from sparrow.scheduler import STARVED_SLICES
 from sparrow.speculative.proposer import Proposer
 from sparrow.speculative.registry import PROPOSERS, build_proposer
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
@@ -225,14 +225,14 @@ def test_an_ended_request_is_never_prepared_and_its_decode_stops(qwen_target, sm
 def test_a_short_prefill_is_not_queued_behind_a_long_one(qwen_target):
     """A 1k-position prefill runs in 32-position slices; a short request that arrives while it
     runs gets its slices next (fewest positions left first): between the short's admission and
-    its first token the long one only gets the oldest's turns (one slice in OLDEST_EVERY), and
-    it still finishes with the target's own tokens."""
+    its first token the long one only gets a starved prefill's turns (one per STARVED_SLICES x
+    prefill_slice_s it waited), and it still finishes with the target's own tokens."""
     engine = Engine(qwen_target, spec=SpecConfig(method="none"), config=EngineConfig(prefill_chunk_tokens=32))
     scheduler, marks = engine.scheduler, {}
     real_job = engine.runner.prefill_job
 
     def job(request):
-        marks.setdefault(request.id, scheduler.stats["prefill_slices"])      # admitted: slices so far
+        marks.setdefault(request.id, (scheduler.stats["prefill_slices"], time.perf_counter()))   # admitted
         return real_job(request)
 
     engine.runner.prefill_job = job
@@ -244,6 +244,7 @@ def test_a_short_prefill_is_not_queued_behind_a_long_one(qwen_target):
 
     def short_sink(item):
         first_token.setdefault("slices", scheduler.stats["prefill_slices"])
+        first_token.setdefault("at", time.perf_counter())
         first_token.setdefault("long_left", long.request.job.end - long.request.job.cursor
                                if long.request.job is not None else 0)
 
@@ -254,7 +255,62 @@ def test_a_short_prefill_is_not_queued_behind_a_long_one(qwen_target):
     while not short.done and time.monotonic() < deadline:
         time.sleep(0.01)
     short_slices = -(-short.metrics.prompt_tokens // 32)
-    long_turns = -(-short_slices // (OLDEST_EVERY - 1)) + 1
-    assert first_token["slices"] - marks[short.id] <= short_slices + long_turns
+    admitted_slices, admitted_at = marks[short.id]
+    starved_after = STARVED_SLICES * engine.config.prefill_slice_s
+    long_turns = 1 + int((first_token["at"] - admitted_at) / starved_after)     # the one running, then starved turns
+    assert first_token["slices"] - admitted_slices <= short_slices + long_turns
     assert first_token["long_left"] > 500                                # most of the long prefill still to run
     assert rest == hf_greedy(qwen_target, engine, long_video, PROMPTS[0], 3)
+
+
+class _StubPrefill:
+    """A prefill job whose slices cost stub seconds on a virtual clock: a position costs more
+    the deeper it is (attention over what came before), as measured on this box's tiny world
+    target (~60 us a position at the start of a prompt, ~1.4 ms at 25k)."""
+
+    def __init__(self, positions: int, clock: list, chunk: int = 2048):
+        self.end, self.cursor, self.clock, self.chunk = positions, 0, clock, chunk
+
+    def step(self, limit=None):
+        n = min(limit or self.chunk, self.chunk, self.end - self.cursor)
+        self.clock[0] += n * (60e-6 + 55e-9 * (self.cursor + n / 2))
+        self.cursor += n
+        return self.cursor >= self.end
+
+
+def _stub_request(positions: int, clock: list):
+    from types import SimpleNamespace
+    return SimpleNamespace(aborted=threading.Event(), job=_StubPrefill(positions, clock), prefill_s_per_token=0.0,
+                           prefill_last_slice=0, prefill_turn_at=clock[0], metrics=SimpleNamespace(prefill_seconds=0.0))
+
+
+def test_short_prefills_wait_about_a_slice_while_a_long_one_runs_under_a_stub_cost(qwen_target, monkeypatch):
+    """Streams decoding (an 8 ms step a loop turn), a 25k-position prefill, and a short
+    question (524 positions) every 0.5 s on a virtual clock with a stub cost: each short's
+    first token comes within 3 x prefill_slice_s of its arrival (the slice running then, the
+    streams' turn, then its own: one slice, run ahead of the long one's), and the long prefill
+    keeps its share and finishes."""
+    import sparrow.scheduler as scheduler_module
+    from types import SimpleNamespace
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(perf_counter=lambda: clock[0], monotonic=time.monotonic))
+    engine = Engine(qwen_target, spec=SpecConfig(method="none"))
+    s, slice_s = engine.scheduler, engine.config.prefill_slice_s
+    first_token = {}
+    monkeypatch.setattr(s, "_emit", lambda request, tokens: first_token.setdefault(id(request), clock[0]))
+    monkeypatch.setattr(s.runner, "start_decoding", lambda request: 0)
+    s._running.append(object())                                 # streams are decoding
+    long = _stub_request(25_000, clock)
+    s._prefilling.append(long)
+    shorts, arrivals = [], [1.0 + 0.5 * i for i in range(12)]
+    while id(long) not in first_token and clock[0] < 120:
+        while arrivals and clock[0] >= arrivals[0]:
+            shorts.append(_stub_request(524, clock))
+            shorts[-1].arrived = arrivals.pop(0)        # (it came while the last slice ran)
+            s._prefilling.append(shorts[-1])
+        s._prefill_slice()
+        clock[0] += 0.008                                       # the streams' decode step
+    waits = [first_token[id(r)] - r.arrived if id(r) in first_token else None for r in shorts]
+    assert len(shorts) == 12 and None not in waits
+    assert max(waits) <= 3 * slice_s, waits
+    assert id(long) in first_token                              # never starved: it finished too
