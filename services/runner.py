@@ -23,7 +23,7 @@ class RunningRequest:
     GenerationOutput; `abort()` is safe from any thread."""
 
     def __init__(self, engine: Engine, runner: "EngineRunner", video, prompt: str, sampling, options, *,
-                 video_key: str | None, num_draft_tokens: int | None):
+                 video_key: str | None, num_draft_tokens: int | None, deadline: float | None = None):
         self._runner = runner
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -31,7 +31,7 @@ class RunningRequest:
         runner._started()
         try:
             self.request = engine.submit(video, prompt, sampling, options, video_key=video_key,
-                                         num_draft_tokens=num_draft_tokens, sink=self._send)
+                                         num_draft_tokens=num_draft_tokens, sink=self._send, deadline=deadline)
         except BaseException:
             runner._ended()
             raise
@@ -92,9 +92,11 @@ class EngineRunner:
             self._active -= 1
 
     def start(self, video, prompt: str, sampling, options, *, video_key: str | None = None,
-              num_draft_tokens: int | None = None) -> RunningRequest:
+              num_draft_tokens: int | None = None, deadline: float | None = None) -> RunningRequest:
+        """deadline: time.monotonic() at which the engine aborts the request itself (the
+        event loop's backstop, servicer._abort_at, may run late when the loop is busy)."""
         return RunningRequest(self.engine, self, video, prompt, sampling, options, video_key=video_key,
-                              num_draft_tokens=num_draft_tokens)
+                              num_draft_tokens=num_draft_tokens, deadline=deadline)
 
     def shutdown(self) -> None:
         self.engine.close()

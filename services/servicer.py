@@ -85,7 +85,8 @@ class SparrowService:
             job = await self._job(request)
             _check_deadline(deadline)
             running = self.runner.start(job.video, job.prompt, job.sampling, job.options,
-                                        video_key=job.video_key, num_draft_tokens=job.num_draft_tokens)
+                                        video_key=job.video_key, num_draft_tokens=job.num_draft_tokens,
+                                        deadline=deadline)
             self.live[request_id] = running
             # aclosing: however this generator ends, the nested ones end now, not at GC time
             async with contextlib.aclosing(self._respond(request_id, running, deadline)) as responses:

@@ -118,7 +118,8 @@ class Engine:
     def submit(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                options: VideoOptions | None = None, *, video_key: str | None = None,
                num_draft_tokens: int | None = None, sink: Callable[[Any], None],
-               prefix: PrefixEntry | None = None, first_token_ids: tuple[int, ...] = ()) -> Request:
+               prefix: PrefixEntry | None = None, first_token_ids: tuple[int, ...] = (),
+               deadline: float | None = None) -> Request:
         """Start a request; its events go to `sink` from the engine's threads: TokenDelta
         items, then a GenerationOutput or an exception. `request.abort()` stops it, at any
         stage: a video not yet decoded is never decoded, one being decoded stops at its next
@@ -128,11 +129,14 @@ class Engine:
         request prefills only its own text on a copy of it; `video` is then unused.
         first_token_ids: the output's `first_token_probs` gives the target's probability of each
         of these tokens at the answer's first position (its next-token distribution after the
-        prompt, temperature 1): a yes/no question's P(yes) from one prefill (sparrow/alerts.py)."""
+        prompt, temperature 1): a yes/no question's P(yes) from one prefill (sparrow/alerts.py).
+        deadline: time.monotonic() at which the request aborts itself, at the engine's next
+        check (not prepared at all if it has passed by then)."""
         if isinstance(prompt, list):
             prompt = tuple(prompt)         # the request keeps its own copy of the turns
         return self.scheduler.submit(video, prompt, sampling or SamplingParams(), options, video_key,
-                                     num_draft_tokens, sink, entry=prefix, first_token_ids=tuple(first_token_ids))
+                                     num_draft_tokens, sink, entry=prefix, first_token_ids=tuple(first_token_ids),
+                                     deadline=deadline)
 
     def stream(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                options: VideoOptions | None = None, *, video_key: str | None = None,

@@ -20,6 +20,22 @@ from .speculative.proposer import DraftState
 from .speculative.sampling import PositionNoise
 
 
+class Ending(threading.Event):
+    """A request's abort signal: set by `abort()`, or by itself at `deadline` (time.monotonic),
+    checked wherever the engine checks for an abort (before preparing, at each packet of the
+    video's decode, before each prefill slice and decode step). So a deadline ends the work at
+    the engine's next check, whatever thread noticed it first or whether any did."""
+
+    def __init__(self, deadline: float | None = None):
+        super().__init__()
+        self.deadline = deadline
+
+    def is_set(self) -> bool:
+        if self.deadline is not None and not super().is_set() and time.monotonic() >= self.deadline:
+            self.set()
+        return super().is_set()
+
+
 @dataclass(eq=False)
 class Request:
     """One request's life in the scheduler. Only the scheduler thread touches the fields
@@ -35,7 +51,7 @@ class Request:
     sink: Callable[[Any], None]             # receives TokenDelta, then GenerationOutput or an exception
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     submitted: float = field(default_factory=time.monotonic)
-    aborted: threading.Event = field(default_factory=threading.Event)
+    aborted: Ending = field(default_factory=Ending)
     k: int = 0                              # most draft tokens a step may give it
     pinned_k: bool = False                  # an explicit k: k never adapts
     needs: FeatureNeeds = FeatureNeeds()

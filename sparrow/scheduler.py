@@ -88,9 +88,9 @@ class Scheduler:
     # ----- submission (any thread) ---------------------------------------------------------------
     def submit(self, video, prompt: str, sampling: SamplingParams, options, video_key: str | None,
                num_draft_tokens: int | None, sink: Callable[[Any], None], entry: PrefixEntry | None = None,
-               first_token_ids: tuple[int, ...] = ()) -> Request:
+               first_token_ids: tuple[int, ...] = (), deadline: float | None = None) -> Request:
         request = Request(next(self._ids), video, prompt, sampling, options, video_key, num_draft_tokens, sink)
-        request.entry, request.first_token_ids = entry, first_token_ids
+        request.entry, request.first_token_ids, request.aborted.deadline = entry, first_token_ids, deadline
         if self._closed:
             raise RuntimeError("the engine is closed")
         with self._cv:

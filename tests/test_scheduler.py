@@ -184,8 +184,9 @@ def test_adaptive_k_stays_lossless_and_drops_to_plain_decoding_for_a_useless_dra
 
 # ----- ended requests cost nothing; short prefills are not queued behind long ones ------------------
 def test_an_ended_request_is_never_prepared_and_its_decode_stops(qwen_target, small_video, tmp_path):
-    """With the only preparer busy, a request aborted while queued is never prepared (its deferred
-    video never decoded); a video read whose request ended stops at the next packet."""
+    """With the only preparer busy, a request aborted while queued, or whose deadline passed
+    while queued, is never prepared (its deferred video never decoded); a deadline that passes
+    during decoding stops it; a video read whose request ended stops at the next packet."""
     from sparrow.errors import RequestAborted
     from sparrow.video import VideoOptions, load_frames
     from sparrow.video.synthetic import write_synthetic_video
@@ -204,15 +205,27 @@ def test_an_ended_request_is_never_prepared_and_its_decode_stops(qwen_target, sm
     first = engine.submit(blocking, PROMPTS[0], SamplingParams(max_new_tokens=2), sink=outputs.append)
     second = engine.submit(counted, PROMPTS[0], SamplingParams(max_new_tokens=2), sink=outputs.append)
     second.abort()
+    # a deadline ends a request by itself, with no one to abort it: past by the time a preparer is free
+    third = engine.submit(counted, PROMPTS[0], SamplingParams(max_new_tokens=2), sink=outputs.append,
+                          deadline=time.monotonic() + 0.05)
+    time.sleep(0.1)
     release.set()
     deadline = time.monotonic() + 30
-    while sum(1 for o in outputs if hasattr(o, "finish_reason")) < 2 and time.monotonic() < deadline:
+    while sum(1 for o in outputs if hasattr(o, "finish_reason")) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     finals = [o for o in outputs if hasattr(o, "finish_reason")]
-    assert sorted(o.finish_reason for o in finals) == ["abort", "length"] and not decoded
+    assert sorted(o.finish_reason for o in finals) == ["abort", "abort", "length"] and not decoded
     stats = engine.scheduler.stats
-    assert (stats["ended_before_prepare"], stats["prepared_dead"]) == (1, 0)
-    assert first.done and second.done
+    assert (stats["ended_before_prepare"], stats["prepared_dead"]) == (2, 0)
+    assert first.done and second.done and third.done
+    # and one whose deadline passes while it decodes stops there
+    outputs.clear()
+    late = engine.submit(small_video, PROMPTS[0], SamplingParams(max_new_tokens=4000, ignore_eos=True),
+                         sink=outputs.append, deadline=time.monotonic() + 1.0)
+    while not late.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    final = outputs[-1]
+    assert final.finish_reason == "abort" and 0 < len(final.token_ids) < 4000
 
     path = write_synthetic_video(tmp_path / "v.mp4", num_frames=48, width=64, height=64, fps=8.0, seed=3).path
     ended = threading.Event()
