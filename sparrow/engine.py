@@ -16,6 +16,7 @@ of that video: only the prompt's own text is prefilled, and the video is not eve
 from __future__ import annotations
 
 import queue
+import time
 from typing import Any, Callable
 
 import torch
@@ -140,7 +141,7 @@ class Engine:
 
     def stream(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                options: VideoOptions | None = None, *, video_key: str | None = None,
-               num_draft_tokens: int | None = None) -> Generation:
+               num_draft_tokens: int | None = None, timeout_s: float | None = None) -> Generation:
         """Start a request and iterate its deltas.
 
         prompt: a question, or a conversation about the video (sparrow.chat.Message turns,
@@ -150,19 +151,23 @@ class Engine:
         reuse its prefill; `video` may then be a zero-argument callable, called on a miss only.
         num_draft_tokens: this request's k (fixed for its life); 0 decodes without drafting.
         Default: the engine's, adapted to the load step by step (SpecConfig.adaptive_k).
+        timeout_s: the request aborts itself this many seconds from now (finish reason
+        "abort"), at whatever stage it is (submit's deadline).
         """
         gen = Generation()
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
         try:
             gen.request = self.submit(video, prompt, sampling, options, video_key=video_key,
-                                      num_draft_tokens=num_draft_tokens, sink=gen._events.put)
+                                      num_draft_tokens=num_draft_tokens, sink=gen._events.put, deadline=deadline)
         except ResourceExhausted as exc:
             gen._events.put(exc)
         return gen
 
     def generate(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
                  options: VideoOptions | None = None, *, video_key: str | None = None,
-                 num_draft_tokens: int | None = None) -> GenerationOutput:
-        gen = self.stream(video, prompt, sampling, options, video_key=video_key, num_draft_tokens=num_draft_tokens)
+                 num_draft_tokens: int | None = None, timeout_s: float | None = None) -> GenerationOutput:
+        gen = self.stream(video, prompt, sampling, options, video_key=video_key, num_draft_tokens=num_draft_tokens,
+                          timeout_s=timeout_s)
         for _ in gen:
             pass
         return gen.output

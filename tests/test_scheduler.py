@@ -226,6 +226,8 @@ def test_an_ended_request_is_never_prepared_and_its_decode_stops(qwen_target, sm
         time.sleep(0.01)
     final = outputs[-1]
     assert final.finish_reason == "abort" and 0 < len(final.token_ids) < 4000
+    out = engine.generate(small_video, PROMPTS[0], SamplingParams(max_new_tokens=4000, ignore_eos=True), timeout_s=0.5)
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 4000
 
     path = write_synthetic_video(tmp_path / "v.mp4", num_frames=48, width=64, height=64, fps=8.0, seed=3).path
     ended = threading.Event()
