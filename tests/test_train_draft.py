@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparrow.errors import InvalidRequest
 from sparrow.models import SparrowDraft, TargetModel
 from sparrow.tiny import synthetic_frames
 from sparrow.training import Sample, TrainConfig
@@ -84,6 +85,17 @@ def test_train_draft_resumes_from_its_checkpoint_after_a_kill(saved, tmp_path):
     logs.clear()
     train_draft(target, store, whole, TrainConfig(**{**OPTIONS, "steps": 2}), log=logs.append, restart=True)
     assert not any(line.startswith("resuming") for line in logs) and _steps(whole) == [1, 2]
+    # --init fine-tunes a saved draft: its weights are where training starts
+    from sparrow.training.trainer import DraftTrainer
+    start = DraftTrainer.from_draft(t, killed, FeatureStore(store), cfg, log=lambda _: None)
+    for (name, a), b in zip(start.draft.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    logs.clear()
+    train_draft(target, store, tmp_path / "tuned", TrainConfig(**{**OPTIONS, "steps": 2}), log=logs.append, init=killed)
+    assert f"starting from the draft at {killed}" in logs and _steps(tmp_path / "tuned") == [1, 2]
+    with pytest.raises(InvalidRequest, match="not what this config trains"):
+        train_draft(target, store, tmp_path / "wide", TrainConfig(**{**OPTIONS, "draft_intermediate": 48}),
+                    log=lambda _: None, init=killed)
 
 
 needs_pair = pytest.mark.skipif(not (WORLD / "target" / "config.json").is_file(),

@@ -58,11 +58,14 @@ def _config(cls, args: argparse.Namespace, prefix: str = "", **overrides):
 # ----- train-draft ---------------------------------------------------------------------------------
 def train_draft(target_dir: str | Path, data: str | Path, out: str | Path, cfg, heldout: str | Path | None = None,
                 resume: str | Path | None = None, log=None, dtype: str = "float32", device: str = "cpu",
-                store: str | Path | None = None, store_cfg=None, restart: bool = False) -> dict:
+                store: str | Path | None = None, store_cfg=None, restart: bool = False,
+                init: str | Path | None = None) -> dict:
     """Load the target (in `dtype` on `device`), read the samples, train (or resume), save the
     draft to `out`. data: samples (distilled online), or a feature store; with `store`, the
     samples' features are built there first (an unfinished build goes on where it stopped) and
-    training reads them. A run whose `out` holds a checkpoint resumes from it unless `restart`."""
+    training reads them. A run whose `out` holds a checkpoint resumes from it unless `restart`.
+    init: a draft (save_pretrained form) to start from instead of fresh weights (a fine-tune:
+    its weights, a new optimizer and schedule)."""
     from .data import load_samples
     from .feature_store import FeatureStore, StoreConfig, build_store
     from .trainer import STATE_NAME, DraftTrainer
@@ -86,6 +89,9 @@ def train_draft(target_dir: str | Path, data: str | Path, out: str | Path, cfg, 
     if resume:
         trainer = DraftTrainer.resume(target, resume, samples, cfg, **kw)
         log(f"resuming from {resume} at step {trainer.step}/{cfg.steps}")
+    elif init:
+        trainer = DraftTrainer.from_draft(target, init, samples, cfg, **kw)
+        log(f"starting from the draft at {init}")
     else:
         trainer = DraftTrainer.fresh(target, samples, cfg, **kw)
     summary = trainer.fit()
@@ -103,7 +109,8 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
 
     summary = train_draft(args.target, args.data, args.out, _config(TrainConfig, args), args.heldout, args.resume,
                           dtype=args.dtype, device=args.device, store=args.store,
-                          store_cfg=_config(StoreConfig, args, "store_", **_store_preset(args)), restart=args.restart)
+                          store_cfg=_config(StoreConfig, args, "store_", **_store_preset(args)), restart=args.restart,
+                          init=args.init)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -175,7 +182,8 @@ def _cmd_world_train_draft(args: argparse.Namespace) -> int:
     data = args.data or make_world_data(Path(args.out) / "data" / "train", args.videos, (8,), args.seed,
                                         args.questions_per_video)
     held = make_world_data(Path(args.out) / "data" / "heldout", cfg.eval_samples, (8,), args.seed + 10**6, 0)
-    summary = train_draft(args.target, data, args.out, cfg, held, args.resume, dtype=args.dtype, device=args.device)
+    summary = train_draft(args.target, data, args.out, cfg, held, args.resume, dtype=args.dtype, device=args.device,
+                          init=args.init)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -275,6 +283,7 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--out", required=True, help="where the draft, checkpoint and log go")
     p.add_argument("--resume", help="checkpoint directory to continue from (default: OUT/checkpoint if there)")
     p.add_argument("--restart", action="store_true", help="start afresh even if OUT holds a checkpoint")
+    p.add_argument("--init", help="a draft directory to start from (fine-tune its weights; new optimizer)")
     _add_config_options(p, TrainConfig, TRAIN_HELP)
     _add_config_options(p, StoreConfig, STORE_HELP, skip=("feature_layers", "max_new_tokens", "fps", "num_frames",
                                                           "seed"), prefix="store_")
@@ -335,6 +344,7 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--videos", type=int, default=192, help="training videos (each with a caption and questions)")
     p.add_argument("--questions-per-video", type=int, default=1, help="QA samples per video besides its caption")
     p.add_argument("--resume", help="checkpoint directory to continue from (OUT/checkpoint)")
+    p.add_argument("--init", help="a draft directory to start from (fine-tune its weights; new optimizer)")
     p.add_argument("--seed", type=int, default=0, dest="seed", help="seed of the data and the draft's initialisation")
     _add_config_options(p, TrainConfig, TRAIN_HELP, skip=("seed",))
     add_placement_arguments(p)

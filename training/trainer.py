@@ -47,11 +47,17 @@ from .unroll import context_attention, unroll
 STATE_NAME = "trainer_state.pt"
 
 
-def new_draft(target: TargetModel, cfg: TrainConfig) -> SparrowDraft:
-    """A fresh draft for `target`, initialised from cfg.seed (the global RNG is left alone)."""
+def draft_config(target: TargetModel, cfg: TrainConfig) -> DraftConfig:
+    """The architecture `cfg` trains for `target`."""
     dcfg = DraftConfig.for_target(target, cfg.draft_layers, cfg.feature_layers)
     if cfg.draft_intermediate is not None:
         dcfg = replace(dcfg, intermediate_size=cfg.draft_intermediate)
+    return dcfg
+
+
+def new_draft(target: TargetModel, cfg: TrainConfig) -> SparrowDraft:
+    """A fresh draft for `target`, initialised from cfg.seed (the global RNG is left alone)."""
+    dcfg = draft_config(target, cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         draft = SparrowDraft(dcfg)
@@ -116,6 +122,22 @@ class DraftTrainer:
         if isinstance(samples, FeatureStore) and cfg.feature_layers is None:
             cfg = replace(cfg, feature_layers=samples.feature_layers)       # what the store holds
         return cls(target, new_draft(target, cfg), samples, cfg, **kw)
+
+    @classmethod
+    def from_draft(cls, target: TargetModel, path: str | Path, samples: list[Sample] | FeatureStore,
+                   cfg: TrainConfig, **kw) -> "DraftTrainer":
+        """Start from a saved draft's weights (a fine-tune), with a new optimizer and schedule;
+        its architecture must be what `cfg` trains (feature layers, width, layers)."""
+        if isinstance(samples, FeatureStore) and cfg.feature_layers is None:
+            cfg = replace(cfg, feature_layers=samples.feature_layers)       # what the store holds
+        draft = SparrowDraft.from_pretrained(path, target)
+        want, got = draft_config(target, cfg), draft.config
+        if (got.feature_layers, got.intermediate_size, got.num_layers) != (want.feature_layers, want.intermediate_size,
+                                                                             want.num_layers):
+            raise InvalidRequest(f"the draft at {path} is not what this config trains (feature layers, width, "
+                                 f"layers): {got.feature_layers}/{got.intermediate_size}/{got.num_layers} vs "
+                                 f"{want.feature_layers}/{want.intermediate_size}/{want.num_layers}")
+        return cls(target, draft, samples, cfg, **kw)
 
     @classmethod
     def resume(cls, target: TargetModel, checkpoint: str | Path, samples: list[Sample] | FeatureStore,
