@@ -25,24 +25,12 @@ from sparrow.engine import Engine
 from sparrow.errors import ResourceExhausted
 from sparrow.live import LiveMemoryExhausted, LiveSession
 from sparrow.live_window import LiveConfig
-from sparrow.tiny import synthetic_frames, tiny_target
-from sparrow.video import VideoOptions
+from sparrow.tiny import synthetic_frames
+import test_live
 
-OPTIONS = VideoOptions(min_pixels=28 * 28, max_pixels=84 * 112)      # 84x112 frames: 12 tokens a pair
+OPTIONS, QUESTION = test_live.OPTIONS, test_live.QUESTION
+target, engine = test_live.target, test_live.engine        # the live tests' fixtures: one tiny target, one engine
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
-QUESTION = "what happens in the video ?"
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target("qwen2_5_vl", seed=3)
-
-
-@pytest.fixture(scope="module")
-def engine(target):
-    eng = Engine(target, spec=SpecConfig(method="none"))
-    yield eng
-    eng.close()
 
 
 def config(**kw) -> LiveConfig:
