@@ -22,7 +22,10 @@ class DraftPolicy:
     requests' acceptance so far, decayed), worth PRIOR_WEIGHT of its own draft steps, so one
     unlucky first step neither stops a good draft (at 3, one rejection on a 25k video did:
     the request never drafted again) nor a failing draft's record keeps a new
-    request drafting. The policy picks the ks that maximise the batch's
+    request drafting. A request with no record of its own is valued at least PROBE_ALPHA:
+    the engine's record is other requests' (other videos, other prompts, text past an end of
+    turn), and below it a new request would never draft and so never show that its own draft
+    does well (one probing step at most: after it, its own record speaks). The policy picks the ks that maximise the batch's
     expected tokens per second: for each common depth K it lowers each request's k, one at
     a time, wherever that raises the rate (a request whose draft fails, or whose rows are
     dear at its length, drafts less or not at all), and keeps the best. So drafting stops
@@ -37,6 +40,7 @@ class DraftPolicy:
     """
 
     PRIOR_WEIGHT = 8.0         # the engine's acceptance counts as this many of a request's own events
+    PROBE_ALPHA = 2 / 3        # what a request with no record of its own is worth at least
     DECAY = 0.99               # per drafting step, on the engine's acceptance counts
 
     def __init__(self, k_max: int, adaptive: bool, costs: CostModel | None = None):
@@ -54,8 +58,11 @@ class DraftPolicy:
         return self.accepted / (self.accepted + self.rejected)
 
     def alpha(self, request: Request) -> float:
-        """Per-token acceptance: accepted / (accepted + rejections), the engine's as a prior."""
+        """Per-token acceptance: accepted / (accepted + rejections), the engine's as a prior;
+        with no record of its own, at least PROBE_ALPHA."""
         w = self.PRIOR_WEIGHT
+        if request.accepted + request.rejected == 0:
+            return max(self.engine_alpha, self.PROBE_ALPHA)
         return (request.accepted + w * self.engine_alpha) / (request.accepted + request.rejected + w)
 
     def expected_tokens(self, request: Request) -> list[float]:
@@ -64,13 +71,15 @@ class DraftPolicy:
         next ones (measured at 25k: 0.54, then 0.74, 0.78, 0.80 given the one before). Each
         position's chance given the one before is the engine's measured one, with the
         request's alpha as a prior worth PRIOR_WEIGHT steps (no evidence yet: one coin per
-        token); the first position's is then scaled by how the request's alpha compares with
-        the engine's (its own steps say most about its first draft)."""
+        token); the first position's is the request's alpha scaled by how the engine's first
+        drafts fared against what its per-token rate predicts (passed / (reached x engine
+        alpha), with PRIOR_WEIGHT steps of 1:1 as a prior: a failing engine's 0 / 0 is no
+        evidence that a request's own good record overstates its first draft)."""
         alpha, engine, w = self.alpha(request), self.engine_alpha, self.PRIOR_WEIGHT
         out, reach = [1.0], 1.0
         for j, (reached, passed) in enumerate(zip(self.reached, self.passed)):
-            if j == 0:
-                chance = alpha / engine * (passed + w * engine) / (reached + w)
+            if j == 0:      # first drafts passed against what the per-token rate predicts, w of 1:1 as a prior
+                chance = alpha * (passed + w) / (reached * engine + w)
             else:
                 chance = (passed + w * alpha) / (reached + w)
             reach *= min(0.999, chance)

@@ -145,14 +145,28 @@ def test_until_the_costs_are_known_it_samples_two_depths_in_turn_at_each_length(
 
 
 def test_a_requests_acceptance_starts_from_the_engines():
-    """One bad first step does not stop a request whose engine's draft does well; a request on
-    an engine whose draft keeps failing starts out expecting little."""
+    """One bad first step does not stop a request whose engine's draft does well; on an engine
+    whose draft keeps failing a new request probes once (the engine's record is other
+    requests'), and after its own probe fails it expects little and stops drafting."""
     good, bad = DraftPolicy(K, adaptive=True, costs=ALWAYS), DraftPolicy(K, adaptive=True, costs=ALWAYS)
     for _ in range(50):
         good.record([request(0.9, 500)], [K + 1], 0.01, K, 0.001, [K], [K])
         bad.record([request(0.9, 500)], [K + 1], 0.01, K, 0.001, [K], [0])
     unlucky = SimpleNamespace(accepted=0, rejected=1)
-    assert good.alpha(unlucky) > 0.6 and bad.alpha(SimpleNamespace(accepted=0, rejected=0)) < 0.1
+    assert good.alpha(unlucky) > 0.6 and bad.alpha(unlucky) < 0.1
+    assert bad.engine_alpha < 0.1 and bad.alpha(SimpleNamespace(accepted=0, rejected=0)) == pytest.approx(2 / 3)
+    # where a row is dear (25k on a CPU), the failing engine's record alone would keep a new request
+    # plain; its probe drafts, its failure stops it, its success keeps it drafting
+    costs = StubCosts(a=0.010, b=0.0025, d=0.0005)
+    policy = DraftPolicy(K, adaptive=True, costs=costs)
+    for _ in range(50):
+        policy.record([request(0.9, 25_000)], [K + 1], 0.02, K, 0.002, [K], [0])
+    new = SimpleNamespace(**{**vars(request(0.5, 25_000)), "accepted": 0, "rejected": 0})
+    assert policy.choose([new]) != [0]
+    failed, held = SimpleNamespace(**{**vars(new), "rejected": 1}), SimpleNamespace(**{**vars(new), "accepted": 4})
+    assert policy.choose([failed]) == [0] and policy.choose([held]) != [0]
+    proven = SimpleNamespace(**{**vars(new), "accepted": 40, "rejected": 2})     # its own record outweighs
+    assert policy.choose([proven])[0] >= K - 1
 
 
 def test_tree_trim_reads_the_policys_costs():
