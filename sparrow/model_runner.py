@@ -100,8 +100,9 @@ class ModelRunner:
         if given is not None and not given.prefix.matches(inputs["input_ids"][0], target.video_token_id):
             raise InvalidRequest("the question must follow the video (a live window's prompt starts with it)")
         if given is None and entry is not None and (not entry.prefix.matches(inputs["input_ids"][0], target.video_token_id)
-                                                    or (needs.visual_features and entry.prefix.visual_features is None)):
-            entry, processed = None, self.process_video(request.video, request.options, request.aborted)   # text before the video
+                                                    or not entry.prefix.holds(needs)):
+            # text before the video, or prefilled for a draft that reads less: prefilled again
+            entry, processed = None, self.process_video(request.video, request.options, request.aborted)
             inputs = target.build_inputs(processed, request.prompt)
         m.video_seconds = time.perf_counter() - t0
         m.prompt_tokens, m.visual_tokens = inputs["input_ids"].shape[1], processed.num_visual_tokens

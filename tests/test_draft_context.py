@@ -283,3 +283,25 @@ def test_train_draft_runs_and_evaluates_in_the_same_context(qwen_target, context
     summary = trainer.fit()
     assert summary["steps"] == 2 and summary["heldout"]["samples"] == 1
     assert [(s.draft_context, s.prune_keep) for s in seen] == [(context, 0.3)]
+
+
+def test_a_prefix_cached_for_a_draft_that_reads_less_is_prefilled_again(qwen_target, small_video):
+    """Engines sharing one prefix cache (the benchmarks', a server's methods): a video prefilled
+    for plain decoding holds no draft features, one prefilled for a text-only draft no
+    bridge-layer states; a request whose draft reads them prefills the video again (a miss, not
+    an error) and answers as it does alone, and the richer entry then serves the others."""
+    cache, draft = PrefixCache(), tiny_draft(qwen_target)
+    plain = Engine(qwen_target, spec=SpecConfig(method="none"), prefix_cache=cache)
+    text = Engine(qwen_target, draft, spec("text", glimpse=0), prefix_cache=cache)
+    glimpse = Engine(qwen_target, draft, spec("text", glimpse=2), prefix_cache=cache)
+    sampling = SamplingParams(max_new_tokens=12)
+    alone = Engine(qwen_target, draft, spec("text", glimpse=2)).generate(small_video, PROMPT, sampling)
+    assert plain.generate(small_video, PROMPT, sampling, video_key="clip").token_ids == alone.token_ids
+    assert text.generate(small_video, PROMPT, sampling, video_key="clip").metrics.cached_prompt_tokens == 0  # no features
+    assert text.generate(small_video, PROMPT, sampling, video_key="clip").metrics.cached_prompt_tokens > 0
+    out = glimpse.generate(small_video, PROMPT, sampling, video_key="clip")
+    assert out.token_ids == alone.token_ids and out.metrics.cached_prompt_tokens == 0
+    assert (out.metrics.accepted_tokens, out.metrics.draft_max_keys) == (alone.metrics.accepted_tokens,
+                                                                          alone.metrics.draft_max_keys)
+    again = text.generate(small_video, "Which shape moves first?", sampling, video_key="clip")
+    assert again.metrics.cached_prompt_tokens > 0

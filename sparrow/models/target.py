@@ -283,6 +283,13 @@ class VideoPrefix:
     def length(self) -> int:
         return self.input_ids.shape[0]
 
+    def holds(self, needs: FeatureNeeds) -> bool:
+        """Whether this prefix carries every row a draft with `needs` reads (one prefilled for a
+        draft that reads less - no bridge-layer states, no visual features - is a miss)."""
+        return not ((needs.feature_layers and self.features is None)
+                    or (needs.visual_features and self.visual_features is None)
+                    or (needs.bridge_layer is not None and self.bridge_text is None))
+
     @property
     def nbytes(self) -> int:
         tensors = [self.input_ids, *self.keys, *self.values, self.features, self.bridge_text, self.bridge_visual,
