@@ -75,7 +75,7 @@ def report(result: dict) -> str:
     cfg = result["config"]
     temps = ", ".join(f"{t:g}" for t in cfg.get("temperatures", (0.0,)))
     lines = [f"Machine: {result['machine']}; {_loads(result)}.",
-             f"Target: {result['target']}; Sparrow draft k = {cfg['k']}, window 16, anchors 32, glimpse 0; trees "
+             f"Target: {result['target']}; Sparrow draft k = {cfg['k']}, window 16, anchors 32, the glimpse it was trained with; trees "
              f"{'x'.join(map(str, cfg['tree'][:2]))}, at most {cfg['tree'][2]} nodes. "
              f"{cfg['tokens']} new tokens a stream (EOS ignored), T = {temps} (T > 0: request i seeded), caption "
              f"prompts; {_reps(result)}, each with fresh world videos, one per stream (seeds from {cfg['seed']}); "

@@ -33,7 +33,8 @@ METHODS = {m.name: m for m in (
     Method("specvlm", "SpecVLM"),
     Method("specvlm-eagle", "EAGLE + SpecVLM pruning"),
     Method("sparrow", "Sparrow"),                            # the default engine: k chosen per step
-    Method("sparrow-glimpse", "Sparrow + glimpse"),
+    Method("sparrow-glimpse", "Sparrow + glimpse"),          # glimpse --glimpse, whatever the draft's
+    Method("sparrow-text", "Sparrow, text only"),            # glimpse 0: the window and anchors alone
     Method("sparrow-tree", "Sparrow tree"),
     Method("sparrow-tree-auto", "Sparrow tree, cut by cost"),   # opt-in: SpecConfig.adaptive_tree
     Method("sparrow-fixed", "Sparrow, fixed k"),             # k every step (adaptive_k=False); opt-in
@@ -60,7 +61,7 @@ class BenchConfig:
     window: int = 16   # the world drafts are trained with window 16, anchors 32 (training/world_data.py)
     anchors: int = 32
     tree: tuple[int, int, int] = (4, 2, 16)   # sparrow-tree: width, branch, node budget (depth: k)
-    methods: tuple[str, ...] = tuple(m for m in METHODS if m not in ("sparrow-fixed", "sparrow-tree-auto"))
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m not in ("sparrow-fixed", "sparrow-tree-auto", "sparrow-text"))
     seed: int = BENCH_SEED
     warmup_tokens: int = 8           # one untimed request per method first (0: none)
 
@@ -125,19 +126,21 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
     target = models.target
     if name == "plain":
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache)
-    if name in ("sparrow", "sparrow-compiled"):
-        step = "compiled" if name == "sparrow-compiled" else "static"
-        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0, adaptive_k=True, draft_step=step),
-                      prefix_cache=cache)
-    if name in ("sparrow-tree", "sparrow-tree-auto"):
-        width, branch, budget = cfg.tree
-        return Engine(target, models.draft("world/draft"),
-                      _spec(cfg, glimpse=0, tree_width=width, tree_branch=branch, tree_budget=budget,
-                            adaptive_tree=name == "sparrow-tree-auto"), prefix_cache=cache)
-    if name == "sparrow-fixed":
-        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=0), prefix_cache=cache)
-    if name == "sparrow-glimpse":
-        return Engine(target, models.draft("world/draft"), _spec(cfg, glimpse=cfg.glimpse), prefix_cache=cache)
+    if name.startswith("sparrow"):
+        draft = models.draft("world/draft")
+        glimpse = draft.trained_with.get("glimpse", 0)       # the Sparrow methods run the draft's own glimpse
+        if name in ("sparrow", "sparrow-compiled"):
+            step = "compiled" if name == "sparrow-compiled" else "static"
+            spec = _spec(cfg, glimpse=glimpse, adaptive_k=True, draft_step=step)
+        elif name in ("sparrow-tree", "sparrow-tree-auto"):
+            width, branch, budget = cfg.tree
+            spec = _spec(cfg, glimpse=glimpse, tree_width=width, tree_branch=branch, tree_budget=budget,
+                         adaptive_tree=name == "sparrow-tree-auto")
+        elif name == "sparrow-fixed":
+            spec = _spec(cfg, glimpse=glimpse)
+        else:
+            spec = _spec(cfg, glimpse=cfg.glimpse if name == "sparrow-glimpse" else 0)
+        return Engine(target, draft, spec, prefix_cache=cache)
     if name == "eagle":
         return Engine(target, models.draft("bench/draft-eagle"), _spec(cfg, draft_context="all"), prefix_cache=cache)
     if name == "specvlm-eagle":

@@ -10,8 +10,10 @@ Every method runs through `sparrow.engine.Engine` and its one acceptance path:
     eagle            EAGLE-style draft attending to all tokens (draft_context="all")
     specvlm          SpecVLM: the small target drafts over ~10% of the visual tokens (specvlm_engine)
     specvlm-eagle    the EAGLE draft over SpecVLM-pruned visual tokens (draft_context="pruned")
-    sparrow          the Sparrow draft, text-anchored window attention, glimpse 0
-    sparrow-glimpse  the same draft with a small glimpse (--glimpse G bridge-layer visual states)
+    sparrow          the Sparrow draft, text-anchored window attention and the glimpse it was trained
+                     with (its checkpoint's trained_with), adaptive k: the default engine
+    sparrow-glimpse  the same draft with --glimpse G bridge-layer visual states
+    sparrow-text     the same draft with glimpse 0 (the text-anchored window alone; opt-in)
     ablation-*       ablation drafts (T=0, smallest and largest video only; see ABLATIONS)
 
 Models (`--models DIR`): DIR/world/{target,draft} (the committed world pair), DIR/bench/draft-eagle,

@@ -69,7 +69,8 @@ def report(result: dict, plot_path: str | None = None) -> str:
     cfg, summary = result["config"], result["summary"]
     shown = [m for m in cfg["methods"] if m in {r["method"] for r in summary} and not METHODS[m].ablation]
     lines = [f"Machine: {result['machine']}.", f"Target: {result['target']}. k = {cfg['k']}, window {cfg['window']}, "
-             f"anchors {cfg['anchors']}, glimpse (sparrow-glimpse) {cfg['glimpse']}; {cfg['max_new_tokens']} new "
+             f"anchors {cfg['anchors']}, glimpse: the draft's own (sparrow-glimpse {cfg['glimpse']}, sparrow-text 0); "
+             f"{cfg['max_new_tokens']} new "
              f"tokens (answers end at the end of turn), {cfg['reps']} reps, methods interleaved per rep, medians; fresh world "
              f"videos (seeds from {cfg['seed']}), caption prompts.", ""]
     if result["skipped"]:
