@@ -38,7 +38,8 @@ from .world_demo import DEFAULT_MODELS, check_world_video
 DEFAULT_EAGLE = DEFAULT_MODELS.parent / "bench" / "draft-eagle"
 METHODS = ("plain", "eagle-style", "sparrow")
 LABELS = {"plain": "plain (no draft)", "eagle-style": "EAGLE-style (all tokens)", "sparrow": "Sparrow"}
-# The world drafts are trained with this window and these anchors (training/world_data.py).
+# The EAGLE-style draft is trained with this window and these anchors (training/world_data.py);
+# the Sparrow draft runs the geometry saved with it (window, anchors, glimpse).
 WINDOW, ANCHORS = 16, 32
 
 
@@ -145,7 +146,9 @@ def _engines(target: TargetModel, cfg: LongDemoConfig) -> dict[str, Engine]:
     return {"plain": Engine(target, spec=SpecConfig(method="none"), prefix_cache=PrefixCache(max_entries=1)),
             "eagle-style": Engine(target, eagle_draft, SpecConfig(method="eagle-style", **spec),
                                   prefix_cache=PrefixCache(max_entries=1)),
-            "sparrow": Engine(target, sparrow_draft, SpecConfig(method="sparrow", **spec),
+            "sparrow": Engine(target, sparrow_draft,
+                              SpecConfig(method="sparrow", num_draft_tokens=cfg.k).with_geometry(
+                                  sparrow_draft.trained_with, given={"num_draft_tokens"}),
                               prefix_cache=PrefixCache(max_entries=1))}
 
 
@@ -225,8 +228,8 @@ def table(rows: list[dict], visual_tokens: int, reps: int) -> list[str]:
         keys = "-" if r["draft_keys"] is None else f"{r['draft_keys']:,}"
         lines.append(f"{r['label']:26}{r['ms_per_token']:>10.2f}{r['speedup']:>8.2f}x{r['tau']:>7.2f}"
                      f"{keys:>17}{r['prefill_s']:>11.1f}")
-    lines.append("draft keys read: the most keys one draft query attended to (Sparrow: anchors + window, "
-                 "whatever the video's length)")
+    lines.append("draft keys read: the most keys one draft query attended to (Sparrow: anchors + window + "
+                 "glimpse, whatever the video's length)")
     return lines
 
 
