@@ -25,11 +25,12 @@ class DraftPolicy:
     request drafting. A request with no record of its own is valued at least PROBE_ALPHA:
     the engine's record is other requests' (other videos, other prompts, text past an end of
     turn), and below it a new request would never draft and so never show that its own draft
-    does well (one probing step at most: after it, its own record speaks). The policy picks the ks that maximise the batch's
-    expected tokens per second: for each common depth K it lowers each request's k, one at
-    a time, wherever that raises the rate (a request whose draft fails, or whose rows are
-    dear at its length, drafts less or not at all), and keeps the best. So drafting stops
-    where it cannot pay: a failing draft, a big batch, a slow verify.
+    does well (one probing step at most: after it, its own record speaks). The policy picks
+    the ks that maximise the batch's expected tokens per second: for each common depth K it
+    lowers each request's k, one at a time, wherever that raises the rate (a request whose
+    draft fails, or whose rows are dear at its length, drafts less or not at all), and keeps
+    the best. So drafting stops where it cannot pay: a failing draft, a big batch, a slow
+    verify.
 
     While the cost model cannot yet tell a row's cost from the step's at the batch's cached
     length (a long video after short ones is new ground), and now and then after
