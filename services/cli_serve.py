@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -100,11 +101,21 @@ def run(args: argparse.Namespace) -> int:
     print(models_line(settings), flush=True)
     engine, cache = build_engine(settings)
     service = SparrowService(engine, cache, settings.service, host="embedded", draft_placement=settings.placement)
+    _stop_on_sigterm()
     try:
         asyncio.run(serve_forever(service, args.host, args.port))
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (Kubernetes stopping the pod, `kill`) stops the server as Ctrl-C does: the gRPC
+    server or Serve shuts down and a local Ray cluster it started goes with it. Python's default
+    for SIGTERM exits at once: no shutdown, the local cluster's processes left running."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _serve_ray(args: argparse.Namespace, settings) -> int:
@@ -129,11 +140,12 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
     env = {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(settings.service.max_message_bytes)}
     print(models_line(settings), flush=True)
     ray.init(**cluster, runtime_env=ray_bind.runtime_env(args.host, env))
+    _stop_on_sigterm()          # after ray.init, which sets its own (exit at once, its core worker aborting)
     print(f"sparrow: Ray: {where}", flush=True)
     ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=args.http_port)
     deployments = "TargetDeployment" + (" + DraftDeployment" if settings.placement == "remote" else "")
     print(f"sparrow: serving sparrow.v1.Sparrow on {args.host}:{args.port} (Ray Serve gRPC proxy: {deployments}); "
-          f"draft {settings.placement}; Ctrl-C stops", flush=True)
+          f"draft {settings.placement}; Ctrl-C or SIGTERM stops", flush=True)
     try:
         while True:
             time.sleep(3600)

@@ -156,6 +156,7 @@ def test_serve_out_of_the_box_answers_with_the_world_pair(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+    assert proc.returncode == 0                 # SIGTERM (Kubernetes stopping the pod) shuts the server down cleanly
     target = TargetModel.from_pretrained(DEFAULT_MODELS / "target")
     spec = SpecConfig(adaptive_k=False, num_draft_tokens=4)
     engine = Engine(target, SparrowDraft.from_pretrained(DEFAULT_MODELS / "draft", target), spec)

@@ -7,7 +7,8 @@ workers) is walked and each socket it holds is looked up in /proc/net/{tcp,tcp6,
 Ray's token authentication is on by default: the GCS refuses a call without the token
 (UNAUTHENTICATED) and answers one with it; the token file was written for its owner only.
 Without the CLI: the token is kept once written and RAY_AUTH_MODE set by the operator stands;
-the ray.init arguments each kind of host gets.
+the ray.init arguments each kind of host gets. SIGTERM (what Kubernetes sends) stops the server
+cleanly: exit 0, and no process of the cluster it started left running.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -104,16 +106,29 @@ def served(tmp_path_factory):
         yield cli, port, http_port, tmp / "token", lines
     finally:
         pids = process_tree(cli.pid)
-        cli.send_signal(signal.SIGINT)          # Ctrl-C: Serve shuts down, then the cluster it started
+        cli.send_signal(signal.SIGTERM)         # as Kubernetes stops a pod: Serve shuts down, then the cluster
         try:
             cli.wait(60)
         except subprocess.TimeoutExpired:
             cli.kill()
-        for pid in pids:                        # whatever outlived it, of the processes it started
+        deadline = time.monotonic() + 20
+        while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in left:                        # whatever outlived it, of the processes it started
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        assert cli.returncode == 0 and not left, \
+            f"SIGTERM: exit {cli.returncode}, still running: {[pids[p][:80] for p in left]}"
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @pytest.mark.slow
