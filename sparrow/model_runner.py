@@ -100,7 +100,7 @@ class ModelRunner:
         if given is not None and not given.prefix.matches(inputs["input_ids"][0], target.video_token_id):
             raise InvalidRequest("the question must follow the video (a live window's prompt starts with it)")
         if given is None and entry is not None and (not entry.prefix.matches(inputs["input_ids"][0], target.video_token_id)
-                                                    or not entry.prefix.holds(needs)):
+                                                    or entry.prefix.missing(needs) is not None):
             # text before the video, or prefilled for a draft that reads less: prefilled again
             entry, processed = None, self.process_video(request.video, request.options, request.aborted)
             inputs = target.build_inputs(processed, request.prompt)

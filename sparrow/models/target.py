@@ -104,12 +104,8 @@ class FeatureCollector:
         self.bridge_visual: list[torch.Tensor] = []
         self.last: torch.Tensor | None = None
         if prefix is not None:                            # rows of the prefix span, prefilled before
-            if needs.feature_layers and prefix.features is None:
-                raise ValueError("this video prefix was prefilled without the draft's features")
-            if needs.visual_features and prefix.visual_features is None:
-                raise ValueError("this video prefix was prefilled without visual features")
-            if needs.bridge_layer is not None and prefix.bridge_text is None:
-                raise ValueError("this video prefix was prefilled without bridge-layer states")
+            if (missing := prefix.missing(needs)) is not None:
+                raise ValueError(f"this video prefix was prefilled without {missing}")
             self._extend(prefix.features, prefix.visual_features, prefix.bridge_text, prefix.bridge_visual)
         if before is not None and needs.feature_layers and n:     # the t-1 row of position 0
             if not bool(visual[0]):
@@ -283,12 +279,16 @@ class VideoPrefix:
     def length(self) -> int:
         return self.input_ids.shape[0]
 
-    def holds(self, needs: FeatureNeeds) -> bool:
-        """Whether this prefix carries every row a draft with `needs` reads (one prefilled for a
-        draft that reads less - no bridge-layer states, no visual features - is a miss)."""
-        return not ((needs.feature_layers and self.features is None)
-                    or (needs.visual_features and self.visual_features is None)
-                    or (needs.bridge_layer is not None and self.bridge_text is None))
+    def missing(self, needs: FeatureNeeds) -> str | None:
+        """What a draft with `needs` reads that this prefix, prefilled for one that reads less,
+        does not carry (None: it holds everything; else a cache lookup is a miss)."""
+        if needs.feature_layers and self.features is None:
+            return "the draft's features"
+        if needs.visual_features and self.visual_features is None:
+            return "visual features"
+        if needs.bridge_layer is not None and self.bridge_text is None:
+            return "bridge-layer states"
+        return None
 
     @property
     def nbytes(self) -> int:
