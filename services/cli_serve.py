@@ -101,18 +101,16 @@ def run(args: argparse.Namespace) -> int:
     print(models_line(settings), flush=True)
     engine, cache = build_engine(settings)
     service = SparrowService(engine, cache, settings.service, host="embedded", draft_placement=settings.placement)
-    _stop_on_sigterm()
-    try:
-        asyncio.run(serve_forever(service, args.host, args.port))
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(serve_forever(service, args.host, args.port))      # until Ctrl-C or SIGTERM
     return 0
 
 
 def _stop_on_sigterm() -> None:
-    """SIGTERM (Kubernetes stopping the pod, `kill`) stops the server as Ctrl-C does: the gRPC
-    server or Serve shuts down and a local Ray cluster it started goes with it. Python's default
-    for SIGTERM exits at once: no shutdown, the local cluster's processes left running."""
+    """Under --ray, SIGTERM (Kubernetes stopping the pod, `kill`) stops the server as Ctrl-C
+    does: Serve shuts down and a local Ray cluster it started goes with it. Python's default for
+    SIGTERM exits at once: no shutdown, the local cluster's processes left running. (Raising in
+    the handler suits this path, whose main thread only sleeps; the embedded server's event loop
+    takes both signals itself: `serve_forever`.)"""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupt)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 import time
 
@@ -91,13 +92,25 @@ async def start_server(service: SparrowService, host: str = "127.0.0.1", port: i
     return server, bound
 
 
-async def serve_forever(service: SparrowService, host: str, port: int) -> None:
+async def serve_forever(service: SparrowService, host: str, port: int,
+                        stop_on: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """Serve until the server terminates or one of `stop_on` arrives (Ctrl-C; SIGTERM, what
+    Kubernetes sends to stop a pod). The signals are the event loop's own handlers, so a stop
+    is an event the loop reads, not an exception raised wherever the main thread happens to be
+    (inside gRPC's callbacks or holding a lock), which could leave the shutdown hanging."""
     server, bound = await start_server(service, host, port)
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    for signum in stop_on:
+        loop.add_signal_handler(signum, stop.set)
     log.info("sparrow serving on %s:%d (embedded)", host, bound)
     print(f"sparrow: serving sparrow.v1.Sparrow on {host}:{bound} (embedded)", flush=True)
+    waits = [asyncio.ensure_future(server.wait_for_termination()), asyncio.ensure_future(stop.wait())]
     try:
-        await server.wait_for_termination()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for signum in stop_on:
+            loop.remove_signal_handler(signum)
+        waits[1].cancel()       # (not the termination wait: cancelling it cancels grpc's shutdown)
         service.close()
         await server.stop(grace=2)
 
