@@ -62,15 +62,18 @@ def run_steps(draft, spec: SpecConfig, ks: list[int], sampling: SamplingParams, 
               compiled: bool = True) -> dict[str, list]:
     """Each path begins the same contexts, then `steps` times proposes for the whole batch and
     commits the same emitted tokens (the reference's first draft token, if any, + a random bonus),
-    so the caches grow, slide and evict alike. Returns each path's proposals, step by step."""
+    so the caches grow, slide and evict alike, then proposes once more. Returns each path's
+    proposals, step by step."""
     paths = proposers(draft, spec, compiled)
     states = {name: [p.begin_context(c, 40) for c in contexts(draft, spec.glimpse)] for name, p in paths.items()}
     g = torch.Generator().manual_seed(5)
     out = {name: [] for name in paths}
-    for _ in range(steps):
+    for step in range(steps + 1):
         for name, p in paths.items():
             batch = [DraftRequest(s, k, sampling, new_generator(100 + i)) for i, (s, k) in enumerate(zip(states[name], ks))]
             out[name].append(p.propose(batch))
+        if step == steps:           # (a static greedy chain runs the last commit: after it, all have)
+            break
         emitted = []
         for prop in out["reference"][-1]:
             tokens = prop.tokens[:1].tolist() + [int(torch.randint(0, draft.config.vocab_size, (1,), generator=g))]
@@ -162,6 +165,35 @@ def test_a_greedy_chain_propose_reads_the_host_once(draft, monkeypatch):
     paths["static"].propose([DraftRequest(s, 4, SamplingParams(), new_generator(0)) for s in states])
     monkeypatch.undo()
     assert reads == ["tolist"]
+
+
+def test_a_commit_runs_in_the_next_greedy_chains_call(draft, monkeypatch):
+    """With a static runner a step's commit runs no draft pass of its own: the next greedy chain
+    runs the emitted entries first, in its one call (and one host read). Entries that wait past
+    `emitted_rows`, or a propose that is not a greedy chain, run them alone first (the reference
+    pass), so nothing is lost; run_steps checks the proposals equal the reference's throughout."""
+    from sparrow.models.draft import SparrowDraft
+
+    static = proposers(draft, SPEC, compiled=False)["static"]
+    states = [static.begin_context(c, 40) for c in contexts(draft)]
+    passes = []
+    real = SparrowDraft.forward_packed
+    monkeypatch.setattr(SparrowDraft, "forward_packed", lambda self, *a, **kw: (passes.append(1), real(self, *a, **kw))[1])
+    greedy = [DraftRequest(s, 4, SamplingParams(), new_generator(0)) for s in states]
+    feats = torch.randn(3, draft.fuse.in_features)
+    before = [(s.next_pos, len(s.kv)) for s in states]
+    static.propose(greedy)
+    static.commit(states, [StepResult(None, [1, 2, 3], feats)] * 3)
+    assert passes == [] and [s.next_pos for s in states] == [n for n, _ in before]     # waiting
+    static.propose(greedy)
+    assert passes == [] and all(not s.pending for s in states)
+    assert [(s.next_pos, len(s.kv)) for s in states] == [(n + 3, k + 3) for n, k in before]
+    static.commit(states, [StepResult(None, [1, 2, 3], feats)] * 3)
+    static.commit(states, [StepResult(None, [4, 5, 6], feats)] * 3)      # 6 waiting > emitted_rows (5): run now
+    assert passes == [1] and all(not s.pending for s in states)
+    static.commit(states, [StepResult(None, [7], feats)] * 3)
+    static.propose([DraftRequest(s, 4, SamplingParams(temperature=1.0, seed=0), new_generator(0)) for s in states])
+    assert passes == [1, 1] and [s.next_pos for s in states] == [n + 10 for n, _ in before]
 
 
 def test_weights_changed_in_place_are_read_again(draft):

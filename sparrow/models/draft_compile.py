@@ -15,6 +15,9 @@ C key slots fixed per proposer):
                  level writes one slice; every other slot is at PAD_POS, seen by no query
     draft_level  one level: tokens (B, R) + the draft outputs they follow -> hidden (B, R, H),
                  logits (B, R, V) and the top token; writes its keys in place
+    greedy_chain a whole chain at T=0; first, when given, the entries the last steps emitted
+                 (the tokens with the target's features before each: what a commit runs),
+                 so a step's commit and its next propose are one call
     DraftRunner  the buckets, the weights draft_level reads, the gather; compiled levels are
                  kept per shape for the process (compiled on first use, the time logged at INFO)
 
@@ -62,11 +65,11 @@ class Dims(NamedTuple):
 # The draft's weights as draft_level reads them: q/k/v and gate/up concatenated (one matrix
 # product each). Per layer: (input_norm, qkv_w, qkv_b, o_w, post_norm, gate_up_w, down_w).
 LayerWeights = tuple[torch.Tensor, ...]
-StepWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[LayerWeights, ...]]
+StepWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[LayerWeights, ...], torch.Tensor]
 
 
 def step_weights(draft: SparrowDraft) -> StepWeights:
-    """(embed, fc, final norm, lm_head, per-layer weights), from the draft's own parameters."""
+    """(embed, fc, final norm, lm_head, per-layer weights, fuse), from the draft's own parameters."""
     embed, head = draft._shared[0].weight, draft._shared[1].weight
     layers = tuple((layer.input_norm.weight,
                     torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]),
@@ -74,12 +77,12 @@ def step_weights(draft: SparrowDraft) -> StepWeights:
                     layer.o_proj.weight, layer.post_norm.weight,
                     torch.cat([layer.gate_proj.weight, layer.up_proj.weight]), layer.down_proj.weight)
                    for layer in draft.layers)
-    return embed, draft.fc.weight, draft.norm.weight, head, layers
+    return embed, draft.fc.weight, draft.norm.weight, head, layers, draft.fuse.weight
 
 
 def step_sources(draft: SparrowDraft) -> list[torch.Tensor]:
     """The parameters step_weights reads (the shared embedding and lm_head included)."""
-    return [draft._shared[0].weight, draft._shared[1].weight, draft.fc.weight, draft.norm.weight,
+    return [draft._shared[0].weight, draft._shared[1].weight, draft.fc.weight, draft.norm.weight, draft.fuse.weight,
             *(p for layer in draft.layers for p in layer.parameters())]
 
 
@@ -93,33 +96,33 @@ def draft_logits(dims: Dims, w: StepWeights, hidden: torch.Tensor) -> torch.Tens
     return F.linear(_norm(hidden, w[2], dims.eps), w[3])
 
 
-def draft_level(dims: Dims, w: StepWeights, tokens: torch.Tensor, hidden: torch.Tensor, q_pos: torch.Tensor,
-                live: torch.Tensor, allowed: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
-                pinned: torch.Tensor, keys: list[torch.Tensor],
-                values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """One draft level for B requests of R rows each: what `SparrowDraft.forward_packed`
-    computes for them (z from the drafted token and the draft output it follows, the decoder
-    layers under `window_mask`), then the logits and the most probable next token; every shape
-    fixed by (B, R, C).
+def draft_layers(dims: Dims, w: StepWeights, tokens: torch.Tensor, hidden: torch.Tensor, q_pos: torch.Tensor,
+                 live: torch.Tensor, allowed: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                 pinned: torch.Tensor, keys: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layers of one level for B requests of R rows each: what
+    `SparrowDraft.forward_packed` computes for them (z from each row's token and the state it
+    follows, the layers under `window_mask`); every shape fixed by (B, R, C).
 
-    tokens (B, R) long; hidden (B, R, H): the draft outputs they follow; q_pos (B,) long: the
-    level's position per request (PAD_POS: a request that does not draft at this level, or a
-    padding one); live (B, R) bool: the real rows (drafted tokens, tree nodes); allowed (B, R, C) bool: a tree's ancestor rule over the drafted
-    slots, each row's own slot included (all True for a chain: positions suffice); slots (R,)
-    long: the key slots the level writes, the same for every request; pos (B, C) long, pinned
-    (B, C) bool: every slot's position and pinned flag; keys, values: per layer (B, Hkv, C, D).
-    Writes the level's keys, values and positions at `slots`. Returns hidden (B, R, H), logits
-    (B, R, V), the top token's log-probability (B, R) float32 and id (B, R), and the keys each
-    live row attended to (B, R).
-    """
+    tokens (B, R) long; hidden (B, R, H): the states they follow (a draft output; for an
+    emitted entry the target's features through `fuse`); q_pos (B,) long: the level's position
+    per request, or (B, R): each row's (PAD_POS: a row that does not run, a padding request);
+    live (B, R) bool: the real rows; allowed (B, R, C) bool: a tree's ancestor rule over the
+    drafted slots, each row's own slot included (all True for a chain: positions suffice);
+    slots (R,) long: the key slots the rows write, the same for every request; pos (B, C) long,
+    pinned (B, C) bool: every slot's position and pinned flag; keys, values: per layer
+    (B, Hkv, C, D). Writes the rows' keys, values and positions at `slots`. Returns hidden
+    (B, R, H) and the keys each live row attended to (B, R)."""
     b, r = tokens.shape
-    embed, fc, _, _, layers = w
+    embed, fc, layers = w[0], w[1], w[4]
     hq, hkv, d = dims.heads, dims.kv_heads, dims.head_dim
-    pos.index_copy_(1, slots, q_pos[:, None].expand(b, r))
-    mask = window_mask(q_pos[:, None], pos, pinned, dims.window) & allowed            # (B, R, C)
+    if q_pos.dim() == 1:
+        q_pos = q_pos[:, None].expand(b, r)
+    pos.index_copy_(1, slots, q_pos)
+    mask = window_mask(q_pos, pos, pinned, dims.window) & allowed                    # (B, R, C)
     seen = mask.sum(-1) * live                                                         # (B, R)
-    cos, sin = rope_tables(q_pos, d, dims.rope_theta, hidden.dtype)                  # (B, D)
-    cos, sin = cos[:, None, None], sin[:, None, None]                                # (B, 1, 1, D)
+    cos, sin = rope_tables(q_pos, d, dims.rope_theta, hidden.dtype)                  # (B, R, D)
+    cos, sin = cos[:, None], sin[:, None]                                            # (B, 1, R, D)
     x = F.linear(torch.cat([F.embedding(tokens, embed), hidden], -1), fc)            # (B, R, H)
     attn = get_backend(dims.backend)
     # one request: the (nq, nk) mask every backend takes; a batch: (B, 1, R, C) (STATIC_BACKENDS)
@@ -133,24 +136,61 @@ def draft_level(dims: Dims, w: StepWeights, tokens: torch.Tensor, hidden: torch.
         x = x + F.linear(a.transpose(1, 2).reshape(b, r, hq * d), o_w)
         gate, up = F.linear(_norm(x, post_norm, dims.eps), gate_up_w).chunk(2, -1)
         x = x + F.linear(F.silu(gate) * up, down_w)
+    return x, seen
+
+
+def draft_level(dims: Dims, w: StepWeights, tokens: torch.Tensor, hidden: torch.Tensor, q_pos: torch.Tensor,
+                live: torch.Tensor, allowed: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                pinned: torch.Tensor, keys: list[torch.Tensor],
+                values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """One draft level (`draft_layers`, tokens the drafted ones, hidden the draft outputs they
+    follow), then the logits and the most probable next token. Returns hidden (B, R, H), logits
+    (B, R, V), the top token's log-probability (B, R) float32 and id (B, R), and the keys each
+    live row attended to (B, R)."""
+    x, seen = draft_layers(dims, w, tokens, hidden, q_pos, live, allowed, slots, pos, pinned, keys, values)
     logits = draft_logits(dims, w, x)
     top = torch.topk(torch.log_softmax(logits.float(), -1), 1)
     return x, logits, top.values[..., 0], top.indices[..., 0], seen
 
 
+class Emitted(NamedTuple):
+    """What the batch's last steps emitted, as rows before a chain's levels (`greedy_chain`):
+    tokens (B, M) long and the target's features before each (B, M, F*H); pos (B, M) long
+    (PAD_POS: no entry); last (B,) long: each request's last real row (0 when it has none);
+    slots (M,) long: the key slots they are written at."""
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    pos: torch.Tensor
+    last: torch.Tensor
+    slots: torch.Tensor
+
+
 def greedy_chain(dims: Dims, w: StepWeights, hidden: torch.Tensor, q_pos: torch.Tensor, live: torch.Tensor,
                  allowed: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, pinned: torch.Tensor,
-                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+                 keys: list[torch.Tensor], values: list[torch.Tensor],
+                 emitted: Emitted | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole chain at T=0 for B requests: the top token of the draft's output hidden (B, 1, H),
-    then L levels, each feeding the token just picked (draft_level), picking the next.
+    then L levels, each feeding the token just picked (draft_level), picking the next. With
+    `emitted`, first the entries the last steps emitted run through the layers (what a commit
+    computes), and a request with any starts from its last one's output instead of hidden.
 
-    q_pos (L, B), live (L, B, 1), slots (L, 1): each level's (see draft_level); the rest as there.
+    q_pos (L, B), live (L, B, 1), slots (L, 1): each level's (see draft_layers); the rest as there.
     Returns (B, 2 (L + 1) + 1) float64, everything a propose reads, in one tensor: per request
     the L + 1 tokens, their cumulative log-probabilities (float64, as the reference sums them in
-    Python floats), and the most keys one of its levels attended to."""
+    Python floats), and the most keys one of its rows attended to; and the output the chain
+    started from (B, 1, H)."""
+    seen = []
+    if emitted is not None:
+        real = emitted.pos != PAD_POS                                                  # (B, M)
+        x, keys_seen = draft_layers(dims, w, emitted.tokens, F.linear(emitted.features, w[5]), emitted.pos, real,
+                                    allowed, emitted.slots, pos, pinned, keys, values)
+        at = x.gather(1, emitted.last[:, None, None].expand(-1, 1, x.shape[-1]))      # (B, 1, H)
+        hidden = torch.where(real.any(1)[:, None, None], at, hidden)
+        seen.append(keys_seen.amax(1, keepdim=True))
     top = torch.topk(torch.log_softmax(draft_logits(dims, w, hidden).float(), -1), 1)
     token, logp = top.indices[..., 0], top.values[..., 0]                              # (B, 1)
-    tokens, scores, seen = [token], [logp.double()], []
+    tokens, scores, start = [token], [logp.double()], hidden
     for level in range(q_pos.shape[0]):
         hidden, _, logp, token, keys_seen = draft_level(dims, w, token, hidden, q_pos[level], live[level], allowed,
                                                         slots[level], pos, pinned, keys, values)
@@ -158,7 +198,7 @@ def greedy_chain(dims: Dims, w: StepWeights, hidden: torch.Tensor, q_pos: torch.
         scores.append(scores[-1] + logp.double())
         seen.append(keys_seen)
     most = torch.stack(seen).amax(0) if seen else torch.zeros_like(token)               # (B, 1)
-    return torch.cat([torch.cat(tokens, 1).double(), torch.cat(scores, 1), most.double()], 1)
+    return torch.cat([torch.cat(tokens, 1).double(), torch.cat(scores, 1), most.double()], 1), start
 
 
 # Compiled levels, kept for the process: one per shape (bucket, rows, slots, dims, dtype,
@@ -198,7 +238,8 @@ class DraftBatch:
     whether it drafts (chains; a tree's rows say it per level); level_slots (levels, R): the
     slots each level writes; weights: the draft's, as
     draft_level reads them; seen: per level (Bb, R), the keys each live row attended to
-    (reduced and read once, at the end).
+    (reduced and read once, at the end); emitted: the entries the requests' last steps emitted,
+    run before the levels at slots [S, S + M) (None: none; `DraftRunner.gather`).
     """
 
     keys: list[torch.Tensor]
@@ -214,6 +255,7 @@ class DraftBatch:
     level_slots: torch.Tensor | None = None
     weights: StepWeights | None = None
     seen: list[torch.Tensor] | None = None
+    emitted: Emitted | None = None
 
     @property
     def bucket(self) -> int:
@@ -237,19 +279,22 @@ class DraftRunner:
     rule (`DraftBatch.allow`), not by position alone. compiled: the levels run compiled
     (CPU: inductor with `cpu_options`, default CPU_OPTIONS; CUDA: "reduce-overhead", i.e.
     CUDA graphs), each shape compiled on first use; else the same code runs eagerly.
+    emitted_rows: M, the most emitted entries a request may bring to a greedy chain (its last
+    steps' commit, run in the same call; 0: never); capacity counts them.
     """
 
     def __init__(self, draft: SparrowDraft, window: int, capacity: int, rows: int = 1, tree: bool = False,
-                 compiled: bool = False, cpu_options: dict | None = None):
+                 compiled: bool = False, cpu_options: dict | None = None, emitted_rows: int = 0):
         if draft.attention_backend not in STATIC_BACKENDS:
             raise ValueError(f"the static draft step supports the backends {STATIC_BACKENDS}, "
                              f"not {draft.attention_backend!r}")
         cfg = draft.config
         self.draft, self.capacity, self.rows, self.tree = draft, capacity, rows, tree
-        self.compiled, self.cpu_options = compiled, cpu_options
+        self.compiled, self.cpu_options, self.emitted_rows = compiled, cpu_options, emitted_rows
         self.dims = Dims(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta, window,
                          draft.attention_backend)
         self._buffers: dict[int, DraftBatch] = {}
+        self._features: dict[int, torch.Tensor] = {}      # per bucket: the emitted rows' target features
         self._weights: tuple[list, StepWeights] | None = None
         self._sources: tuple[tuple, list[torch.Tensor]] | None = None
 
@@ -259,15 +304,20 @@ class DraftRunner:
             return n
         return next((b for b in BATCH_BUCKETS if b >= n), None)
 
-    def fits(self, kvs: list[DraftKV], levels: int) -> bool:
-        """Whether these requests' caches, and `levels` drafted levels, fit the static shapes."""
+    def fits(self, kvs: list[DraftKV], levels: int, emitted: bool = False) -> bool:
+        """Whether these requests' caches, `emitted_rows` emitted entries (when asked) and
+        `levels` drafted levels fit the static shapes."""
         return (self.bucket(len(kvs)) is not None
-                and max(len(kv) for kv in kvs) + levels * self.rows <= self.capacity)
+                and max(len(kv) for kv in kvs) + levels * self.rows + emitted * self.emitted_rows <= self.capacity)
 
-    def gather(self, kvs: list[DraftKV], positions: list[list[int]]) -> DraftBatch:
+    def gather(self, kvs: list[DraftKV], positions: list[list[int]],
+               emitted: list[tuple[list[int], torch.Tensor, int] | None] | None = None) -> DraftBatch:
         """The requests' committed keys in the bucket's buffers (request b at slots [0, n_b),
         PAD_POS after) and the levels' positions: positions[l][b] is request b's query position
-        at level l + 1 (PAD_POS: it does not draft at that level). Callers check `fits` first."""
+        at level l + 1 (PAD_POS: it does not draft at that level). emitted[b]: request b's
+        entries to run first (tokens, the target's features before each, the first one's
+        position), at most `emitted_rows`, or None; with none at all (and eager) no such rows
+        run. Callers check `fits` first."""
         n = len(kvs)
         bucket = self.bucket(n)
         batch = self._buffers.get(bucket) or self._new_buffers(bucket)
@@ -286,11 +336,34 @@ class DraftRunner:
         batch.q_pos = torch.tensor([row + [PAD_POS] * (bucket - n) for row in positions],
                                    device=batch.pos.device)                             # (levels, Bb)
         batch.live = (batch.q_pos != PAD_POS)[:, :, None]
+        batch.emitted = None
+        if emitted is not None and (self.compiled or any(emitted)):    # compiled: one graph, rows or not
+            batch.emitted = self._emitted(batch, emitted, s)
+            s += self.emitted_rows
         batch.level_slots = torch.arange(s, s + len(positions) * self.rows, device=batch.pos.device).view(-1, self.rows)
         if self.tree:
             batch.allowed.zero_()
             batch.allowed[:, :, :s] = True               # committed entries: the window rule alone
         return batch
+
+    def _emitted(self, batch: DraftBatch, emitted: list, start: int) -> Emitted:
+        """The batch's emitted rows (`Emitted`), the features in a buffer kept per bucket."""
+        m, device = self.emitted_rows, batch.pos.device
+        features = self._features.get(batch.bucket)
+        if features is None:
+            p = self.draft.fuse.weight
+            features = self._features[batch.bucket] = p.new_zeros(batch.bucket, m, p.shape[1])
+        tokens, pos, last = [[0] * m for _ in range(batch.bucket)], [[PAD_POS] * m for _ in range(batch.bucket)], \
+            [0] * batch.bucket
+        features.zero_()
+        for b, entry in enumerate(emitted):
+            if entry is None:
+                continue
+            ids, feats, first = entry
+            tokens[b][: len(ids)], pos[b][: len(ids)], last[b] = ids, range(first, first + len(ids)), len(ids) - 1
+            features[b, : len(ids)].copy_(feats)
+        return Emitted(torch.tensor(tokens, device=device), features, torch.tensor(pos, device=device),
+                       torch.tensor(last, device=device), torch.arange(start, start + m, device=device))
 
     def _new_buffers(self, bucket: int) -> DraftBatch:
         cfg, p = self.draft.config, self.draft.fuse.weight
@@ -332,11 +405,12 @@ class DraftRunner:
         batch.seen.append(out[-1])
         return out[:-1]
 
-    def greedy_chains(self, batch: DraftBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """greedy_chain over the batch's levels from the draft outputs hidden (Bb, 1, H): (Bb, 2 (L + 1) + 1)."""
+    def greedy_chains(self, batch: DraftBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """greedy_chain over the batch's emitted rows (if any) and levels from the draft outputs
+        hidden (Bb, 1, H): (Bb, 2 (L + 1) + 1), and the outputs the chains started from (Bb, 1, H)."""
         return self._run(greedy_chain, batch, (self.dims, batch.weights, hidden, batch.q_pos, batch.live,
                                                batch.allowed, batch.level_slots, batch.pos, batch.pinned,
-                                               batch.keys, batch.values))
+                                               batch.keys, batch.values, batch.emitted))
 
     def _run(self, fn: Callable, batch: DraftBatch, args: tuple):
         if not self.compiled:
@@ -344,8 +418,9 @@ class DraftRunner:
         device, dtype = batch.pos.device, batch.keys[0].dtype
         options = self.cpu_options or CPU_OPTIONS
         levels = batch.q_pos.shape[0] if fn is greedy_chain else None          # a level's shape has none
+        emitted = self.emitted_rows if fn is greedy_chain and batch.emitted is not None else 0
         shape = (fn.__name__, batch.bucket, self.rows, self.capacity, levels, self.dims, self.draft.config, dtype,
-                 str(device), tuple(sorted(options.items())))
+                 str(device), tuple(sorted(options.items())), emitted)
         run = compiled(fn, shape, device, options)
         cuda = device.type == "cuda"
         if cuda:

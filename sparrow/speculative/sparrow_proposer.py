@@ -7,7 +7,7 @@ no per-request state on themselves, so one serves many requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -127,6 +127,11 @@ class SparrowState(DraftState):
     next_pos: int                # draft position of the next entry
     committed: int               # entries in kv that hold target-verified inputs
     last_hidden: torch.Tensor    # (H,) draft output at the last committed entry
+    # Emitted entries not yet run through the draft (tokens, the target's features before each):
+    # with a static runner, a commit is run by the next greedy chain's call (`_gather`), or
+    # alone (`_flush`) before any other propose. next_pos, committed, last_hidden exclude them.
+    pending: list[int] = field(default_factory=list)
+    pending_features: list[torch.Tensor] = field(default_factory=list)
 
     def kv_bytes(self) -> int:
         """The draft cache's key/value buffers as allocated (DraftKV.nbytes: capacity, not fill)."""
@@ -263,10 +268,14 @@ class SparrowProposer:
     def _gather(self, batch: list[DraftRequest]) -> DraftBatch | None:
         """The batch's keys in the static runner's buffers, or None: no runner, or the batch
         does not fit its shapes (the reference path runs it). Compiled greedy chains always run
-        num_draft_tokens - 1 levels (one shape a bucket; a shorter chain's rows are padding)."""
+        num_draft_tokens - 1 levels (one shape a bucket; a shorter chain's rows are padding).
+        Greedy chains take the requests' pending commits along (their entries run first, in
+        the same call); any other propose runs them alone first (`_flush`)."""
+        states = [r.state for r in batch]
         if self.runner is None or not batch:
+            self._flush(states)
             return None
-        kvs, levels = [r.state.kv for r in batch], max(r.k for r in batch) - 1
+        levels = max(r.k for r in batch) - 1
         greedy_chains = self.is_chain and all(r.sampling.greedy for r in batch)
         if greedy_chains:
             lengths = _chain_lengths(batch, self.spec)
@@ -275,11 +284,18 @@ class SparrowProposer:
                 levels = max(levels, self.spec.num_draft_tokens - 1)
         else:
             lengths = [levels + 1] * len(batch)
-        if levels < 1 or not self.runner.fits(kvs, levels):
-            return None
-        # each level's query position per request (a chain that is over: PAD_POS)
-        return self.runner.gather(kvs, [[r.state.next_pos + d - 1 if lengths[i] > d else PAD_POS
-                                         for i, r in enumerate(batch)] for d in range(1, levels + 1)])
+        kvs = [s.kv for s in states]
+        along = greedy_chains and levels >= 1 and self.runner.fits(kvs, levels, emitted=True) and \
+            max(len(s.pending) for s in states) <= self.runner.emitted_rows
+        if not along:
+            self._flush(states)
+            if levels < 1 or not self.runner.fits(kvs, levels):
+                return None
+        emitted = [(s.pending, torch.cat(s.pending_features), s.next_pos) if s.pending else None for s in states]
+        # each level's query position per request (a chain that is over: PAD_POS), after its emitted entries
+        return self.runner.gather(kvs, [[r.state.next_pos + len(r.state.pending) + d - 1 if lengths[i] > d else PAD_POS
+                                         for i, r in enumerate(batch)] for d in range(1, levels + 1)],
+                                  emitted if along else None)
 
     def _greedy_chains(self, batch: list[DraftRequest], run: DraftBatch) -> list[Proposal]:
         """Chains at T=0 over a static batch: one call (models.draft_compile.greedy_chain) picks
@@ -287,7 +303,10 @@ class SparrowProposer:
         n, bb, width = len(batch), run.bucket, run.q_pos.shape[0] + 1
         last = [r.state.last_hidden for r in batch]
         hidden = torch.stack(last + [torch.zeros_like(last[0])] * (bb - n))[:, None]     # (Bb, 1, H)
-        host = self.runner.greedy_chains(run, hidden)[:n].tolist()     # tokens | scores | keys seen
+        host, start = self.runner.greedy_chains(run, hidden)
+        host = host[:n].tolist()     # tokens | scores | keys seen
+        if run.emitted is not None:
+            self._keep_emitted(run, [r.state for r in batch], start)
         out = []
         for r, m, row in zip(batch, _chain_lengths(batch, self.spec), host):
             r.state.kv.max_visible = max(r.state.kv.max_visible, int(row[-1]))
@@ -364,8 +383,55 @@ class SparrowProposer:
         return rule
 
 
-    @torch.inference_mode()
+    def _keep_emitted(self, run: DraftBatch, states: list[SparrowState], start: torch.Tensor) -> None:
+        """After a greedy chain ran the requests' pending entries (run.emitted): their keys,
+        from the batch's buffers, appended to each request's own cache, as a commit leaves it."""
+        s = run.start                     # the emitted rows sit at slots [S, S + M)
+        for b, state in enumerate(states):
+            m = len(state.pending)
+            if not m:
+                continue
+            kv = state.kv
+            kv.reserve(m)
+            kv.append_meta(run.emitted.pos[b, :m], torch.zeros(m, dtype=torch.bool, device=run.pos.device))
+            for layer in range(len(run.keys)):
+                kv.write(layer, run.keys[layer][b: b + 1, :, s: s + m], run.values[layer][b: b + 1, :, s: s + m])
+            kv.advance(m)
+            state.next_pos += m
+            kv.evict(state.next_pos, self.window, _STEP_ROOM)
+            state.committed, state.last_hidden = len(kv), start[b, 0]
+            state.pending, state.pending_features = [], []
+
     def commit(self, states: list[SparrowState], results: list[StepResult]) -> None:
+        """The draft learns what each request's step emitted. With a static runner the entries
+        wait (`SparrowState.pending`) for the next propose, whose greedy chain runs them in its
+        own call (one draft call a step, not two); else, or past `emitted_rows` waiting, they
+        run now (`_run_commit`). Speculative entries are dropped now either way."""
+        if self.runner is None or not self.runner.emitted_rows:
+            self._run_commit(states, results)
+            return
+        late = []
+        for state, res in zip(states, results):
+            state.kv.truncate(state.committed)
+            m = len(res.tokens)
+            state.pending = state.pending + list(res.tokens)
+            state.pending_features = state.pending_features + [res.features[:m]]
+            if len(state.pending) > self.runner.emitted_rows:
+                late.append(state)
+        self._flush(late)
+
+    def _flush(self, states: list[SparrowState]) -> None:
+        """Run the pending entries of these requests now (one packed pass)."""
+        late = [s for s in states if s.pending]
+        if not late:
+            return
+        results = [StepResult(None, s.pending, torch.cat(s.pending_features)) for s in late]
+        for s in late:
+            s.pending, s.pending_features = [], []
+        self._run_commit(late, results)
+
+    @torch.inference_mode()
+    def _run_commit(self, states: list[SparrowState], results: list[StepResult]) -> None:
         """Drop the speculative entries; run every request's emitted tokens, paired with the
         target's features before each, through the draft in one packed pass."""
         if not states:
@@ -412,7 +478,10 @@ def static_runner(draft: SparrowDraft, spec: SpecConfig) -> DraftRunner | None:
     # A "text" draft cache holds at most glimpse + anchors + 2 windows of entries when a step
     # begins (begin_context sizes it so; commit evicts before it runs short); then k - 1 levels.
     slots = spec.glimpse + spec.anchors + 2 * spec.window + 1 + (spec.num_draft_tokens - 1) * rows
-    return DraftRunner(draft, spec.window, -(-slots // 16) * 16, rows, tree, compiled=spec.draft_step == "compiled")
+    # Greedy chains also run the last steps' emitted entries (at most k + 1 a step) first.
+    emitted = 0 if tree else spec.num_draft_tokens + 1
+    return DraftRunner(draft, spec.window, -(-(slots + emitted) // 16) * 16, rows, tree,
+                       compiled=spec.draft_step == "compiled", emitted_rows=emitted)
 
 
 def _chain_lengths(batch: list[DraftRequest], spec: SpecConfig) -> list[int]:
