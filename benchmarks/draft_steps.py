@@ -1,10 +1,17 @@
-"""What one propose of k draft tokens costs through each way the Sparrow draft can run its
-steps (SpecConfig.draft_step): "reference" (per request and level), "static" (the batch's levels
-over keys gathered once, eager) and "compiled" (the same, torch.compile), at batch 1 and 4, with
-the world draft over text contexts of a few hundred entries. Median of `--reps` proposes after
-the first (which compiles, for "compiled": its time is shown apart). One thread.
+"""What the draft costs a decode step through each way the Sparrow draft can run its steps
+(SpecConfig.draft_step): "reference" (per request and level), "static" (the batch's levels over
+keys gathered once, eager) and "compiled" (the same, torch.compile), at batch 1 and 4, with the
+world draft (its trained window, anchors and glimpse) over text contexts of a few hundred
+entries. A step is what the engine runs: the commit of the last step's emitted tokens
+(`--emitted`, about tau) and a greedy propose of k tokens; with a static runner the commit
+waits for the propose's call. Median of `--reps` steps after the first propose (which compiles, for
+"compiled": its time is shown apart). One thread.
 
-    python -m benchmarks.draft_steps [--reps 30] [--batches 1,4] [--k 4]
+With --decode-at SIDExFRAMES the world target's decode step at a video of that size (a
+caption request, prefilled once) is timed in the same run, and each draft step is given as a
+share of it (issue: <= 0.12x at 25k visual tokens, 168x1392).
+
+    python -m benchmarks.draft_steps [--reps 30] [--batches 1,4] [--k 4] [--emitted 3] [--decode-at 168x1392]
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from sparrow import SamplingParams, SpecConfig  # noqa: E402
 from sparrow.config import DRAFT_STEPS  # noqa: E402
 from sparrow.models.draft import SparrowDraft  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
-from sparrow.speculative.proposer import DraftRequest  # noqa: E402
+from sparrow.speculative.proposer import DraftRequest, StepResult  # noqa: E402
 from sparrow.speculative.sampling import new_generator  # noqa: E402
 from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer  # noqa: E402
 
@@ -41,18 +48,42 @@ def contexts(draft: SparrowDraft, n: int, seed: int = 0) -> list[DraftContext]:
     return out
 
 
-def propose_ms(draft: SparrowDraft, spec: SpecConfig, batch: int, reps: int) -> tuple[float, float]:
-    """(first propose, median of the next `reps`) in ms, greedy, k = spec.num_draft_tokens."""
+def step_ms(draft: SparrowDraft, spec: SpecConfig, batch: int, reps: int, emitted: int) -> tuple[float, float, float]:
+    """(first propose, median of `reps` steps after two, median of their commits alone) in ms; a
+    step: the commit of `emitted` tokens (the last step's draft tokens and the target's features
+    before them, random) then a greedy propose of k = spec.num_draft_tokens."""
     proposer = SparrowProposer(draft, spec)
-    states = [proposer.begin_context(c, 400) for c in contexts(draft, batch)]
+    states = [proposer.begin_context(c, 4 * reps * emitted + 400) for c in contexts(draft, batch)]
+    width = len(draft.config.feature_layers) * draft.config.hidden_size
+    features = torch.randn(emitted, width, generator=torch.Generator().manual_seed(1))
+    t0 = time.perf_counter()
+    proposals = proposer.propose([DraftRequest(s, spec.num_draft_tokens, SamplingParams(), new_generator(0))
+                                  for s in states])
+    first = 1e3 * (time.perf_counter() - t0)
 
-    def once() -> float:
+    def once() -> tuple[float, float]:
+        nonlocal proposals
         t0 = time.perf_counter()
-        proposer.propose([DraftRequest(s, spec.num_draft_tokens, SamplingParams(), new_generator(0)) for s in states])
-        return 1e3 * (time.perf_counter() - t0)
+        proposer.commit(states, [StepResult(None, p.tokens[:emitted].tolist(), features) for p in proposals])
+        t1 = time.perf_counter()
+        proposals = proposer.propose([DraftRequest(s, spec.num_draft_tokens, SamplingParams(), new_generator(0))
+                                      for s in states])
+        return 1e3 * (time.perf_counter() - t0), 1e3 * (t1 - t0)
 
-    first = once()
-    return first, statistics.median(once() for _ in range(reps))
+    once()                  # (the first with a commit waiting: compiled, its own shape)
+    timed = [once() for _ in range(reps)]
+    return first, statistics.median(t for t, _ in timed), statistics.median(c for _, c in timed)
+
+
+def decode_ms(target: TargetModel, side: int, frames: int, reps: int) -> tuple[int, float]:
+    """(cached tokens, median ms of a decode step) of the world target on a caption request
+    for a world video of side x frames (benchmarks.verify_cost's prefill and step)."""
+    from benchmarks.verify_cost import prefills, step_times
+
+    _, prefill = next(prefills(target, [(side, frames)], reps + 8))
+    state = prefill.state
+    ms = step_times(target, state, [target.verify_attention], [1], reps, False, time.perf_counter)
+    return state.length, next(iter(ms.values()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,19 +92,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--emitted", type=int, default=3, help="tokens each step commits (about tau)")
+    ap.add_argument("--decode-at", help="SIDExFRAMES: time the target's decode step at this world video too")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     target = TargetModel.from_pretrained(Path(args.models) / "world" / "target")
     draft = SparrowDraft.from_pretrained(Path(args.models) / "world" / "draft", target)
-    geometry = {k: v for k, v in draft.trained_with.items() if k in ("window", "anchors")}
-    print(f"Machine: {machine()}. World draft, k = {args.k}, {geometry}, greedy, one thread; "
-          f"median of {args.reps} proposes after the first.\n")
-    print("| batch | draft_step | ms per propose | first propose (compiles) |\n|---|---|---|---|")
+    geometry = {k: v for k, v in draft.trained_with.items() if k in ("window", "anchors", "glimpse")}
+    decode = None
+    if args.decode_at:
+        side, frames = (int(x) for x in args.decode_at.split("x"))
+        cached, decode = decode_ms(target, side, frames, args.reps)
+    print(f"Machine: {machine()}. World draft, k = {args.k}, {geometry}, greedy, {args.emitted} tokens committed "
+          f"a step, one thread; median of {args.reps} steps after the first propose and one step."
+          + (f" World target decode step at {cached} cached tokens ({args.decode_at}): {decode:.2f} ms." if decode else "")
+          + "\n")
+    print("| batch | draft_step | ms per step (commit + propose) | of which the commit call | "
+          "x a decode step | first propose (compiles) |\n|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
         for step in DRAFT_STEPS:
             spec = SpecConfig(num_draft_tokens=args.k, adaptive_k=False, draft_step=step, **geometry)
-            first, median = propose_ms(draft, spec, batch, args.reps)
-            print(f"| {batch} | {step} | {median:.2f} | {first:.1f} ms |", flush=True)
+            first, median, commit = step_ms(draft, spec, batch, args.reps, args.emitted)
+            share = f"{median / decode:.3f}x" if decode else "-"
+            print(f"| {batch} | {step} | {median:.2f} | {commit:.2f} | {share} | {first:.1f} ms |", flush=True)
     return 0
 
 
