@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from sparrow.config import SpecConfig
@@ -18,6 +19,8 @@ from sparrow.state_cache import StateCache, open_cache
 
 from .models import load_draft, load_target
 from .config import ServiceConfig
+
+log = logging.getLogger(__name__)
 
 PLACEMENTS = ("colocated", "remote")
 VERIFY_ATTENTION = ("auto", "sdpa", *VERIFY_KERNELS)
@@ -99,6 +102,10 @@ def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, Stat
     draft = load_draft(settings.draft, target, settings.draft_arch)
     spec = settings.spec_for(draft)
     local = SparrowProposer(draft, spec)
+    if spec.draft_step == "compiled":       # paid before serving, not by the first requests
+        sizes = tuple(n for n in (1, 2, 4, 8) if n <= settings.service.max_concurrent)
+        seconds = local.warm_up(sizes)
+        log.info("compiled the draft's greedy chain for batch sizes up to %d in %.1f s", max(sizes), seconds)
     proposer = local if draft_client is None else RemoteDraftProposer(
         draft_client, local, spec, cache, failover_s=settings.draft_failover_s)
     return Engine(target, spec=spec, proposer=proposer, prefix_cache=prefix, config=settings.engine), cache

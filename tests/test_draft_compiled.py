@@ -196,6 +196,24 @@ def test_a_commit_runs_in_the_next_greedy_chains_call(draft, monkeypatch):
     assert passes == [1, 1] and [s.next_pos for s in states] == [n + 10 for n, _ in before]
 
 
+def test_warm_up_compiles_before_the_first_request(draft, monkeypatch):
+    """A server with compiled draft steps runs (so compiles) the greedy chain of its batch
+    buckets before it serves: a batch of 3 runs in bucket 4, and after warm_up its first propose
+    compiles nothing. Eager runners: nothing to do."""
+    assert proposers(draft, SPEC, compiled=False)["static"].warm_up((1, 3)) == 0.0
+    compiled = SparrowProposer(draft, SPEC)
+    calls = []
+    real_run = DraftRunner._run
+    monkeypatch.setattr(DraftRunner, "_run", lambda self, fn, batch, args: (
+        calls.append((fn.__name__, batch.bucket, self.compiled)), real_run(self, fn, batch, args))[1])
+    assert compiled.warm_up((3,)) > 0
+    assert calls == [("greedy_chain", 4, True)]
+    before = set(COMPILE_SECONDS)
+    states = [compiled.begin_context(c, 40) for c in contexts(draft)]
+    compiled.propose([DraftRequest(s, 4, SamplingParams(), new_generator(0)) for s in states])
+    assert set(COMPILE_SECONDS) == before
+
+
 def test_weights_changed_in_place_are_read_again(draft):
     """A runner keeps the draft's weights concatenated; training them must not leave it stale."""
     paths = proposers(draft, SPEC, compiled=False)

@@ -10,7 +10,7 @@ from sparrow.errors import InvalidRequest
 from sparrow.models.placement import check_placement, parse_device, parse_dtype
 from sparrow.services import ray_entry
 from sparrow.services.cli import build_parser
-from sparrow.services.cli_serve import app_settings
+from sparrow.services.cli_serve import app_settings, models_line
 from sparrow.services.models import load_draft, load_heads, load_target
 from sparrow.services.settings import AppSettings, build_engine
 from sparrow.tiny import tiny_draft
@@ -63,6 +63,10 @@ def test_serve_flags_become_settings():
     assert (defaults.dtype, defaults.device, defaults.device_map) == ("float32", "cpu", None)
     assert defaults.verify_attention == "auto"
     assert app_settings(build_parser().parse_args(["serve", "--verify-attention", "triton"])).verify_attention == "triton"
+    assert defaults.spec.draft_step == "static"
+    compiled = app_settings(build_parser().parse_args(["serve", "--draft-step", "compiled", "--k", "3"]))
+    assert (compiled.spec.draft_step, compiled.spec.num_draft_tokens) == ("compiled", 3)
+    assert "compiled draft steps" in models_line(compiled)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--verify-attention", "flash"])
     with pytest.raises(SystemExit):
