@@ -242,18 +242,18 @@ def test_duplicate_sampled_paths_rank_by_their_first_score():
     """Children drawn with replacement can repeat a token path; such nodes are equal in exact
     arithmetic, but their scores differ in the last bits with the batch's shapes. Which one is
     expanded must not depend on those bits (a seeded request's tree, and so its draws, would)."""
-    from sparrow.speculative.sparrow_proposer import _Node, _TreeGrowth
+    from sparrow.speculative.tree_growth import Node, TreeGrowth
     from sparrow.speculative.proposer import DraftRequest
 
     spec = SpecConfig(adaptive_k=False, num_draft_tokens=3, tree_width=1, tree_branch=2)
-    growth = _TreeGrowth(DraftRequest(None, 3, SamplingParams(temperature=1.0, seed=0),
+    growth = TreeGrowth(DraftRequest(None, 3, SamplingParams(temperature=1.0, seed=0),
                                       torch.Generator().manual_seed(0)), spec)
     logits = torch.full((16,), -40.0)
     logits[7] = 10.0                                         # every draw is token 7
-    first, second = growth.add_children(_Node(-1, None, 0.0), logits, 0)
+    first, second = growth.add_children(Node(-1, None, 0.0), logits, 0)
     assert growth.tokens == [7, 7] and growth.parents == [-1, -1]
     for eps in (1e-6, -1e-6):                                # the duplicate a hair above or below
-        nodes = [first, _Node(second.index, None, second.score + eps)]
+        nodes = [first, Node(second.index, None, second.score + eps)]
         assert [n.index for n in growth.to_expand(nodes)] == [first.index]
         assert [n.index for n in growth.to_expand(nodes[::-1])] == [first.index]
 

@@ -21,7 +21,7 @@ from ..window import PAD_POS
 from .glimpse import select_glimpse, text_to_visual_attention
 from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
 from .prune import prune_budget, prune_visual
-from .sampling import draft_probs
+from .tree_growth import Node, TreeGrowth
 
 # A window no sequence reaches: with it nothing slides out of view and nothing is evicted, so
 # `window_mask` is plain causal attention ("all" / "pruned" draft contexts).
@@ -232,8 +232,8 @@ class SparrowProposer:
         run = self._gather(batch)
         if run is not None and self.is_chain and all(r.sampling.greedy for r in batch):
             return self._greedy_chains(batch, run)
-        trees = [_TreeGrowth(r, self.spec) for r in batch]
-        frontier = [[_Node(-1, r.state.last_hidden, 0.0)] for r in batch]       # the root
+        trees = [TreeGrowth(r, self.spec) for r in batch]
+        frontier = [[Node(-1, r.state.last_hidden, 0.0)] for r in batch]       # the root
         for depth in range(1, max((r.k for r in batch), default=0) + 1):
             live = [i for i, r in enumerate(batch) if r.k >= depth and frontier[i]]
             if not live:
@@ -244,7 +244,7 @@ class SparrowProposer:
             else:
                 logits = self.draft.logits(torch.stack([node.hidden for _, node in expand]))      # (b, V)
             top = self._greedy_top(batch, expand, logits)
-            grown: dict[int, list[_Node]] = {i: [] for i in live}
+            grown: dict[int, list[Node]] = {i: [] for i in live}
             for row, (i, node) in enumerate(expand):        # in order: each request's draws, in a fixed order
                 grown[i] += trees[i].add_children(node, logits[row], depth, top and (top[0][row], top[1][row]))
             feed = {i: trees[i].to_expand(nodes) for i, nodes in grown.items() if batch[i].k > depth}
@@ -315,7 +315,7 @@ class SparrowProposer:
                                 scores=torch.tensor(row[width: width + m], dtype=torch.float32)))
         return out
 
-    def _feed(self, batch: list[DraftRequest], trees: list["_TreeGrowth"], feed: dict[int, list["_Node"]],
+    def _feed(self, batch: list[DraftRequest], trees: list["TreeGrowth"], feed: dict[int, list["Node"]],
               depth: int) -> None:
         """Run the nodes to expand next through the draft (one packed pass for the batch);
         their hidden states give the next level's distributions."""
@@ -340,8 +340,8 @@ class SparrowProposer:
         for row, (i, node) in enumerate(rows):
             node.hidden = out[row]
 
-    def _feed_static(self, run: DraftBatch, batch: list[DraftRequest], trees: list["_TreeGrowth"],
-                     feed: dict[int, list["_Node"]], depth: int) -> None:
+    def _feed_static(self, run: DraftBatch, batch: list[DraftRequest], trees: list["TreeGrowth"],
+                     feed: dict[int, list["Node"]], depth: int) -> None:
         """`_feed` over the static batch: request i's nodes are rows (i, 0..) of one level of
         R rows a request (the rest padding); a tree's rows see their ancestors' slots."""
         if not any(feed.values()):
@@ -368,7 +368,7 @@ class SparrowProposer:
                 node.hidden, node.logits = hidden[i, r], logits[i, r]
 
     @staticmethod
-    def _tree_rule(trees: list["_TreeGrowth"], feed: dict[int, list["_Node"]], bb: int, rows: int,
+    def _tree_rule(trees: list["TreeGrowth"], feed: dict[int, list["Node"]], bb: int, rows: int,
                    depth: int) -> list:
         """(Bb, R, depth * R) nested lists: row (i, r) of this level may see the drafted slots of
         its ancestors and itself (a padding row: itself, so its softmax is never empty)."""
@@ -506,98 +506,5 @@ def static_runner(draft: SparrowDraft, spec: SpecConfig) -> DraftRunner | None:
 
 
 def _chain_lengths(batch: list[DraftRequest], spec: SpecConfig) -> list[int]:
-    """Each request's chain length: its k, cut by its node budget (as _TreeGrowth cuts it)."""
+    """Each request's chain length: its k, cut by its node budget (as TreeGrowth cuts it)."""
     return [min(r.k, spec.max_tree_nodes(r.k), r.budget or 1 << 30) for r in batch]
-
-
-@dataclass(slots=True)
-class _Node:
-    index: int                     # node index in the tree (-1: the root)
-    hidden: torch.Tensor | None    # draft output at this node (its children's distribution comes from it)
-    score: float                   # cumulative draft log-probability
-    logits: torch.Tensor | None = None    # (V,) its children's logits, when a static level computed them
-
-
-class _TreeGrowth:
-    """One request's tree while it grows (propose)."""
-
-    def __init__(self, request: DraftRequest, spec: SpecConfig):
-        self.request, self.spec = request, spec
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.draw: list[int] = []
-        self.probs: list[torch.Tensor] = []
-        self.parent_hidden: list[torch.Tensor] = []    # the parent's draft output, fed with the node
-        self.scores: list[float] = []                  # cumulative draft log-probability of each node
-        self.spec_index: dict[int, int] = {}           # node -> its entry after `committed` in the draft cache
-        self.ancestors: dict[int, list[int]] = {-1: []}
-        self.path_of: dict[int, tuple[int, ...]] = {-1: ()}       # node -> the tokens from the root to it
-        self.path_score: dict[tuple[int, ...], float] = {}        # token path -> its first node's score
-        self.slots: dict[int, int] = {}                # node -> its drafted slot in a static DraftBatch
-        self.budget = min(spec.max_tree_nodes(request.k), request.budget or 1 << 30)
-
-    def add_children(self, node: _Node, logits: torch.Tensor, depth: int,
-                     top: tuple[list[int], list[float]] | None = None) -> list[_Node]:
-        """top: at T=0, the node's tree_branch most probable tokens and their log-probabilities
-        (the level's, read once: `SparrowProposer._greedy_top`)."""
-        room = self.budget - len(self.tokens)
-        n = min(self.spec.tree_branch, room)
-        if n <= 0:
-            return []
-        sampling = self.request.sampling
-        if sampling.greedy:
-            picks, scores, row = top[0][:n], top[1][:n], None
-        else:
-            q = draft_probs(logits, sampling, self.spec.draft_mass, self.spec.draft_max_candidates)
-            noise = self.request.noise
-            picks = (noise.pick(q, depth - 1, n) if noise is not None else
-                     torch.multinomial(q, n, replacement=True, generator=self.request.generator).tolist())
-            scores = torch.log(q[picks].clamp(min=1e-30)).tolist()
-            row = len(self.probs)
-            self.probs.append(q)
-        children = []
-        for token, score in zip(picks, scores):
-            index = len(self.tokens)
-            self.tokens.append(token)
-            self.parents.append(node.index)
-            self.draw.append(row if row is not None else index)
-            self.parent_hidden.append(node.hidden)
-            self.ancestors[index] = self.ancestors[node.index] + [index]
-            self.path_of[index] = self.path_of[node.index] + (token,)
-            self.path_score.setdefault(self.path_of[index], node.score + score)
-            self.scores.append(node.score + score)
-            children.append(_Node(index, None, node.score + score))
-        return children
-
-    def to_expand(self, nodes: list[_Node]) -> list[_Node]:
-        """The nodes of a new level that get children: the tree_width most probable.
-
-        Sampled children are drawn with replacement, so two nodes can carry the same token path:
-        equal in exact arithmetic, their scores differ in the last bits with the batch's shapes.
-        Ranked by their path's first score, then by index, they keep a seeded request's tree, and
-        so its draws, those of its solo run in any batch."""
-        if len(self.tokens) >= self.budget:
-            return []
-        return sorted(nodes, key=lambda node: (-self.path_score[self.path_of[node.index]], node.index))[
-            : self.spec.tree_width]
-
-    def spec_mask(self, nodes: list[_Node]) -> torch.Tensor:
-        """(len(nodes), fed so far + len(nodes)): each fed node sees its fed ancestors and itself."""
-        for node in nodes:
-            self.spec_index[node.index] = len(self.spec_index)
-        mask = torch.zeros(len(nodes), len(self.spec_index), dtype=torch.bool)
-        for row, node in enumerate(nodes):
-            for a in self.ancestors[node.index]:
-                if a in self.spec_index:
-                    mask[row, self.spec_index[a]] = True
-        return mask
-
-    def tree(self) -> Proposal:
-        tokens = torch.tensor(self.tokens, dtype=torch.long)
-        probs = torch.stack(self.probs) if self.probs else None
-        scores = torch.tensor(self.scores, dtype=torch.float32)
-        if all(p == i - 1 for i, p in enumerate(self.parents)):
-            # A chain (width 1 or a single path): row i of probs is node i's distribution.
-            return Proposal(tokens, probs, scores=scores)
-        return Proposal(tokens, probs, torch.tensor(self.parents, dtype=torch.long),
-                        torch.tensor(self.draw, dtype=torch.long), scores=scores)
