@@ -105,11 +105,21 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
-def rope_tables(pos: torch.Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (..., n, D) of the rotary embedding at integer positions pos (..., n)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)
+def rope_frequencies(dim: int, theta: float, device) -> torch.Tensor:
+    """(D/2,) float32: the rotary embedding's inverse frequencies."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+
+
+def rope_tables(pos: torch.Tensor, dim: int, theta: float, dtype: torch.dtype,
+                inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (..., n, D) of the rotary embedding at integer positions pos (..., n).
+    inv_freq: `rope_frequencies(dim, theta)` computed once by a caller that runs many steps."""
+    if inv_freq is None:
+        inv_freq = rope_frequencies(dim, theta, pos.device)
     ang = pos.to(torch.float32).clamp(min=0)[..., None] * inv_freq                 # (..., n, D/2)
     ang = torch.cat([ang, ang], -1)
+    if dtype == torch.float32:          # (no cast: a step's few ops are what its time is)
+        return ang.cos(), ang.sin()
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 

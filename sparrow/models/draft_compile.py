@@ -38,7 +38,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..window import PAD_POS, window_mask
 from .attention import get_backend
-from .draft import DraftKV, SparrowDraft, apply_rope, rope_tables
+from .draft import DraftKV, SparrowDraft, apply_rope, rope_frequencies, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +65,13 @@ class Dims(NamedTuple):
 # The draft's weights as draft_level reads them: q/k/v and gate/up concatenated (one matrix
 # product each). Per layer: (input_norm, qkv_w, qkv_b, o_w, post_norm, gate_up_w, down_w).
 LayerWeights = tuple[torch.Tensor, ...]
-StepWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[LayerWeights, ...], torch.Tensor]
+StepWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[LayerWeights, ...], torch.Tensor,
+                    torch.Tensor]
 
 
 def step_weights(draft: SparrowDraft) -> StepWeights:
-    """(embed, fc, final norm, lm_head, per-layer weights, fuse), from the draft's own parameters."""
+    """(embed, fc, final norm, lm_head, per-layer weights, fuse, the rotary inverse frequencies),
+    from the draft's own parameters and config."""
     embed, head = draft._shared[0].weight, draft._shared[1].weight
     layers = tuple((layer.input_norm.weight,
                     torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]),
@@ -77,7 +79,9 @@ def step_weights(draft: SparrowDraft) -> StepWeights:
                     layer.o_proj.weight, layer.post_norm.weight,
                     torch.cat([layer.gate_proj.weight, layer.up_proj.weight]), layer.down_proj.weight)
                    for layer in draft.layers)
-    return embed, draft.fc.weight, draft.norm.weight, head, layers, draft.fuse.weight
+    cfg = draft.config
+    return (embed, draft.fc.weight, draft.norm.weight, head, layers, draft.fuse.weight,
+            rope_frequencies(cfg.head_dim, cfg.rope_theta, draft.fc.weight.device))
 
 
 def step_sources(draft: SparrowDraft) -> list[torch.Tensor]:
@@ -87,7 +91,10 @@ def step_sources(draft: SparrowDraft) -> list[torch.Tensor]:
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """draft.RMSNorm in two ops (bit-identical to it in float32 and bfloat16)."""
+    """draft.RMSNorm in two ops (bit-identical to it in float32 and bfloat16; in float32 no casts,
+    which are no-ops there but each a dispatch in an eager step)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), eps=eps) * weight
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
@@ -121,7 +128,7 @@ def draft_layers(dims: Dims, w: StepWeights, tokens: torch.Tensor, hidden: torch
     pos.index_copy_(1, slots, q_pos)
     mask = window_mask(q_pos, pos, pinned, dims.window) & allowed                    # (B, R, C)
     seen = mask.sum(-1) * live                                                         # (B, R)
-    cos, sin = rope_tables(q_pos, d, dims.rope_theta, hidden.dtype)                  # (B, R, D)
+    cos, sin = rope_tables(q_pos, d, dims.rope_theta, hidden.dtype, w[6])            # (B, R, D)
     cos, sin = cos[:, None], sin[:, None]                                            # (B, 1, R, D)
     x = F.linear(torch.cat([F.embedding(tokens, embed), hidden], -1), fc)            # (B, R, H)
     attn = get_backend(dims.backend)
