@@ -36,16 +36,11 @@ from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer  
 from benchmarks.machine import machine  # noqa: E402
 
 
-def contexts(draft: SparrowDraft, n: int, seed: int = 0) -> list[DraftContext]:
-    """n random draft contexts of 200 + 37 i prompt entries (what build_context makes)."""
-    g, cfg = torch.Generator().manual_seed(seed), draft.config
-    out = []
-    for i in range(n):
-        length = 200 + 37 * i
-        ids = torch.randint(0, cfg.vocab_size, (length + 1,), generator=g)
-        feats = torch.randn(length + 1, len(cfg.feature_layers) * cfg.hidden_size, generator=g)
-        out.append(DraftContext(ids, feats, length, torch.randn(4, cfg.hidden_size, generator=g)))
-    return out
+def contexts(draft: SparrowDraft, n: int, glimpse: int, seed: int = 0) -> list[DraftContext]:
+    """n random draft contexts of 200 + 37 i prompt entries and `glimpse` glimpse states (what
+    build_context makes)."""
+    g = torch.Generator().manual_seed(seed)
+    return [DraftContext.synthetic(draft, 200 + 37 * i, glimpse, g) for i in range(n)]
 
 
 def step_ms(draft: SparrowDraft, spec: SpecConfig, batch: int, reps: int, emitted: int) -> tuple[float, float, float]:
@@ -53,7 +48,7 @@ def step_ms(draft: SparrowDraft, spec: SpecConfig, batch: int, reps: int, emitte
     step: the commit of `emitted` tokens (the last step's draft tokens and the target's features
     before them, random) then a greedy propose of k = spec.num_draft_tokens."""
     proposer = SparrowProposer(draft, spec)
-    states = [proposer.begin_context(c, 4 * reps * emitted + 400) for c in contexts(draft, batch)]
+    states = [proposer.begin_context(c, 4 * reps * emitted + 400) for c in contexts(draft, batch, spec.glimpse)]
     width = len(draft.config.feature_layers) * draft.config.hidden_size
     features = torch.randn(emitted, width, generator=torch.Generator().manual_seed(1))
     t0 = time.perf_counter()

@@ -37,12 +37,7 @@ def draft(qwen_target):
 def contexts(draft, glimpse: int = 2) -> list[DraftContext]:
     """Random draft contexts of different lengths (what build_context makes from a prefill)."""
     g = torch.Generator().manual_seed(0)
-    cfg, out = draft.config, []
-    for n in PROMPTS:
-        ids = torch.randint(0, cfg.vocab_size, (n + 1,), generator=g)
-        feats = torch.randn(n + 1, len(cfg.feature_layers) * cfg.hidden_size, generator=g)
-        out.append(DraftContext(ids, feats, n, torch.randn(glimpse, cfg.hidden_size, generator=g)))
-    return out
+    return [DraftContext.synthetic(draft, n, glimpse, g) for n in PROMPTS]
 
 
 def proposers(draft, spec: SpecConfig, compiled: bool = True) -> dict[str, SparrowProposer]:

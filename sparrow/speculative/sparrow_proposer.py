@@ -50,6 +50,16 @@ class DraftContext:
                 "num_prompt": torch.tensor([self.num_prompt]), "num_visual": torch.tensor([self.num_visual])}
 
     @classmethod
+    def synthetic(cls, draft: SparrowDraft, entries: int, glimpse: int, generator: torch.Generator) -> "DraftContext":
+        """Random ids, features and glimpse states of a prompt of `entries` text entries (+ the
+        first generated token), on the draft's device and dtype: for compiling and timing steps."""
+        cfg, p = draft.config, draft.fuse.weight
+        ids = torch.randint(0, cfg.vocab_size, (entries + 1,), generator=generator)
+        feats = torch.randn(entries + 1, p.shape[1], generator=generator)
+        states = torch.randn(glimpse, cfg.hidden_size, generator=generator)
+        return cls(ids.to(p.device), feats.to(p.device, p.dtype), entries, states.to(p.device, p.dtype))
+
+    @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor]) -> "DraftContext":
         num_visual = int(t["num_visual"][0]) if "num_visual" in t else 0
         return cls(t["token_ids"], t["features"], int(t["num_prompt"][0]), t["glimpse"], num_visual)
@@ -468,15 +478,11 @@ class SparrowProposer:
         if self.runner is None or not self.runner.compiled:
             return 0.0
         t0 = time.perf_counter()
-        cfg, p = self.draft.config, self.draft.fuse.weight
         g = torch.Generator().manual_seed(0)
         prompt = self.spec.anchors + self.spec.window
         for bucket in sorted({self.runner.bucket(n) for n in batch_sizes} - {None}):
-            contexts = [DraftContext(torch.randint(0, cfg.vocab_size, (prompt + 1,), generator=g).to(p.device),
-                                     torch.randn(prompt + 1, p.shape[1], generator=g).to(p.device, p.dtype), prompt,
-                                     torch.randn(self.spec.glimpse, cfg.hidden_size, generator=g).to(p.device, p.dtype))
-                        for _ in range(bucket)]
-            states = [self.begin_context(c, self.spec.num_draft_tokens + 1) for c in contexts]
+            states = [self.begin_context(DraftContext.synthetic(self.draft, prompt, self.spec.glimpse, g),
+                                         self.spec.num_draft_tokens + 1) for _ in range(bucket)]
             self.propose([DraftRequest(s, self.spec.num_draft_tokens, SamplingParams(), g) for s in states])
         return time.perf_counter() - t0
 
