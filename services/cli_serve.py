@@ -173,12 +173,10 @@ def add_command(sub, common) -> None:
     p.add_argument("--k", type=int, default=None,
                    help="draft tokens per step (default: the draft's trained k, else 4)")
     from sparrow.config import DRAFT_STEPS
-    p.add_argument("--draft-step", choices=DRAFT_STEPS, default="auto",
-                   help="how the Sparrow draft runs its k steps (SpecConfig.draft_step): auto (default: on a CPU "
-                        "eager until a batch shape is hot, then compiled in the background; on a GPU, compiled), "
-                        "compiled (torch.compile on a CPU, CUDA graphs on a GPU: ~2.5x faster than eager on a CPU; "
-                        "the server compiles its batch buckets before it serves, seconds, logged), static (eager) "
-                        "or reference")
+    p.add_argument("--draft-step", choices=DRAFT_STEPS, default="static",
+                   help="how the Sparrow draft runs its k steps (SpecConfig.draft_step): static (default, eager), "
+                        "compiled (torch.compile on a CPU, CUDA graphs on a GPU: ~2.5x faster on a CPU; each batch "
+                        "bucket compiles on its first step, seconds, logged) or reference")
     add_placement_arguments(p, device_map=True)
     from sparrow.models.ragged import VERIFY_KERNELS
     p.add_argument("--verify-attention", choices=("auto", "sdpa", *VERIFY_KERNELS), default="auto",

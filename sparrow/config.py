@@ -12,7 +12,7 @@ from .errors import InvalidRequest
 
 SPEC_METHODS = ("sparrow", "eagle-style", "eagle3", "specvlm", "none")
 DRAFT_CONTEXTS = ("text", "all", "pruned")
-DRAFT_STEPS = ("auto", "reference", "static", "compiled")
+DRAFT_STEPS = ("reference", "static", "compiled")
 
 
 def check(cond: bool, message: str) -> None:
@@ -111,17 +111,14 @@ class SpecConfig:
     draft_mass: float = 1.0
     draft_max_candidates: int = 0
     # How the Sparrow draft runs its k steps (sparrow.models.draft_compile): "static" (the
-    # whole batch's levels over keys gathered once, static shapes, no host read per step;
-    # eager, ~1.6x faster than the reference on the 2-core CPU), "compiled" (the same,
-    # torch.compile on a CPU, CUDA graphs on a GPU: ~2.5x faster than static at batch 1; each
-    # batch bucket compiles on its first call, 3-10 s on a CPU, the time logged at INFO; a
-    # server compiles its buckets before it serves), "auto" (the default: on a CPU, static until
-    # a shape has run HOT_CALLS times, then compiled on a background thread and compiled from
-    # then on, so no call waits for a compile (models/background_compile.py); on a GPU,
-    # "compiled") or "reference" (eager, per request and level: SparrowDraft.forward_packed;
-    # what the others are tested equal to). All but "reference" apply to the "text" context
-    # with sdpa/eager attention; anything else runs the reference.
-    draft_step: str = "auto"
+    # default: the whole batch's levels over keys gathered once, static shapes, no host read per
+    # step; eager, ~1.6x faster than the reference on the 2-core CPU), "compiled" (the same,
+    # torch.compile on a CPU, CUDA graphs on a GPU: ~5x the reference at batch 1; each batch
+    # bucket compiles once, ~10 s on a CPU, the time logged at INFO: for long-lived servers) or
+    # "reference" (eager, per request and level: SparrowDraft.forward_packed; what the other two
+    # are tested equal to). "static"/"compiled" apply to the "text" context with sdpa/eager
+    # attention; anything else runs the reference.
+    draft_step: str = "static"
 
     def with_geometry(self, trained_with: Mapping[str, Any], given: Collection[str] = ()) -> "SpecConfig":
         """This spec with a draft's trained geometry (SparrowDraft.trained_with: window, anchors,

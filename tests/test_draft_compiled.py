@@ -18,7 +18,6 @@ from torch._dynamo.utils import counters
 
 import sparrow.models.draft_compile as draft_compile
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.models.background_compile import BackgroundCompiler
 from sparrow.models.draft_compile import COMPILE_SECONDS, DraftRunner
 from sparrow.speculative.proposer import DraftRequest, StepResult
 from sparrow.speculative.sampling import new_generator
@@ -41,9 +40,9 @@ def contexts(draft, glimpse: int = 2) -> list[DraftContext]:
     return [DraftContext.synthetic(draft, n, glimpse, g) for n in PROMPTS]
 
 
-def proposers(draft, spec: SpecConfig, compiled: bool = True, extra: tuple[str, ...] = ()) -> dict[str, SparrowProposer]:
-    """The reference, the static levels run eagerly, (when asked) compiled, and `extra` steps."""
-    steps = ("reference", "static") + (("compiled",) if compiled else ()) + extra
+def proposers(draft, spec: SpecConfig, compiled: bool = True) -> dict[str, SparrowProposer]:
+    """The reference, the static levels run eagerly, and (when asked) compiled."""
+    steps = ("reference", "static") + (("compiled",) if compiled else ())
     paths = {step: SparrowProposer(draft, SpecConfig(**{**_fields(spec), "draft_step": step})) for step in steps}
     assert paths["reference"].runner is None and not paths["static"].runner.compiled
     assert not compiled or paths["compiled"].runner.compiled
@@ -55,12 +54,12 @@ def _fields(spec: SpecConfig) -> dict:
 
 
 def run_steps(draft, spec: SpecConfig, ks: list[int], sampling: SamplingParams, steps: int = 4,
-              compiled: bool = True, extra: tuple[str, ...] = ()) -> dict[str, list]:
+              compiled: bool = True) -> dict[str, list]:
     """Each path begins the same contexts, then `steps` times proposes for the whole batch and
     commits the same emitted tokens (the reference's first draft token, if any, + a random bonus),
     so the caches grow, slide and evict alike, then proposes once more. Returns each path's
     proposals, step by step."""
-    paths = proposers(draft, spec, compiled, extra)
+    paths = proposers(draft, spec, compiled)
     states = {name: [p.begin_context(c, 40) for c in contexts(draft, spec.glimpse)] for name, p in paths.items()}
     g = torch.Generator().manual_seed(5)
     out = {name: [] for name in paths}
@@ -208,33 +207,6 @@ def test_warm_up_compiles_before_the_first_request(draft, monkeypatch):
     states = [compiled.begin_context(c, 40) for c in contexts(draft)]
     compiled.propose([DraftRequest(s, 4, SamplingParams(), new_generator(0)) for s in states])
     assert set(COMPILE_SECONDS) == before
-
-
-def test_auto_steps_compile_a_hot_shape_in_the_background(draft, monkeypatch):
-    """draft_step "auto" on a CPU: a shape runs eagerly until it is hot, then compiles on the
-    background thread while proposes go on eagerly, then runs compiled, with no compile on the
-    caller's thread; every propose equals the reference's, before, during and after."""
-    bg = BackgroundCompiler(hot=3, on_compiled=draft_compile._compiled_in_background)
-    monkeypatch.setattr(draft_compile, "BACKGROUND", bg)
-    spec = SpecConfig(**{**_fields(SPEC), "num_draft_tokens": 3})        # a shape no other test compiles
-    auto = SparrowProposer(draft, SpecConfig(**{**_fields(spec), "draft_step": "auto"}))
-    assert auto.runner.compiled and auto.runner.background and auto.warm_up((1, 2)) == 0.0
-    runs = []
-    real_run = DraftRunner._run
-    monkeypatch.setattr(DraftRunner, "_run", lambda self, fn, batch, args: (
-        runs.append((fn.__name__, batch.bucket, len(COMPILE_SECONDS))), real_run(self, fn, batch, args))[1])
-    greedy, ks = SamplingParams(), [3, 2, 3]
-    assert_same(run_steps(draft, spec, ks, greedy, steps=3, compiled=False, extra=("auto",)))   # 4 proposes: hot at 3
-    shape = next(key for key in bg._queued)
-    assert shape[:2] == ("greedy_chain", 4) and not runs[-1][0].startswith("draft_level")
-    assert bg.wait(600) and bg.ready(shape) and shape in COMPILE_SECONDS
-    calls = []
-    real = draft_compile._COMPILED[shape]
-    draft_compile._COMPILED[shape] = lambda *a: (calls.append(1), real(*a))[1]
-    graphs = counters["stats"]["unique_graphs"]
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        assert_same(run_steps(draft, spec, ks, greedy, steps=2, compiled=False, extra=("auto",)))
-    assert len(calls) == 3 and counters["stats"]["unique_graphs"] == graphs      # compiled, and nothing compiled again
 
 
 def test_weights_changed_in_place_are_read_again(draft):

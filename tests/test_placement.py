@@ -63,7 +63,7 @@ def test_serve_flags_become_settings():
     assert (defaults.dtype, defaults.device, defaults.device_map) == ("float32", "cpu", None)
     assert defaults.verify_attention == "auto"
     assert app_settings(build_parser().parse_args(["serve", "--verify-attention", "triton"])).verify_attention == "triton"
-    assert defaults.spec.draft_step == "auto"
+    assert defaults.spec.draft_step == "static"
     compiled = app_settings(build_parser().parse_args(["serve", "--draft-step", "compiled", "--k", "3"]))
     assert (compiled.spec.draft_step, compiled.spec.num_draft_tokens) == ("compiled", 3)
     assert "compiled draft steps" in models_line(compiled)

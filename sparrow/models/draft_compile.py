@@ -19,8 +19,7 @@ C key slots fixed per proposer):
                  (the tokens with the target's features before each: what a commit runs),
                  so a step's commit and its next propose are one call
     DraftRunner  the buckets, the weights draft_level reads, the gather; compiled levels are
-                 kept per shape for the process (compiled on first use, or in the background
-                 once a shape is hot: background_compile.py; the time logged at INFO)
+                 kept per shape for the process (compiled on first use, the time logged at INFO)
 
 Nothing here reads a value on the host.
 """
@@ -39,7 +38,6 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..window import PAD_POS, window_mask
 from .attention import get_backend
-from .background_compile import BackgroundCompiler
 from .draft import DraftKV, SparrowDraft, apply_rope, rope_frequencies, rope_tables
 
 log = logging.getLogger(__name__)
@@ -218,17 +216,6 @@ _COMPILED: dict[tuple, Callable] = {}
 COMPILE_SECONDS: dict[tuple, float] = {}      # shape -> seconds its first (compiling) call took
 
 
-def _compiled_in_background(shape: tuple, seconds: float) -> None:
-    COMPILE_SECONDS[shape] = seconds
-    log.info("%s compiled in the background for batch bucket %d (%d rows a request, %s levels, %d key slots) "
-             "in %.1f s", shape[0], shape[1], shape[2], shape[4] or "-", shape[3], seconds)
-
-
-# The process's background compiles (DraftRunner(background=True)): a shape is ready once it is
-# in COMPILE_SECONDS, whichever way it was compiled.
-BACKGROUND = BackgroundCompiler(on_compiled=_compiled_in_background)
-
-
 # Inductor on a CPU: the level is ~10 kernels of microseconds, so the generated wrapper's own
 # cost is a large share of a call: its shape checks go (shapes are fixed per compiled copy).
 # The wrapper in C++ (cpp_wrapper) rather than Python: ~25% of a k = 4 propose at batch 1.
@@ -299,23 +286,18 @@ class DraftRunner:
     rule (`DraftBatch.allow`), not by position alone. compiled: the levels run compiled
     (CPU: inductor with `cpu_options`, default CPU_OPTIONS; CUDA: "reduce-overhead", i.e.
     CUDA graphs), each shape compiled on first use; else the same code runs eagerly.
-    background (with compiled; meant for a CPU): a shape runs eagerly until it is hot, is then
-    compiled on a background thread (`BACKGROUND`), and runs compiled once that is done: no
-    call ever waits for a compile.
     emitted_rows: M, the most emitted entries a request may bring to a greedy chain (its last
     steps' commit, run in the same call; 0: never); capacity counts them.
     """
 
     def __init__(self, draft: SparrowDraft, window: int, capacity: int, rows: int = 1, tree: bool = False,
-                 compiled: bool = False, cpu_options: dict | None = None, emitted_rows: int = 0,
-                 background: bool = False):
+                 compiled: bool = False, cpu_options: dict | None = None, emitted_rows: int = 0):
         if draft.attention_backend not in STATIC_BACKENDS:
             raise ValueError(f"the static draft step supports the backends {STATIC_BACKENDS}, "
                              f"not {draft.attention_backend!r}")
         cfg = draft.config
         self.draft, self.capacity, self.rows, self.tree = draft, capacity, rows, tree
         self.compiled, self.cpu_options, self.emitted_rows = compiled, cpu_options, emitted_rows
-        self.background = compiled and background
         self.dims = Dims(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta, window,
                          draft.attention_backend)
         self._buffers: dict[int, DraftBatch] = {}
@@ -446,10 +428,6 @@ class DraftRunner:
         emitted = self.emitted_rows if fn is greedy_chain and batch.emitted is not None else 0
         shape = (fn.__name__, batch.bucket, self.rows, self.capacity, levels, self.dims, self.draft.config, dtype,
                  str(device), tuple(sorted(options.items())), emitted)
-        if self.background and shape not in COMPILE_SECONDS:
-            out = fn(*args)
-            BACKGROUND.offer(shape, lambda *a: compiled(fn, shape, device, options)(*a), args)
-            return out
         run = compiled(fn, shape, device, options)
         cuda = device.type == "cuda"
         if cuda:

@@ -474,9 +474,8 @@ class SparrowProposer:
         """With compiled draft steps: compile the greedy chain of the batch buckets these batch
         sizes run in now, on synthetic contexts, rather than on the first requests that meet
         them (a server calls this before it serves). Returns the seconds it took (0: nothing to
-        compile; eager steps, or steps compiled in the background when hot). The other shapes
-        (sampled levels, other buckets) still compile on first use."""
-        if self.runner is None or not self.runner.compiled or self.runner.background:
+        compile). The other shapes (sampled levels, other buckets) still compile on first use."""
+        if self.runner is None or not self.runner.compiled:
             return 0.0
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(0)
@@ -497,7 +496,7 @@ class SparrowProposer:
 
 
 def static_runner(draft: SparrowDraft, spec: SpecConfig) -> DraftRunner | None:
-    """The static runner (SpecConfig.draft_step "static", "compiled" or "auto") of this draft and spec,
+    """The static runner (SpecConfig.draft_step "static" or "compiled") of this draft and spec,
     or None for the reference path: asked for, or the context is not "text" (a full-attention
     context grows with the video: no fixed shape), or the attention backend takes no batched mask."""
     if spec.draft_step == "reference" or spec.draft_context != "text" or draft.attention_backend not in STATIC_BACKENDS:
@@ -508,9 +507,8 @@ def static_runner(draft: SparrowDraft, spec: SpecConfig) -> DraftRunner | None:
     slots = spec.glimpse + spec.anchors + 2 * spec.window + 1 + (spec.num_draft_tokens - 1) * rows
     # Greedy chains also run the last steps' emitted entries (at most k + 1 a step) first.
     emitted = 0 if tree else spec.num_draft_tokens + 1
-    background = spec.draft_step == "auto" and draft.fuse.weight.device.type == "cpu"
     return DraftRunner(draft, spec.window, -(-(slots + emitted) // 16) * 16, rows, tree,
-                       compiled=spec.draft_step in ("compiled", "auto"), emitted_rows=emitted, background=background)
+                       compiled=spec.draft_step == "compiled", emitted_rows=emitted)
 
 
 def _chain_lengths(batch: list[DraftRequest], spec: SpecConfig) -> list[int]:
