@@ -26,7 +26,6 @@ from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from sparrow.state_cache import open_cache
-from sparrow.speculative.sparrow_proposer import SparrowProposer
 
 from . import prom
 from .draft import DraftBatch, DraftReply, DraftSessions, DraftWorker, RemoteDraftProposer, RemoteDraftStats
@@ -34,7 +33,7 @@ from .errors import log_failure, quiet_client_errors
 from .handler import SparrowMethods
 from .models import load_draft, load_heads
 from .servicer import SparrowService, deadline_from_metadata
-from .settings import AppSettings, build_engine
+from .settings import AppSettings, build_engine, warmed_proposer
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ class DraftDeployment:
     def __init__(self, settings: AppSettings):
         draft = load_draft(settings.draft, load_heads(settings.target, settings.dtype, settings.device),
                            settings.draft_arch)
-        self.worker = DraftWorker(SparrowProposer(draft, settings.spec_for(draft)), open_cache(settings.cache))
+        self.worker = DraftWorker(warmed_proposer(draft, settings.spec_for(draft), settings), open_cache(settings.cache))
         self.replica = ray.get_runtime_context().get_actor_name() or ""
         self.clients: weakref.WeakValueDictionary[str, DraftSessions] = weakref.WeakValueDictionary()
         self.idle_s, self._swept = settings.draft_session_idle_s, 0.0

@@ -86,6 +86,18 @@ class AppSettings:
         return "none" if self.draft is None else self.draft_placement
 
 
+def warmed_proposer(draft, spec: SpecConfig, settings: AppSettings) -> SparrowProposer:
+    """The draft's proposer; with compiled draft steps, its greedy chains for the batch sizes
+    this server runs are compiled here, before it serves (a target replica's colocated draft,
+    or a remote draft replica), not by its first requests."""
+    proposer = SparrowProposer(draft, spec)
+    sizes = tuple(n for n in (1, 2, 4, 8) if n <= settings.service.max_concurrent)
+    seconds = proposer.warm_up(sizes)
+    if seconds > 0:
+        log.info("compiled the draft's greedy chain for batch sizes up to %d in %.1f s", max(sizes), seconds)
+    return proposer
+
+
 def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, StateCache]:
     """The target's engine and state cache. With a draft_client (remote placement) the
     engine drafts through it, keeping a colocated draft as the fallback."""
@@ -101,11 +113,7 @@ def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, Stat
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=prefix, config=settings.engine), cache
     draft = load_draft(settings.draft, target, settings.draft_arch)
     spec = settings.spec_for(draft)
-    local = SparrowProposer(draft, spec)
-    if spec.draft_step == "compiled":       # paid before serving, not by the first requests
-        sizes = tuple(n for n in (1, 2, 4, 8) if n <= settings.service.max_concurrent)
-        seconds = local.warm_up(sizes)
-        log.info("compiled the draft's greedy chain for batch sizes up to %d in %.1f s", max(sizes), seconds)
+    local = warmed_proposer(draft, spec, settings)
     proposer = local if draft_client is None else RemoteDraftProposer(
         draft_client, local, spec, cache, failover_s=settings.draft_failover_s)
     return Engine(target, spec=spec, proposer=proposer, prefix_cache=prefix, config=settings.engine), cache

@@ -140,3 +140,26 @@ def test_remote_placement_cuts_the_drafts_q_unless_told():
     own = AppSettings(target="tiny:qwen2_5_vl", draft="tiny", draft_placement="remote",
                       spec=SpecConfig(adaptive_k=False, draft_mass=0.9))
     assert (own.spec.draft_mass, own.spec.draft_max_candidates) == (0.9, 0)
+
+
+def test_every_draft_process_warms_its_compiled_steps_before_it_serves(qwen_target, monkeypatch):
+    """A colocated draft (build_engine) and a remote draft replica (DraftDeployment) both get
+    their proposer from warmed_proposer, which compiles the greedy chains of the batch sizes the
+    server runs (up to max_concurrent) when the draft steps are compiled."""
+    import dataclasses
+    import inspect
+
+    from sparrow.config import SpecConfig
+    from sparrow.services import ray_app, settings as settings_module
+    from sparrow.speculative.sparrow_proposer import SparrowProposer
+
+    warmed = []
+    monkeypatch.setattr(SparrowProposer, "warm_up", lambda self, sizes: (warmed.append((self.spec.draft_step, sizes)), 1.0)[1])
+    settings = app_settings(build_parser().parse_args(["serve", "--target", "tiny:qwen2_5_vl", "--draft", "tiny",
+                                                       "--draft-step", "compiled"]))
+    settings = dataclasses.replace(settings, service=dataclasses.replace(settings.service, max_concurrent=4))
+    engine, _ = build_engine(settings)
+    assert warmed == [("compiled", (1, 2, 4))]
+    settings_module.warmed_proposer(tiny_draft(qwen_target), SpecConfig(draft_step="static"), settings)
+    assert warmed[-1] == ("static", (1, 2, 4))             # (warm_up itself does nothing for eager steps)
+    assert "warmed_proposer(" in inspect.getsource(ray_app.DraftDeployment.func_or_class.__init__)
