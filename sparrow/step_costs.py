@@ -18,11 +18,14 @@ one masked call, above it the packed split, kernels/packed.py; fitted globally, 
 drafting where drafting paid). The model is ready at a length once the samples near it
 (within NEAR octaves) have two step sizes: the 0.5k samples of one video say nothing of a row
 at 25k (fitted from them, a 25k row looked 7 ms dear where it costs ~1 ms, and the default
-engine stopped drafting on the next long video). The first step of each size (rows in all, or
-draft depth) is not a sample: it pays one-time costs (kernels chosen, buffers allocated for a new
-shape) that can be several times a warm step's (a size's first step at a new length measured
-warm: the 25k steps after 0.5k ones cost what later ones did, so a new length costs two
-exploring steps, not four); nor is a step OUTLIER times slower than the fit
+engine stopped drafting on the next long video). The first step of each size (rows in all) in
+each octave of cached length, and of each draft depth, is not a sample: it pays one-time costs
+(kernels chosen or loaded, buffers allocated for a new shape) that can be several times a warm
+step's. Measured: the first 25k steps after 0.5k ones took 54.5 ms (5 rows: the CPU prefix
+kernel loads on its first long cache), 17.7 ms (3 rows) and 14.5 ms (1 row) where warm ones
+take ~14, ~12 and ~10; taken as samples, the first priced a 25k row at 8 ms, and the default
+engine drafted nothing on that video or the next two (tau 1.00-1.38 where fixed k had 4.6).
+So a new length costs four exploring steps, not two. Nor is a step OUTLIER times slower than the fit
 predicts, nor a draft OUTLIER times dearer than the step's verify (a compile of a new draft
 shape - its greedy chain and its sampled level compile at different steps -, a pause). The model says when it needs a sample it cannot get
 from the steps the policy would choose anyway (`wants_sample`): until it can tell a row's
@@ -82,7 +85,7 @@ class MeasuredCosts:
         self.resample_every = resample_every
         self._verify: dict[int, np.ndarray] = {}      # half-octave of cached length -> (a, b, e, c), lazily
         self._draft: tuple[float, float] | None = None
-        self._seen_rows: set[int] = set()             # step sizes (rows in all) run once already (warm)
+        self._seen_rows: set[tuple[int, int]] = set()   # (rows in all, octave of cached length) run once (warm)
         self._seen_depths: set[int] = set()
 
     def ready(self, contexts: Sequence[int] | None = None) -> bool:
@@ -106,11 +109,12 @@ class MeasuredCosts:
     def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
                draft_s: float) -> None:
         total, octaves = int(sum(rows)), _octaves(contexts)
-        if total in self._seen_rows and not (self.ready(contexts) and verify_s > OUTLIER * self.verify_s(rows, contexts)):
+        size = (total, round(octaves))
+        if size in self._seen_rows and not (self.ready(contexts) and verify_s > OUTLIER * self.verify_s(rows, contexts)):
             self.verify_samples.append((float(total), sum(contexts) / 1000.0, _attention(rows, contexts), octaves,
                                         float(verify_s)))
             self._verify.clear()
-        self._seen_rows.add(total)
+        self._seen_rows.add(size)
         if depth > 0:
             # a draft step is never OUTLIER x dearer than its own fit or than the step's verify
             # (a one-layer draft against the target): one that is paid something once
