@@ -20,12 +20,18 @@ class DraftPolicy:
     verify (every request's rows, each over its own cached length) plus the draft's (by
     depth; none when nobody drafts). A request's alpha starts from the engine's (all its
     requests' acceptance so far, decayed), worth PRIOR_WEIGHT of its own draft steps, so one
-    unlucky first step neither stops a good draft (at 3, one rejection on a 25k video did:
-    the request never drafted again) nor a failing draft's record keeps a new
-    request drafting. A request with no record of its own is valued at least PROBE_ALPHA:
+    unlucky first step neither stops a good draft nor a failing draft's record keeps a new
+    request drafting. (At weight 3 with lifetime counts one rejection on a 25k video once
+    stopped a request for good; that was with 25k rows priced ~8x too dear by cold samples,
+    step_costs.py. Priced right, a 25k row is ~0.1 of a step and drafting pays down to an
+    alpha of ~0.3; at 0.5k, where a drafting step costs ~1.7 plain ones, down to ~0.5.) A request with no record of its own is valued at least PROBE_ALPHA:
     the engine's record is other requests' (other videos, other prompts, text past an end of
     turn), and below it a new request would never draft and so never show that its own draft
-    does well (one probing step at most: after it, its own record speaks). The policy picks
+    does well (one probing step at most: after it, its own record speaks). A request's own
+    record fades by RECENT a drafting step: what its draft earns changes within an answer
+    (measured at 0.5k: 2-4 tokens a step through a caption, then none past its end), and on a
+    lifetime count a run of good steps kept a failing draft drafting 4 deep for 20-30 steps,
+    each a rejected verify and a draft call (Sparrow 0.75-0.9x plain on such streams). The policy picks
     the ks that maximise the batch's expected tokens per second: for each common depth K it
     lowers each request's k, one at a time, wherever that raises the rate (a request whose
     draft fails, or whose rows are dear at its length, drafts less or not at all), and keeps
@@ -40,9 +46,10 @@ class DraftPolicy:
     explicit k) always get their own k.
     """
 
-    PRIOR_WEIGHT = 8.0         # the engine's acceptance counts as this many of a request's own events
+    PRIOR_WEIGHT = 3.0         # the engine's acceptance counts as this many of a request's own events
     PROBE_ALPHA = 2 / 3        # what a request with no record of its own is worth at least
     DECAY = 0.99               # per drafting step, on the engine's acceptance counts
+    RECENT = 0.7               # per drafting step, on a request's own (a memory of ~3 steps)
 
     def __init__(self, k_max: int, adaptive: bool, costs: CostModel | None = None):
         self.k_max, self.adaptive = k_max, adaptive
@@ -108,16 +115,19 @@ class DraftPolicy:
         best, best_rate = None, -1.0
         for depth in range(self.k_max + 1):
             ks = [min(c, depth) if i in free else c for i, c in enumerate(caps)]
-            draft_s = self.costs.draft_s(max(ks))
+            deepest, drafting = max(ks), sum(k > 0 for k in ks)
             rows = [k + 1 for k in ks]
             tokens = sum(g[k] if k < len(g) else _expected_tokens(self.alpha(r), k)     # a pinned k past k_max
                          for g, k, r in zip(gain, ks, batch))
             verify_s = self.costs.verify_s(rows, ctx)
-            for i in free:           # each request's own k, the others held
-                base_t, base_s = tokens - gain[i][ks[i]], verify_s - row[i] * ks[i]
-                ks[i] = max(range(ks[i] + 1), key=lambda k: (base_t + gain[i][k]) / max(base_s + row[i] * k + draft_s, 1e-12))
+            for i in free:           # each request's own k, the others held; a request that stops drafting
+                base_t, base_s = tokens - gain[i][ks[i]], verify_s - row[i] * ks[i]     # spares the draft its rows
+                others = drafting - (ks[i] > 0)
+                ks[i] = max(range(ks[i] + 1), key=lambda k: (base_t + gain[i][k]) / max(
+                    base_s + row[i] * k + self.costs.draft_s(deepest, others + (k > 0)), 1e-12))
                 tokens, verify_s = base_t + gain[i][ks[i]], base_s + row[i] * ks[i]
-            rate = tokens / max(verify_s + self.costs.draft_s(max(ks)), 1e-12)
+                drafting = others + (ks[i] > 0)
+            rate = tokens / max(verify_s + self.costs.draft_s(max(ks), drafting), 1e-12)
             if rate > best_rate:
                 best, best_rate = ks, rate
         return best
@@ -138,8 +148,8 @@ class DraftPolicy:
         self.costs.record(rows, [r.context for r in batch], verify_s, depth, draft_s)
         for request, k, n in zip(batch, ks, accepted):
             if k > 0:
-                request.accepted += n
-                request.rejected += n < k
+                request.accepted = self.RECENT * request.accepted + n
+                request.rejected = self.RECENT * request.rejected + (n < k)
                 self.accepted = self.DECAY * self.accepted + n
                 self.rejected = self.DECAY * self.rejected + (n < k)
                 for j in range(min(k, n + 1, self.k_max)):          # positions this step reached

@@ -69,8 +69,8 @@ class Request:
     generator: torch.Generator | None = None
     noise: PositionNoise | None = None      # a seeded request's randomness (sampling.PositionNoise)
     output: OutputProcessor | None = None
-    accepted: int = 0                       # its draft tokens accepted so far ...
-    rejected: int = 0                       # ... and verify steps that rejected one
+    accepted: float = 0.0                   # its draft tokens accepted ...
+    rejected: float = 0.0                   # ... and verify steps that rejected one (recent ones weigh most: DraftPolicy)
     pending_commits: list = field(default_factory=list)   # StepResults not yet given to the draft
     decode_start: float = 0.0
     waited: bool = False                    # counted once in the scheduler's waited_for_memory

@@ -9,8 +9,11 @@ cache holds ctx_r tokens. Its verify time is fitted as
 (a: the step's fixed cost; b: a row through the MLPs and the head; e: reading a request's
 cached keys, once a step for all its rows (the packed verify, kernels/packed.py); c: a row's
 own attention work over those keys, which on a CPU at 25k tokens is a large share of a step and
-on a GPU near nothing), and the draft's time for a step of depth k as d0 + d1 * k. Both are
-least squares over the last samples, coefficients kept >= 0. The verify fit is local in the cached length: a
+on a GPU near nothing), and the draft's time for a step of depth k with n drafting requests as
+d0 + d1 * k + d2 * k * (n - 1) (the batch's levels run in one call; measured at 0.5k with eager
+static steps, k = 4: ~1.2 ms for one request, ~2.8 ms for eight; fitted as one line in k, a
+batch of eight was priced as one). Both are least squares over the last samples, coefficients
+kept >= 0; until a step with several drafting requests is measured, d2 is 0. The verify fit is local in the cached length: a
 sample's weight falls with how far its mean cached length is from the step's, by octaves
 (LOCALITY), because one line does not hold across lengths (below ~8k keys the CPU verify runs
 one masked call, above it the packed split, kernels/packed.py; fitted globally, the 0.5k and
@@ -55,7 +58,7 @@ class CostModel(Protocol):
 
     def verify_s(self, rows: Sequence[int], contexts: Sequence[int]) -> float: ...
 
-    def draft_s(self, depth: int) -> float: ...
+    def draft_s(self, depth: int, requests: int = 1) -> float: ...
 
     def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
                draft_s: float) -> None: ...
@@ -81,10 +84,10 @@ class MeasuredCosts:
     def __init__(self, window: int = WINDOW, resample_every: int = RESAMPLE_EVERY):
         # verify: (rows, ctx / 1000, rows x ctx / 1000, log2 of the mean cached length, seconds)
         self.verify_samples: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)
-        self.draft_samples: deque[tuple[float, float]] = deque(maxlen=window)           # (depth, s)
+        self.draft_samples: deque[tuple[float, float, float]] = deque(maxlen=window)    # (depth, requests, s)
         self.resample_every = resample_every
         self._verify: dict[int, np.ndarray] = {}      # half-octave of cached length -> (a, b, e, c), lazily
-        self._draft: tuple[float, float] | None = None
+        self._draft: tuple[float, float, float] | None = None
         self._seen_rows: set[tuple[int, int]] = set()   # (rows in all, octave of cached length) run once (warm)
         self._seen_depths: set[int] = set()
 
@@ -100,11 +103,12 @@ class MeasuredCosts:
         a, b, e, c = self._fit_verify(_octaves(contexts))
         return float(a + b * sum(rows) + e * sum(contexts) / 1000.0 + c * _attention(rows, contexts))
 
-    def draft_s(self, depth: int) -> float:
-        if depth <= 0:
+    def draft_s(self, depth: int, requests: int = 1) -> float:
+        """A draft step `depth` deep for `requests` drafting requests."""
+        if depth <= 0 or requests <= 0:
             return 0.0
-        d0, d1 = self._fit_draft()
-        return d0 + d1 * depth
+        d0, d1, d2 = self._fit_draft()
+        return d0 + d1 * depth + d2 * depth * (requests - 1)
 
     def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
                draft_s: float) -> None:
@@ -118,9 +122,10 @@ class MeasuredCosts:
         if depth > 0:
             # a draft step is never OUTLIER x dearer than its own fit or than the step's verify
             # (a one-layer draft against the target): one that is paid something once
-            usual = max(verify_s, self.draft_s(depth) if self.draft_samples else 0.0)
+            drafting = max(1, sum(1 for r in rows if r > 1))
+            usual = max(verify_s, self.draft_s(depth, drafting) if self.draft_samples else 0.0)
             if depth in self._seen_depths and draft_s <= OUTLIER * usual:
-                self.draft_samples.append((float(depth), float(draft_s)))
+                self.draft_samples.append((float(depth), float(drafting), float(draft_s)))
                 self._draft = None
             self._seen_depths.add(depth)
 
@@ -135,18 +140,20 @@ class MeasuredCosts:
             self._verify[key] = _nonnegative_lstsq(x, data[:, 4] * w)
         return self._verify[key]
 
-    def _fit_draft(self) -> tuple[float, float]:
-        """(d0, d1); with one depth seen so far, proportional to the depth; none seen: free
-        (the verify samples decide, and the first drafting step measures it)."""
+    def _fit_draft(self) -> tuple[float, float, float]:
+        """(d0, d1, d2); with one depth seen so far, proportional to the depth (d0 = 0); none
+        seen: free (the verify samples decide, and the first drafting step measures it)."""
         if self._draft is None:
             if not self.draft_samples:
-                return 0.0, 0.0
+                return 0.0, 0.0, 0.0
             data = np.array(self.draft_samples)
-            if len(set(data[:, 0])) < 2:
-                self._draft = (0.0, float(data[:, 1].mean() / data[:, 0].mean()))
+            depth, batch = data[:, 0], data[:, 0] * (data[:, 1] - 1)
+            if len(set(depth)) < 2:
+                d1, d2 = _nonnegative_lstsq(np.column_stack([depth, batch]), data[:, 2])
+                self._draft = (0.0, float(d1), float(d2))
             else:
-                d0, d1 = _nonnegative_lstsq(np.column_stack([np.ones(len(data)), data[:, 0]]), data[:, 1])
-                self._draft = (float(d0), float(d1))
+                d0, d1, d2 = _nonnegative_lstsq(np.column_stack([np.ones(len(data)), depth, batch]), data[:, 2])
+                self._draft = (float(d0), float(d1), float(d2))
         return self._draft
 
 
