@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--prefix: kernel or torch, not {args.prefix!r}")
         paths = [f"{p}:{x.strip()}" for p in paths for x in args.prefix.split(",") if x.strip()]
         if "kernel" in args.prefix and cpu_prefix.load() is not None:   # built before any timing
-            print(f"CPU prefix kernel ready in {cpu_prefix.build_seconds[0]:.1f} s", flush=True)
+            print(f"CPU prefix kernel ready in {cpu_prefix.EXTENSION.build_seconds:.1f} s", flush=True)
     videos_at = [tuple(int(x) for x in part.split("x")) for part in args.videos_at.split(",")]
     rows = ["| visual tokens | draft | attention | " + " | ".join(f"{n} tokens" for n in sizes) + " |",
             "|---|---|---|" + "---|" * len(sizes)]

@@ -112,7 +112,9 @@ class SpecConfig:
     draft_max_candidates: int = 0
     # How the Sparrow draft runs its k steps (sparrow.models.draft_compile): "static" (the
     # default: the whole batch's levels over keys gathered once, static shapes, no host read per
-    # step; eager, ~1.6x faster than the reference on the 2-core CPU), "compiled" (the same,
+    # step; for a small float32 draft on a CPU each call is one C++ kernel once it is built
+    # (draft_native.py: ~3x the reference at batch 1 on the 2-core CPU; torch ops until then,
+    # ~1.5x; SPARROW_DRAFT_NATIVE=off keeps them), "compiled" (the same,
     # torch.compile on a CPU, CUDA graphs on a GPU: ~5x the reference at batch 1; each batch
     # bucket compiles once, ~10 s on a CPU, the time logged at INFO: for long-lived servers) or
     # "reference" (eager, per request and level: SparrowDraft.forward_packed; what the other two

@@ -22,7 +22,8 @@ from test_verify_attention import PROMPT, _hf_greedy
 
 import sparrow.kernels.packed as packed
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.kernels import cpu_prefix
+from sparrow.kernels import cpu_prefix, native
+from sparrow.kernels.native import NativeExtension
 from sparrow.kernels.packed import verify_attention_packed
 from sparrow.kernels.reference import verify_attention_ref
 from sparrow.tiny import tiny_draft
@@ -134,23 +135,21 @@ def test_a_failed_build_falls_back_and_logs_once(tmp_path, monkeypatch, caplog):
     and every call is computed by torch's op."""
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_prefix, "SOURCE", bad)
-    monkeypatch.setattr(cpu_prefix, "_cpu_tag", lambda: "broken_for_test")
-    monkeypatch.setattr(cpu_prefix, "_module", [None])
-    monkeypatch.setattr(cpu_prefix, "_failed", [False])
+    ext = NativeExtension("broken_for_test", bad, [], "CPU prefix attention kernel")
+    monkeypatch.setattr(cpu_prefix, "EXTENSION", ext)
     monkeypatch.setattr(cpu_prefix, "IMPL", "kernel")
     monkeypatch.setattr(packed, "DENSE_PREFIX", -1)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     q, k, v, prefix, tree = _case(1, *CASES[1])
-    with caplog.at_level(logging.WARNING, logger=cpu_prefix.__name__):
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
         for _ in range(2):        # the first call starts the build on its own thread and does not wait
             torch.testing.assert_close(verify_attention_packed(q, k, v, prefix, tree),
                                        verify_attention_ref(q, k, v, prefix, tree), **FP32)
             for _ in range(6000):
-                if not cpu_prefix._background.is_set():
+                if not ext.background.is_set():
                     break
                 time.sleep(0.01)
-    assert cpu_prefix._failed[0] and cpu_prefix.load() is None
+    assert ext.failed and cpu_prefix.load() is None
     assert len([r for r in caplog.records if "not built" in r.getMessage()]) == 1
 
 
@@ -161,19 +160,21 @@ def test_a_build_started_at_startup_never_holds_up_a_verify(kernel, monkeypatch)
     release = threading.Event()
     built = kernel
 
+    ext = NativeExtension("slow_for_test", cpu_prefix.EXTENSION.source, [], "CPU prefix attention kernel")
+
     def slow_load():
         release.wait(30)
-        cpu_prefix._module[0] = built
+        ext.module = built
         return built
-    monkeypatch.setattr(cpu_prefix, "_module", [None])
-    monkeypatch.setattr(cpu_prefix, "load", slow_load)
+    monkeypatch.setattr(ext, "load", slow_load)
+    monkeypatch.setattr(cpu_prefix, "EXTENSION", ext)
     monkeypatch.setattr(packed, "DENSE_PREFIX", -1)
     q, k, v, prefix, tree = _case(2, *CASES[1])
     want = verify_attention_ref(q, k, v, prefix, tree)
     p = int(prefix[0])
     operands = (q[:, :1], k[:, :1, :p], v[:, :1, :p], 0.1)            # one kv head's rows over its prefix
     assert cpu_prefix.prefix_attention(*operands) is None    # a first use starts the build, never waits on it
-    assert cpu_prefix._background.is_set()
+    assert ext.background.is_set()
     cpu_prefix.start_loading()                                # (as a server does at startup: one build)
     try:
         assert cpu_prefix.prefix_attention(*operands) is None                # not waited on
@@ -181,10 +182,10 @@ def test_a_build_started_at_startup_never_holds_up_a_verify(kernel, monkeypatch)
     finally:
         release.set()
     for _ in range(300):
-        if not cpu_prefix._background.is_set():
+        if not ext.background.is_set():
             break
         time.sleep(0.01)
-    assert cpu_prefix._module[0] is built
+    assert ext.module is built
     assert cpu_prefix.prefix_attention(*operands) is not None
 
 

@@ -17,6 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import sparrow.models.draft_compile as draft_compile
+from sparrow.models import draft_native
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models.draft_compile import COMPILE_SECONDS, DraftRunner
 from sparrow.speculative.proposer import DraftRequest, StepResult
@@ -32,6 +33,12 @@ PROMPTS = (4, 9, 23)            # prompt entries of the batch's requests: below,
 @pytest.fixture(scope="module")
 def draft(qwen_target):
     return tiny_draft(qwen_target, seed=1)
+
+
+@pytest.fixture(autouse=True)
+def torch_levels(monkeypatch):
+    """The static levels in torch here (test_draft_native.py checks the C++ ones the same way)."""
+    monkeypatch.setattr(draft_native, "IMPL", "torch")
 
 
 def contexts(draft, glimpse: int = 2) -> list[DraftContext]:

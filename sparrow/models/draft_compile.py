@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from ..window import PAD_POS, window_mask
+from . import draft_native
 from .attention import get_backend
 from .draft import DraftKV, SparrowDraft, apply_rope, rope_frequencies, rope_tables
 
@@ -285,7 +286,8 @@ class DraftRunner:
     (committed entries + drafted levels); rows: R; tree: rows see drafted slots by the tree's
     rule (`DraftBatch.allow`), not by position alone. compiled: the levels run compiled
     (CPU: inductor with `cpu_options`, default CPU_OPTIONS; CUDA: "reduce-overhead", i.e.
-    CUDA graphs), each shape compiled on first use; else the same code runs eagerly.
+    CUDA graphs), each shape compiled on first use; else eagerly: by the C++ levels
+    (draft_native.py) for a small float32 draft on a CPU once they are built, torch until then.
     emitted_rows: M, the most emitted entries a request may bring to a greedy chain (its last
     steps' commit, run in the same call; 0: never); capacity counts them.
     """
@@ -300,6 +302,9 @@ class DraftRunner:
         self.compiled, self.cpu_options, self.emitted_rows = compiled, cpu_options, emitted_rows
         self.dims = Dims(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta, window,
                          draft.attention_backend)
+        self.native = not compiled and draft_native.usable(draft, self.dims)
+        if self.native:
+            draft_native.ready()                          # starts its build, on a thread of its own
         self._buffers: dict[int, DraftBatch] = {}
         self._features: dict[int, torch.Tensor] = {}      # per bucket: the emitted rows' target features
         self._weights: tuple[list, StepWeights] | None = None
@@ -421,6 +426,8 @@ class DraftRunner:
 
     def _run(self, fn: Callable, batch: DraftBatch, args: tuple):
         if not self.compiled:
+            if self.native and draft_native.ready():      # the C++ levels (where built; torch until then)
+                return getattr(draft_native, fn.__name__)(*args)
             return fn(*args)
         device, dtype = batch.pos.device, batch.keys[0].dtype
         options = self.cpu_options or CPU_OPTIONS

@@ -1,0 +1,84 @@
+"""The static draft runner's levels by the C++ kernel (kernels/csrc/draft_chain.cpp), where it is
+built: a small float32 draft on the CPU. `draft_level` and `greedy_chain` here take the arguments
+of draft_compile's functions of the same names and return what they do, computed by plain loops
+instead of ~80 tiny torch ops a level (whose dispatch, not arithmetic, is a draft step's cost on
+a CPU). Equal to draft_compile's within float tolerance (tests/test_draft_native.py).
+
+It is built on a thread of its own when a static runner is made (kernels/native.py); until it is
+ready, and for a draft it does not take (`usable`), the runner computes the levels in torch.
+
+    SPARROW_DRAFT_NATIVE=off    never build or use it (the levels stay in torch; or set IMPL = "torch")
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..kernels.native import CSRC, NativeExtension
+from ..window import PAD_POS
+
+# "kernel": the C++ levels where they build (torch's otherwise); "torch": torch's always.
+IMPL = "torch" if os.environ.get("SPARROW_DRAFT_NATIVE", "").strip().lower() in ("off", "torch", "0") else "kernel"
+EXTENSION = NativeExtension("sparrow_draft_chain", CSRC / "draft_chain.cpp", ["-fopenmp-simd"], "native draft levels")
+# Beyond this many weights the arithmetic, not the dispatch, is the cost, and torch's matrix
+# products (threaded, blocked) beat the kernel's single-threaded loops.
+MAX_WEIGHTS = 1 << 22
+
+
+def usable(draft, dims) -> bool:
+    """Whether the kernel takes this draft (SparrowDraft) and its Dims: float32 on the CPU, the
+    sdpa or eager attention (both exact softmax attention), at most MAX_WEIGHTS weights."""
+    p = draft.fc.weight
+    return (IMPL == "kernel" and p.device.type == "cpu" and p.dtype == torch.float32
+            and dims.backend in ("sdpa", "eager") and dims.head_dim % 2 == 0
+            and sum(t.numel() for t in draft.parameters()) <= MAX_WEIGHTS)
+
+
+def start_loading() -> None:
+    """Build (or load) the kernel on a thread of its own, now (a server, at startup)."""
+    if IMPL == "kernel":
+        EXTENSION.start_loading()
+
+
+def ready() -> bool:
+    """Built and switched on; else the build starts (on its own thread) and the caller uses torch."""
+    if IMPL != "kernel":
+        return False
+    if EXTENSION.module is None:
+        EXTENSION.start_loading()
+    return EXTENSION.module is not None
+
+
+_last_flat: list = [None, None]     # (weights, their flat list): a runner's weights, rebuilt only when they change
+
+
+def _flat(w) -> list[torch.Tensor]:
+    """draft_compile.StepWeights in the kernel's order: embed, fc, final norm, lm_head, fuse,
+    inverse frequencies, then the seven tensors of each layer."""
+    if _last_flat[0] is not w:
+        _last_flat[:] = [w, [t.contiguous() for t in (w[0], w[1], w[2], w[3], w[5], w[6],
+                                                       *(t for layer in w[4] for t in layer))]]
+    return _last_flat[1]
+
+
+def draft_level(dims, w, tokens, hidden, q_pos, live, allowed, slots, pos, pinned, keys, values):
+    """draft_compile.draft_level by the kernel."""
+    b, r = tokens.shape
+    if q_pos.dim() == 1:
+        q_pos = q_pos[:, None].expand(b, r)
+    out = EXTENSION.module.draft_level(dims.heads, dims.kv_heads, dims.head_dim, dims.eps, dims.window, _flat(w),
+                                       tokens.contiguous(), hidden.contiguous(), q_pos.contiguous(),
+                                       live.contiguous(), allowed, slots.contiguous(), pos, pinned, keys, values)
+    return tuple(out)
+
+
+def greedy_chain(dims, w, hidden, q_pos, live, allowed, slots, pos, pinned, keys, values, emitted=None):
+    """draft_compile.greedy_chain by the kernel."""
+    e = [] if emitted is None else [t.contiguous() for t in emitted]
+    out, start = EXTENSION.module.greedy_chain(dims.heads, dims.kv_heads, dims.head_dim, dims.eps, dims.window,
+                                               PAD_POS, _flat(w), hidden.contiguous(), q_pos.contiguous(),
+                                               live.contiguous(), allowed, slots.contiguous(), pos, pinned, keys,
+                                               values, e)
+    return out, start

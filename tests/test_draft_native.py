@@ -1,0 +1,183 @@
+"""The static draft runner's C++ levels (sparrow/models/draft_native.py, kernels/csrc/draft_chain.cpp)
+against torch: function by function against draft_compile's draft_level and greedy_chain (outputs
+within float tolerance, the same tokens, the same buffers written), proposals through the proposer
+equal to the reference's (greedy chains with a commit's emitted rows, seeded sampling, narrow and
+wide trees), the engine's greedy output the target's, and the way out: a draft the kernel does
+not take, SPARROW_DRAFT_NATIVE off or a failed build all leave the levels to torch.
+
+The fixture builds the kernel (~25 s on a 2-core box with a cold torch extension cache; a cached
+build loads in well under a second).
+"""
+
+import logging
+import shutil
+
+import pytest
+import torch
+from test_draft_compiled import SPEC, _fields, assert_same, contexts, run_steps
+
+from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.kernels import native as native_build
+from sparrow.kernels.native import NativeExtension
+from sparrow.models import draft_compile, draft_native
+from sparrow.models.draft_compile import DraftRunner
+from sparrow.speculative.proposer import DraftRequest
+from sparrow.speculative.sampling import new_generator
+from sparrow.speculative.sparrow_proposer import SparrowProposer
+from sparrow.tiny import tiny_draft
+from sparrow.window import PAD_POS
+
+STATIC = SpecConfig(**{**_fields(SPEC), "draft_step": "static"})
+FP32 = {"atol": 2e-5, "rtol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def draft(qwen_target):
+    return tiny_draft(qwen_target, seed=1)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the draft's levels stay in torch")
+    module = draft_native.EXTENSION.load()
+    assert module is not None, "the native draft levels did not build (see the log)"
+    return module
+
+
+@pytest.fixture
+def calls(kernel, monkeypatch):
+    """The kernel switched on; records each call of it by name."""
+    monkeypatch.setattr(draft_native, "IMPL", "kernel")
+    seen = []
+    for name in ("draft_level", "greedy_chain"):
+        real = getattr(draft_native, name)
+        monkeypatch.setattr(draft_native, name, lambda *a, _real=real, _name=name, **kw: (
+            seen.append(_name), _real(*a, **kw))[1])
+    return seen
+
+
+def _batch(draft, rows: int, tree: bool, seed: int):
+    """A runner's batch for 3 requests (bucket 4 when compiled-sized: here eager, 3) of different
+    cache lengths, two levels' positions, a padding request's slots at PAD_POS."""
+    runner = DraftRunner(draft, window=6, capacity=40, rows=rows, tree=tree, emitted_rows=3)
+    states = [SparrowProposer(draft, STATIC).begin_context(c, 40) for c in contexts(draft)]
+    positions = [[len(s.kv) + 3 + level for s in states] for level in range(2)]
+    positions[1][1] = PAD_POS                                   # request 1 drafts one level only
+    g = torch.Generator().manual_seed(seed)
+    emitted = [([3, 7], torch.randn(2, draft.fuse.in_features, generator=g), len(states[0].kv)), None,
+               ([5], torch.randn(1, draft.fuse.in_features, generator=g), len(states[2].kv))]
+    return runner, runner.gather([s.kv for s in states], positions, emitted)
+
+
+def _clone(batch):
+    return ([k.clone() for k in batch.keys], [v.clone() for v in batch.values], batch.pos.clone())
+
+
+def test_a_greedy_chain_equals_torchs_function(draft, kernel):
+    """The emitted rows, then two levels, for three requests: the same tokens, scores within
+    float tolerance, the same keys seen, the same keys, values and positions written."""
+    runner, batch = _batch(draft, 1, False, 0)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(batch.bucket, 1, draft.config.hidden_size, generator=g)
+    outs, bufs = [], []
+    for fn in (draft_compile.greedy_chain, draft_native.greedy_chain):
+        keys, values, pos = _clone(batch)
+        outs.append(fn(runner.dims, batch.weights, hidden, batch.q_pos, batch.live, batch.allowed,
+                       batch.level_slots, pos, batch.pinned, keys, values, batch.emitted))
+        bufs.append((keys, values, pos))
+    (want, want_start), (got, got_start) = outs
+    levels = batch.q_pos.shape[0] + 1
+    assert torch.equal(got[:, :levels], want[:, :levels])                         # tokens
+    torch.testing.assert_close(got[:, levels:-1], want[:, levels:-1], atol=1e-4, rtol=1e-5)
+    assert torch.equal(got[:, -1], want[:, -1])                                   # most keys seen
+    torch.testing.assert_close(got_start, want_start, **FP32)
+    assert torch.equal(bufs[0][2], bufs[1][2])
+    for a, b in zip(bufs[0][0] + bufs[0][1], bufs[1][0] + bufs[1][1]):
+        torch.testing.assert_close(a, b, **FP32)
+
+
+@pytest.mark.parametrize("rows,tree", [(1, False), (3, True)])
+def test_a_level_equals_torchs_function(draft, kernel, rows, tree):
+    """One level of a chain, and of a tree of three rows under an ancestor rule (each row sees
+    its own slot and some of the others'): hidden and logits within float tolerance, the same
+    top tokens and keys seen."""
+    runner, batch = _batch(draft, rows, tree, 2)
+    g = torch.Generator().manual_seed(3)
+    b, h = batch.bucket, draft.config.hidden_size
+    if tree:
+        rule = torch.rand(b, rows, rows, generator=g) < 0.5
+        rule |= torch.eye(rows, dtype=torch.bool)
+        batch.allow(rule)
+    tokens = torch.randint(0, draft.config.vocab_size, (b, rows), generator=g)
+    hidden = torch.randn(b, rows, h, generator=g)
+    live = torch.rand(b, rows, generator=g) < 0.8
+    outs = []
+    for fn in (draft_compile.draft_level, draft_native.draft_level):
+        keys, values, pos = _clone(batch)
+        outs.append(fn(runner.dims, batch.weights, tokens, hidden, batch.q_pos[0], live, batch.allowed,
+                       batch.level_slots[0], pos, batch.pinned, keys, values))
+    (x0, l0, p0, i0, s0), (x1, l1, p1, i1, s1) = outs
+    torch.testing.assert_close(x1, x0, **FP32)
+    torch.testing.assert_close(l1, l0, **FP32)
+    torch.testing.assert_close(p1, p0, **FP32)
+    assert torch.equal(i1, i0) and torch.equal(s1, s0)
+
+
+def test_proposals_through_the_kernel_equal_the_reference(draft, calls):
+    """What test_draft_compiled checks for torch's static levels, through the kernel: greedy
+    chains (their commits in the chain's call), seeded sampling, narrow and wide trees."""
+    assert_same(run_steps(draft, STATIC, [4, 2, 3], SamplingParams(), compiled=False))
+    assert_same(run_steps(draft, STATIC, [4, 3, 1], SamplingParams(temperature=1.0, seed=3), compiled=False))
+    narrow = SpecConfig(**{**_fields(STATIC), "tree_branch": 2})
+    assert_same(run_steps(draft, narrow, [4, 3, 2], SamplingParams(), compiled=False))
+    wide = SpecConfig(**{**_fields(STATIC), "tree_width": 2, "tree_branch": 2, "tree_budget": 7})
+    assert_same(run_steps(draft, wide, [3, 4, 2], SamplingParams(temperature=0.8, seed=1), steps=3, compiled=False))
+    assert "greedy_chain" in calls and "draft_level" in calls
+
+
+def test_engine_greedy_through_the_kernel_is_the_targets(qwen_target, draft, small_video, calls):
+    engine = Engine(qwen_target, draft, STATIC)
+    prompt = "What happens in the video?"
+    inputs = engine.prepare(small_video, prompt)
+    want = qwen_target.hf.generate(**inputs, do_sample=False, max_new_tokens=12)[0, inputs["input_ids"].shape[1]:]
+    out = engine.generate(small_video, prompt, SamplingParams(max_new_tokens=12))
+    assert out.token_ids == want.tolist() and out.metrics.draft_tokens > 0
+    assert "greedy_chain" in calls
+
+
+def _propose(draft, spec: SpecConfig) -> list:
+    proposer = SparrowProposer(draft, spec)
+    states = [proposer.begin_context(c, 40) for c in contexts(draft)]
+    return proposer.propose([DraftRequest(s, 4, SamplingParams(), new_generator(0)) for s in states])
+
+
+def test_what_the_kernel_does_not_take_stays_in_torch(draft, qwen_target, calls, monkeypatch):
+    """A bfloat16 draft, a compiled runner and the switch off: torch's levels, never the kernel."""
+    bf16 = tiny_draft(qwen_target, seed=1).to(torch.bfloat16)
+    assert not SparrowProposer(bf16, STATIC).runner.native
+    assert not SparrowProposer(draft, SPEC).runner.native            # compiled
+    monkeypatch.setattr(draft_native, "IMPL", "torch")
+    assert not SparrowProposer(draft, STATIC).runner.native
+    _propose(draft, STATIC)
+    assert calls == []
+
+
+def test_a_failed_build_leaves_the_levels_to_torch(draft, monkeypatch, tmp_path, caplog):
+    """A source that does not compile: the first runner starts the build on its own thread, its
+    proposals never wait on it and equal the reference's; the failure is logged once."""
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++\n")
+    ext = NativeExtension("broken_draft_for_test", bad, [], "native draft levels")
+    monkeypatch.setattr(draft_native, "EXTENSION", ext)
+    monkeypatch.setattr(draft_native, "IMPL", "kernel")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    with caplog.at_level(logging.WARNING, logger=native_build.__name__):
+        want = _propose(draft, SpecConfig(**{**_fields(STATIC), "draft_step": "reference"}))
+        got = _propose(draft, STATIC)
+        ext.wait(120)
+        again = _propose(draft, STATIC)
+    for a, b, c in zip(got, again, want):
+        assert torch.equal(a.tokens, c.tokens) and torch.equal(b.tokens, c.tokens)
+    assert ext.failed and ext.module is None
+    assert len([r for r in caplog.records if "not built" in r.getMessage()]) == 1
