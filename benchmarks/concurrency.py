@@ -27,7 +27,8 @@ chunks of a stream that carry tokens; a speculative chunk holds several tokens),
 
 Protocol: every rep makes fresh world videos, one per stream (seeds from --seed, clear of
 training and of the other benchmarks); stream i asks caption prompt i mod 3 with --tokens new
-tokens (EOS ignored, so every stream does the same work), at T > 0 seeded with seed + i. Each
+tokens (EOS ignored, so every stream does the same work; --stop-at-eos: each ends at its answer's
+end, as a user's stream does), at T > 0 seeded with seed + i. Each
 method and path has its own engine and prefix cache (as separate deployments), and every
 engine caches every video's prefill before anything is timed, through the public API: a
 1-token request naming the video (in-process by a video key; over gRPC by its upload id).
@@ -146,7 +147,8 @@ def run_length(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clien
     for method in cfg.methods[rep % len(cfg.methods):] + cfg.methods[:rep % len(cfg.methods)]:
         for path in cfg.paths:
             for temp in cfg.temperatures:
-                calls = _calls(path, engines[method], clients.get(method), videos, cfg.tokens, method, temp, cfg.seed)
+                calls = _calls(path, engines[method], clients.get(method), videos, cfg.tokens, method, temp, cfg.seed,
+                               not cfg.stop_at_eos)
                 if rep == 0 and li == 0 and cfg.warmup_tokens and temp == cfg.temperatures[0]:   # untimed: first calls
                     _calls(path, engines[method], clients.get(method), videos[:1], cfg.warmup_tokens, method)[0]()
                 got = run_configuration(calls, cfg.streams)
@@ -167,13 +169,14 @@ def run_length(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clien
 
 
 def _calls(path: str, engine: Engine, client: SparrowClient | None, videos: list[Video], tokens: int, method: str,
-           temperature: float = 0.0, seed: int = SEED) -> list[Callable[[], Trace]]:
+           temperature: float = 0.0, seed: int = SEED, ignore_eos: bool = True) -> list[Callable[[], Trace]]:
     """Request i of the list: video i; at T > 0 seeded with seed + i (the same in every run)."""
     seeds = [seed + i if temperature > 0 else None for i in range(len(videos))]
     if path == "grpc":
-        return [grpc_call(client, v.video_id, v.prompt, tokens, v.fps, temperature, s) for v, s in zip(videos, seeds)]
+        return [grpc_call(client, v.video_id, v.prompt, tokens, v.fps, temperature, s, ignore_eos)
+                for v, s in zip(videos, seeds)]
     return [engine_call(engine, v.keys[method], v.prompt,
-                        SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=temperature, seed=s))
+                        SamplingParams(max_new_tokens=tokens, ignore_eos=ignore_eos, temperature=temperature, seed=s))
             for v, s in zip(videos, seeds)]
 
 
@@ -235,6 +238,7 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
         streams=_ints(args.streams) if args.streams else (1, 2) if tiny else (1, 2, 4, 8) if quick else defaults.streams,
         tokens=args.tokens or (8 if tiny else 32 if quick else defaults.tokens), reps=reps,
         temperatures=tuple(float(x) for x in args.temperatures.split(",")), share_prefill=args.share_prefill,
+        stop_at_eos=args.stop_at_eos,
         methods=_names(args.methods), paths=_names(args.paths), k=args.k, seed=args.seed,
         tree=tuple(int(x) for x in args.tree.split(",")),
         prefill_video=prefill, prefill_streams=args.prefill_streams or (2 if tiny else defaults.prefill_streams),
@@ -274,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                          "measured (default 6)")
     ap.add_argument("--before-s", type=float, help="seconds of decoding measured before the prefill (default 2)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill scenario")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="a stream ends at its answer's end (or --tokens), as a user's does; default: every stream "
+                         "runs --tokens, past the answer's end")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="torch intra-op threads (default: every core, as a server would run)")
     ap.add_argument("--out", help="write the --section section of this markdown file")

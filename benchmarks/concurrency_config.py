@@ -36,6 +36,9 @@ class ConcurrencyConfig:
     prefill_shorts: int = 6                              # short uncached requests asked during the long prefill
     short_gap_s: float = 0.5                             # the pause before each of them
     share_prefill: bool = False          # in-process engines read one cached prefill per video (not one each)
+    # A stream ends at the answer's end-of-turn (or `tokens`), as a user's does; False: every
+    # stream runs `tokens` (past the answer's end: text the draft was never trained on)
+    stop_at_eos: bool = False
 
     def __post_init__(self) -> None:
         if not self.streams or list(self.streams) != sorted(set(self.streams)) or self.streams[0] < 1:

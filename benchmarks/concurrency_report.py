@@ -74,10 +74,12 @@ def _reps(result: dict) -> str:
 def report(result: dict) -> str:
     cfg = result["config"]
     temps = ", ".join(f"{t:g}" for t in cfg.get("temperatures", (0.0,)))
+    per_stream = (f"up to {cfg['tokens']} new tokens a stream (each ends at its answer's end)" if cfg.get("stop_at_eos")
+                  else f"{cfg['tokens']} new tokens a stream (EOS ignored)")
     lines = [f"Machine: {result['machine']}; {_loads(result)}.",
              f"Target: {result['target']}; Sparrow draft k = {cfg['k']}, window 16, anchors 32, the glimpse it was trained with; trees "
              f"{'x'.join(map(str, cfg['tree'][:2]))}, at most {cfg['tree'][2]} nodes. "
-             f"{cfg['tokens']} new tokens a stream (EOS ignored), T = {temps} (T > 0: request i seeded), caption "
+             f"{per_stream}, T = {temps} (T > 0: request i seeded), caption "
              f"prompts; {_reps(result)}, each with fresh world videos, one per stream (seeds from {cfg['seed']}); "
              f"prefills cached before timing{' (one shared prefill per video in-process)' if cfg.get('share_prefill') else ''}. "
              "Cells: median (min-max) over reps. One at a time: the same requests one after another. ITL: the gap "

@@ -59,7 +59,7 @@ def engine_call(engine: Engine, key: str, prompt: str, sampling: SamplingParams)
 
 
 def grpc_call(client: SparrowClient, video_id: str, prompt: str, tokens: int, fps: float, temperature: float = 0.0,
-              seed: int | None = None) -> Callable[[], Trace]:
+              seed: int | None = None, ignore_eos: bool = True) -> Callable[[], Trace]:
     """A request through the gRPC server about an uploaded video."""
     sampling = {"temperature": temperature, **({"seed": seed} if seed is not None else {})}
 
@@ -67,7 +67,7 @@ def grpc_call(client: SparrowClient, video_id: str, prompt: str, tokens: int, fp
         done = []
 
         def chunks():
-            for response in client.stream(prompt, video_id=video_id, max_new_tokens=tokens, ignore_eos=True,
+            for response in client.stream(prompt, video_id=video_id, max_new_tokens=tokens, ignore_eos=ignore_eos,
                                           video_options=pb.VideoOptions(fps=fps), **sampling):
                 if response.HasField("chunk"):
                     yield response.chunk.token_ids
