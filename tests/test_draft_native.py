@@ -3,7 +3,8 @@ against torch: function by function against draft_compile's draft_level and gree
 within float tolerance, the same tokens, the same buffers written), proposals through the proposer
 equal to the reference's (greedy chains with a commit's emitted rows, seeded sampling, narrow and
 wide trees), the engine's greedy output the target's, and the way out: a draft the kernel does
-not take, SPARROW_DRAFT_NATIVE off or a failed build all leave the levels to torch.
+not take, SPARROW_DRAFT_NATIVE off or a failed build all leave the levels to torch. A request's
+start (begin_context: its first entries into the draft's cache) by the kernel equals torch's.
 
 The fixture builds the kernel (~25 s on a 2-core box with a cold torch extension cache; a cached
 build loads in well under a second).
@@ -122,6 +123,24 @@ def test_a_level_equals_torchs_function(draft, kernel, rows, tree):
     torch.testing.assert_close(l1, l0, **FP32)
     torch.testing.assert_close(p1, p0, **FP32)
     assert torch.equal(i1, i0) and torch.equal(s1, s0)
+
+
+def test_a_requests_start_through_the_kernel_equals_torchs(draft, kernel, monkeypatch):
+    """begin_context (glimpse states, anchors and the last window through the layers into a new
+    cache) by the kernel: the same entries, positions and pinned flags, keys and values and the
+    last output within float tolerance, the same most keys seen; prompts shorter and longer
+    than anchors + window."""
+    proposer = SparrowProposer(draft, STATIC)
+    begun = {}
+    for impl in ("kernel", "torch"):
+        monkeypatch.setattr(draft_native, "IMPL", impl)
+        begun[impl] = [proposer.begin_context(c, 40) for c in contexts(draft)]
+    for got, want in zip(begun["kernel"], begun["torch"]):
+        assert len(got.kv) == len(want.kv) and got.kv.max_visible == want.kv.max_visible
+        assert torch.equal(got.kv.pos, want.kv.pos) and torch.equal(got.kv.pinned, want.kv.pinned)
+        for a, b in zip(got.kv.keys + got.kv.values, want.kv.keys + want.kv.values):
+            torch.testing.assert_close(a, b, **FP32)
+        torch.testing.assert_close(got.last_hidden, want.last_hidden, **FP32)
 
 
 def test_proposals_through_the_kernel_equal_the_reference(draft, calls):

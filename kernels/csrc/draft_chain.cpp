@@ -130,46 +130,62 @@ void rotate(float* x, const float* cos, const float* sin, int64_t d) {
 
 // The request batch's buffers a level reads and writes (draft_compile.draft_layers' arguments).
 struct Batch {
-  int64_t b, c;
-  int64_t* pos;            // (B, C), written at the level's slots
-  const bool* pinned;      // (B, C)
-  const bool* allowed;     // (B, Ra, C), Ra = 1 (broadcast over rows) or R
+  int64_t b, c, cap;       // requests; key slots a row may see ([0, c)); slots a request's buffers hold
+  int64_t* pos;            // (B, cap), written at the level's slots
+  const bool* pinned;      // (B, cap)
+  const bool* allowed;     // (B, Ra, c), Ra = 1 (broadcast over rows) or R; null: every slot allowed
   int64_t allowed_rows;
-  std::vector<float*> keys, values;   // per layer (B, Hkv, C, D), written at the level's slots
+  std::vector<float*> keys, values;   // per layer (B, Hkv, cap, D), written at the level's slots
 };
 
-Batch make_batch(Tensor& pos, const Tensor& pinned, const Tensor& allowed, TensorList& keys, TensorList& values) {
+Batch make_batch(Tensor& pos, const Tensor& pinned, const Tensor* allowed, TensorList& keys, TensorList& values,
+                 int64_t c) {
   TORCH_CHECK(pos.is_contiguous() && pos.scalar_type() == at::kLong && pinned.is_contiguous() &&
-                  pinned.scalar_type() == at::kBool && allowed.is_contiguous() && allowed.scalar_type() == at::kBool,
-              "native draft: pos (long), pinned and allowed (bool) must be contiguous");
-  Batch bt{pos.size(0), pos.size(1), pos.data_ptr<int64_t>(), pinned.data_ptr<bool>(), allowed.data_ptr<bool>(),
-           allowed.size(1), {}, {}};
+                  pinned.scalar_type() == at::kBool && (!allowed || (allowed->is_contiguous() &&
+                  allowed->scalar_type() == at::kBool)), "native draft: pos (long), pinned and allowed (bool) must be contiguous");
+  Batch bt{pos.dim() == 1 ? 1 : pos.size(0), c, pos.size(-1), pos.data_ptr<int64_t>(), pinned.data_ptr<bool>(),
+           allowed ? allowed->data_ptr<bool>() : nullptr, allowed ? allowed->size(1) : 1, {}, {}};
   for (size_t i = 0; i < keys.size(); ++i) {
+    TORCH_CHECK(keys[i].size(2) == bt.cap && values[i].size(2) == bt.cap, "native draft: key buffers and positions differ");
     bt.keys.push_back(const_cast<float*>(f32(keys[i], "keys")));
     bt.values.push_back(const_cast<float*>(f32(values[i], "values")));
   }
   return bt;
 }
 
-// draft_layers for rows (b, r), b < B, r < R: tokens (B, R); hidden (B, R, H) the states they follow;
-// q_pos (B, R); live (B, R); slots (R,). Writes x (B, R, H) and seen (B, R).
-void layers(const Net& n, Batch& bt, int64_t rows_per, const int64_t* tokens, const float* hidden,
-            const int64_t* q_pos, const bool* live, const int64_t* slots, float* x, int64_t* seen) {
+// z = fc [embed(token), hidden] for `rows` rows: the layers' input of drafted (or emitted) tokens
+void embed_rows(const Net& n, const int64_t* tokens, const float* hidden, int64_t rows, float* x) {
+  const int64_t h = n.hidden, width = n.embed_dim + h;
+  std::vector<float> z(rows * width);
+  for (int64_t row = 0; row < rows; ++row) {
+    TORCH_CHECK(tokens[row] >= 0 && tokens[row] < n.vocab, "native draft: token id out of range");
+    std::copy_n(n.embed + tokens[row] * n.embed_dim, n.embed_dim, z.data() + row * width);
+    std::copy_n(hidden + row * h, h, z.data() + row * width + n.embed_dim);
+  }
+  matvec(n.fc, nullptr, h, width, z.data(), width, rows, x, h, false);
+}
+
+// draft_layers' decoder layers for rows (b, r), b < B, r < R: x (B, R, H) their inputs, overwritten
+// by their outputs; q_pos (B, R); live (B, R); slots (R,). Writes their keys, values and positions
+// at `slots`, and seen (B, R).
+void layers(const Net& n, Batch& bt, int64_t rows_per, float* x, const int64_t* q_pos, const bool* live,
+            const int64_t* slots, int64_t* seen) {
   const int64_t nr = bt.b * rows_per, h = n.hidden, d = n.d, half = d / 2, group = n.hq / n.hkv;
   const int64_t q_width = (n.hq + 2 * n.hkv) * d;
   for (int64_t b = 0; b < bt.b; ++b)
-    for (int64_t r = 0; r < rows_per; ++r) bt.pos[b * bt.c + slots[r]] = q_pos[b * rows_per + r];
+    for (int64_t r = 0; r < rows_per; ++r) bt.pos[b * bt.cap + slots[r]] = q_pos[b * rows_per + r];
   // the visible keys of each row, and the rotary tables at its position
   std::vector<uint8_t> mask(nr * bt.c);
   std::vector<float> cs(nr * d);
   for (int64_t b = 0; b < bt.b; ++b) {
     for (int64_t r = 0; r < rows_per; ++r) {
       const int64_t row = b * rows_per + r, q = q_pos[row];
-      const bool* allow = bt.allowed + (b * bt.allowed_rows + (bt.allowed_rows == 1 ? 0 : r)) * bt.c;
+      const bool* allow =
+          bt.allowed ? bt.allowed + (b * bt.allowed_rows + (bt.allowed_rows == 1 ? 0 : r)) * bt.c : nullptr;
       int64_t count = 0;
       for (int64_t c = 0; c < bt.c; ++c) {
-        const int64_t k = bt.pos[b * bt.c + c];
-        const bool v = k <= q && (k > q - n.window || bt.pinned[b * bt.c + c]) && allow[c];
+        const int64_t k = bt.pos[b * bt.cap + c];
+        const bool v = k <= q && (k > q - n.window || bt.pinned[b * bt.cap + c]) && (!allow || allow[c]);
         mask[row * bt.c + c] = v;
         count += v;
       }
@@ -182,13 +198,6 @@ void layers(const Net& n, Batch& bt, int64_t rows_per, const int64_t* tokens, co
       }
     }
   }
-  // x = fc [embed(token), hidden]
-  std::vector<float> z(nr * (n.embed_dim + h));
-  for (int64_t row = 0; row < nr; ++row) {
-    std::copy_n(n.embed + tokens[row] * n.embed_dim, n.embed_dim, z.data() + row * (n.embed_dim + h));
-    std::copy_n(hidden + row * h, h, z.data() + row * (n.embed_dim + h) + n.embed_dim);
-  }
-  matvec(n.fc, nullptr, h, n.embed_dim + h, z.data(), n.embed_dim + h, nr, x, h, false);
   std::vector<float> xn(nr * h), qkv(nr * q_width), att(nr * n.hq * d), gu(nr * 2 * n.inter), act(nr * n.inter),
       scores(bt.c);
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
@@ -201,7 +210,7 @@ void layers(const Net& n, Batch& bt, int64_t rows_per, const int64_t* tokens, co
       for (int64_t head = 0; head < n.hq + n.hkv; ++head) rotate(t + head * d, cs.data() + row * d, cs.data() + row * d + half, d);
       const int64_t b = row / rows_per, slot = slots[row % rows_per];
       for (int64_t g = 0; g < n.hkv; ++g) {
-        const int64_t at_ = ((b * n.hkv + g) * bt.c + slot) * d;
+        const int64_t at_ = ((b * n.hkv + g) * bt.cap + slot) * d;
         std::copy_n(t + (n.hq + g) * d, d, bt.keys[li] + at_);
         std::copy_n(t + (n.hq + n.hkv + g) * d, d, bt.values[li] + at_);
       }
@@ -212,8 +221,8 @@ void layers(const Net& n, Batch& bt, int64_t rows_per, const int64_t* tokens, co
       for (int64_t head = 0; head < n.hq; ++head) {
         const float* qh = qkv.data() + row * q_width + head * d;
         const int64_t g = head / group;
-        const float* kh = bt.keys[li] + (b * n.hkv + g) * bt.c * d;
-        const float* vh = bt.values[li] + (b * n.hkv + g) * bt.c * d;
+        const float* kh = bt.keys[li] + (b * n.hkv + g) * bt.cap * d;
+        const float* vh = bt.values[li] + (b * n.hkv + g) * bt.cap * d;
         float* out = att.data() + (row * n.hq + head) * d;
         std::fill_n(out, d, 0.f);
         float top = -std::numeric_limits<float>::infinity(), sum = 0.f;
@@ -279,13 +288,14 @@ std::vector<Tensor> draft_level(int64_t hq, int64_t hkv, int64_t d, double eps, 
                                 const Tensor& allowed, const Tensor& slots, Tensor pos, const Tensor& pinned,
                                 TensorList keys, TensorList values) {
   const Net n = make_net(w, hq, hkv, d, eps, window);
-  Batch bt = make_batch(pos, pinned, allowed, keys, values);
+  Batch bt = make_batch(pos, pinned, &allowed, keys, values, pos.size(1));
   const int64_t b = tokens.size(0), r = tokens.size(1);
   auto f = hidden.options();
   Tensor x = at::empty({b, r, n.hidden}, f), logits = at::empty({b, r, n.vocab}, f), logp = at::empty({b, r}, f);
   Tensor id = at::empty({b, r}, tokens.options()), seen = at::empty({b, r}, tokens.options());
-  layers(n, bt, r, i64(tokens, "tokens"), f32(hidden, "hidden"), i64(q_pos, "q_pos"), flags(live, "live"),
-         i64(slots, "slots"), x.data_ptr<float>(), seen.data_ptr<int64_t>());
+  embed_rows(n, i64(tokens, "tokens"), f32(hidden, "hidden"), b * r, x.data_ptr<float>());
+  layers(n, bt, r, x.data_ptr<float>(), i64(q_pos, "q_pos"), flags(live, "live"), i64(slots, "slots"),
+         seen.data_ptr<int64_t>());
   logits_top(n, x.data_ptr<float>(), b * r, logits.data_ptr<float>(), logp.data_ptr<float>(), id.data_ptr<int64_t>());
   return {x, logits, logp, id, seen};
 }
@@ -299,7 +309,7 @@ std::vector<Tensor> greedy_chain(int64_t hq, int64_t hkv, int64_t d, double eps,
                                  const Tensor& allowed, const Tensor& slots, Tensor pos, const Tensor& pinned,
                                  TensorList keys, TensorList values, const TensorList& emitted) {
   const Net n = make_net(w, hq, hkv, d, eps, window);
-  Batch bt = make_batch(pos, pinned, allowed, keys, values);
+  Batch bt = make_batch(pos, pinned, &allowed, keys, values, pos.size(1));
   const int64_t b = hidden.size(0), h = n.hidden, levels = q_pos.size(0), width = 2 * (levels + 1) + 1;
   Tensor start = hidden.clone();
   float* x = start.data_ptr<float>();
@@ -313,8 +323,9 @@ std::vector<Tensor> greedy_chain(int64_t hq, int64_t hkv, int64_t d, double eps,
     std::vector<float> fused(b * m * h), out(b * m * h);
     std::vector<int64_t> seen(b * m);
     matvec(n.fuse, nullptr, h, n.features, f32(emitted[1], "emitted features"), n.features, b * m, fused.data(), h, false);
-    layers(n, bt, m, i64(emitted[0], "emitted tokens"), fused.data(), e_pos, reinterpret_cast<const bool*>(real.data()),
-           i64(emitted[4], "emitted slots"), out.data(), seen.data());
+    embed_rows(n, i64(emitted[0], "emitted tokens"), fused.data(), b * m, out.data());
+    layers(n, bt, m, out.data(), e_pos, reinterpret_cast<const bool*>(real.data()), i64(emitted[4], "emitted slots"),
+           seen.data());
     for (int64_t i = 0; i < b; ++i) {
       bool any = false;
       for (int64_t j = 0; j < m; ++j) {
@@ -339,7 +350,8 @@ std::vector<Tensor> greedy_chain(int64_t hq, int64_t hkv, int64_t d, double eps,
   const bool* lv = flags(live, "live");
   const int64_t* sl = i64(slots, "slots");
   for (int64_t level = 0; level < levels; ++level) {
-    layers(n, bt, 1, token.data(), cur.data(), qp + level * b, lv + level * b, sl + level, next.data(), seen.data());
+    embed_rows(n, token.data(), cur.data(), b, next.data());
+    layers(n, bt, 1, next.data(), qp + level * b, lv + level * b, sl + level, seen.data());
     logits_top(n, next.data(), b, logits.data(), logp.data(), token.data());
     std::swap(cur, next);
     for (int64_t i = 0; i < b; ++i) {
@@ -353,9 +365,34 @@ std::vector<Tensor> greedy_chain(int64_t hq, int64_t hkv, int64_t d, double eps,
   return {result, start};
 }
 
+// SparrowDraft.forward_entries: one request's new entries z (N, H) (the layers' inputs) at positions
+// q_pos (N,), pinned (N,), appended to its DraftKV's buffers (pos and pinned (cap,), keys and values
+// per layer (1, Hkv, cap, D)) after its `length` filled entries, each attending by the window rule
+// to the filled entries and the new ones. Returns the outputs (N, H) and the most keys a row saw.
+std::tuple<Tensor, int64_t> entries(int64_t hq, int64_t hkv, int64_t d, double eps, int64_t window,
+                                    const TensorList& w, const Tensor& z, const Tensor& q_pos, const Tensor& new_pinned,
+                                    Tensor pos, Tensor pinned, TensorList keys, TensorList values, int64_t length) {
+  const Net n = make_net(w, hq, hkv, d, eps, window);
+  const int64_t rows = z.size(0);
+  TORCH_CHECK(z.size(1) == n.hidden && length + rows <= pos.size(0), "native draft: entries do not fit");
+  TORCH_CHECK(new_pinned.is_contiguous() && new_pinned.scalar_type() == at::kBool, "native draft: pinned flags");
+  std::copy_n(new_pinned.data_ptr<bool>(), rows, pinned.data_ptr<bool>() + length);   // positions: layers writes them
+  Batch bt = make_batch(pos, pinned, nullptr, keys, values, length + rows);
+  Tensor x = z.clone();
+  std::vector<int64_t> slots(rows), seen(rows);
+  for (int64_t i = 0; i < rows; ++i) slots[i] = length + i;
+  const std::vector<uint8_t> live(rows, 1);
+  layers(n, bt, rows, x.data_ptr<float>(), i64(q_pos, "q_pos"), reinterpret_cast<const bool*>(live.data()),
+         slots.data(), seen.data());
+  return {x, rows ? *std::max_element(seen.begin(), seen.end()) : 0};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("draft_level", &draft_level, "one draft level (draft_compile.draft_level)");
-  m.def("greedy_chain", &greedy_chain, "a greedy chain of levels (draft_compile.greedy_chain)");
+  // the GIL is released while a call runs: a server's other threads (gRPC, request preparation) go on
+  const auto free = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("draft_level", &draft_level, "one draft level (draft_compile.draft_level)", free);
+  m.def("greedy_chain", &greedy_chain, "a greedy chain of levels (draft_compile.greedy_chain)", free);
+  m.def("entries", &entries, "one request's new entries through the layers (SparrowDraft.forward_entries)", free);
 }

@@ -190,6 +190,12 @@ class DraftKV:
     def values(self) -> list[torch.Tensor]:
         return [v[:, :, : self.length] for v in self._v]
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The whole buffers, filled or not: positions and pinned flags (capacity,), keys and
+        values per layer (1, Hkv, capacity, D) (a kernel writes entries after `length` in place)."""
+        return self._pos, self._pinned, self._k, self._v
+
     def reserve(self, n: int) -> None:
         """Room for n more entries (grows the buffers, keeping the filled part)."""
         need = self.length + n

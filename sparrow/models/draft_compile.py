@@ -427,7 +427,7 @@ class DraftRunner:
     def _run(self, fn: Callable, batch: DraftBatch, args: tuple):
         if not self.compiled:
             if self.native and draft_native.ready():      # the C++ levels (where built; torch until then)
-                return getattr(draft_native, fn.__name__)(*args)
+                return (draft_native.greedy_chain if fn is greedy_chain else draft_native.draft_level)(*args)
             return fn(*args)
         device, dtype = batch.pos.device, batch.keys[0].dtype
         options = self.cpu_options or CPU_OPTIONS

@@ -82,3 +82,17 @@ def greedy_chain(dims, w, hidden, q_pos, live, allowed, slots, pos, pinned, keys
                                                live.contiguous(), allowed, slots.contiguous(), pos, pinned, keys,
                                                values, e)
     return out, start
+
+
+def entries(dims, w, z, pos, pinned, kv, window: int) -> torch.Tensor:
+    """SparrowDraft.forward_entries (inference) by the kernel: one request's new entries z (n, H)
+    at positions pos (n,) with pinned flags (n,) through the layers, appended to kv. Returns (n, H)."""
+    n = z.shape[0]
+    kv.reserve(n)
+    kv_pos, kv_pinned, keys, values = kv.buffers
+    out, seen = EXTENSION.module.entries(dims.heads, dims.kv_heads, dims.head_dim, dims.eps, window, _flat(w),
+                                         z.contiguous(), pos.contiguous(), pinned.contiguous(), kv_pos, kv_pinned,
+                                         keys, values, len(kv))
+    kv.max_visible = max(kv.max_visible, seen)
+    kv.advance(n)
+    return out

@@ -15,6 +15,7 @@ import torch
 from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.draft import DraftKV, DraftSegment, SparrowDraft
+from ..models import draft_native
 from ..models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftRunner
 from ..models.target import FeatureNeeds
 from ..window import PAD_POS
@@ -196,6 +197,20 @@ class SparrowProposer:
         return self.begin_context(ctx, start.max_new_tokens)
 
     @torch.inference_mode()
+    def _entries(self, z: torch.Tensor, pos: torch.Tensor, pinned: torch.Tensor,
+                 segments: list[DraftSegment]) -> torch.Tensor:
+        """draft.forward_packed (the requests' new entries z (N, H) through the layers into their
+        caches), by the static runner's C++ kernel where it runs (draft_native), a call a request."""
+        runner = self.runner
+        if (runner is None or not runner.native or any(g.spec_mask is not None for g in segments)
+                or not draft_native.ready()):
+            if len(segments) == 1 and segments[0].spec_mask is None:     # one request's entries
+                return self.draft.forward_entries(z, pos, pinned, segments[0].kv, segments[0].window)
+            return self.draft.forward_packed(z, pos, pinned, segments)
+        w = runner.weights()
+        return torch.cat([draft_native.entries(runner.dims, w, z[g.start:g.end], pos[g.start:g.end],
+                                               pinned[g.start:g.end], g.kv, g.window) for g in segments])
+
     def begin_context(self, ctx: DraftContext, max_new_tokens: int = 0) -> SparrowState:
         """Process glimpse + anchors + window of the context. Entries that are neither an
         anchor nor in the final window are never visible to a later query: skipped."""
@@ -211,15 +226,16 @@ class SparrowProposer:
         grows = max_new_tokens if spec.draft_context != "text" else min(max_new_tokens, spec.window)
         kv = draft.new_kv(visible + grows + _STEP_ROOM)
         if g > 0:
-            draft.forward_entries(draft.inputs_from_glimpse(ctx.glimpse), torch.full((g,), -1, device=device),
-                                  torch.ones(g, dtype=torch.bool, device=device), kv, window)
+            self._entries(draft.inputs_from_glimpse(ctx.glimpse), torch.full((g,), -1, device=device),
+                          torch.ones(g, dtype=torch.bool, device=device), [DraftSegment(kv, 0, g, window)])
         z = draft.inputs_from_target(ctx.token_ids[keep], ctx.features[keep])
         kept_pos, kept_pinned = pos[keep], anchor[keep]
         # Each slice attends to the entries before it through the cache, as a commit does.
         rows = max(64, BEGIN_SLICE_ENTRIES // max(1, g + z.shape[0]))
         for start in range(0, z.shape[0], rows):
-            hidden = draft.forward_entries(z[start:start + rows], kept_pos[start:start + rows],
-                                           kept_pinned[start:start + rows], kv, window)
+            m = min(rows, z.shape[0] - start)
+            hidden = self._entries(z[start:start + m], kept_pos[start:start + m], kept_pinned[start:start + m],
+                                   [DraftSegment(kv, 0, m, window)])
         kv.evict(n, window, _STEP_ROOM)
         return SparrowState(kv, n, len(kv), hidden[-1])
 
@@ -458,9 +474,8 @@ class SparrowProposer:
             pos.append(torch.arange(state.next_pos, state.next_pos + m))
             row += m
         device = feats[0].device
-        hidden = draft.forward_packed(draft.inputs_from_target(torch.tensor(ids, device=device), torch.cat(feats)),
-                                      torch.cat(pos).to(device), torch.zeros(row, dtype=torch.bool, device=device),
-                                      segments)
+        hidden = self._entries(draft.inputs_from_target(torch.tensor(ids, device=device), torch.cat(feats)),
+                               torch.cat(pos).to(device), torch.zeros(row, dtype=torch.bool, device=device), segments)
         for state, seg in zip(states, segments):
             state.next_pos += seg.end - seg.start
             state.kv.evict(state.next_pos, self.window, _STEP_ROOM)
