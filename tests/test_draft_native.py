@@ -10,6 +10,7 @@ The fixture builds the kernel (~25 s on a 2-core box with a cold torch extension
 build loads in well under a second).
 """
 
+import copy
 import logging
 import shutil
 
@@ -123,6 +124,40 @@ def test_a_level_equals_torchs_function(draft, kernel, rows, tree):
     torch.testing.assert_close(l1, l0, **FP32)
     torch.testing.assert_close(p1, p0, **FP32)
     assert torch.equal(i1, i0) and torch.equal(s1, s0)
+
+
+def test_a_batch_gathered_by_the_kernel_equals_torchs(draft, kernel, monkeypatch):
+    """DraftRunner.gather's copies (three requests' caches of different lengths, bucket 4 with a
+    padding request): the same positions and pinned flags everywhere, the same keys and values
+    in every slot a request fills and zeros after them."""
+    states = [SparrowProposer(draft, STATIC).begin_context(c, 40) for c in contexts(draft)]
+    kvs, positions = [s.kv for s in states], [[len(s.kv) + 3 for s in states]]
+    got = {}
+    for impl in ("kernel", "torch"):
+        monkeypatch.setattr(draft_native, "IMPL", impl)
+        runner = DraftRunner(draft, window=6, capacity=40, emitted_rows=3)
+        runner.bucket = lambda n: 4                            # as compiled runners pad: one padding request
+        assert runner.native == (impl == "kernel")
+        batch = runner.gather(kvs, positions)
+        got[impl] = (batch.pos, batch.pinned, [k[:, :, :batch.start] for k in batch.keys + batch.values])
+    (pos, pinned, keys), (pos0, pinned0, keys0) = got["kernel"], got["torch"]
+    assert torch.equal(pos, pos0) and torch.equal(pinned, pinned0)
+    for a, b in zip(keys, keys0):
+        assert torch.equal(a[:3], b[:3])
+
+
+def test_a_cache_compacted_by_the_kernel_equals_torchs(draft, kernel):
+    """DraftKV.evict's compaction: the same entries kept, in order, with their keys and values;
+    nothing moves while the room a step needs still fits."""
+    kv = SparrowProposer(draft, STATIC).begin_context(contexts(draft)[2], 40).kv
+    n = len(kv)
+    for next_pos, room in ((int(kv.pos.max()) + 1, 0), (int(kv.pos.max()) + 10, kv.capacity - n + 1)):
+        a, b = copy.deepcopy(kv), copy.deepcopy(kv)
+        a.evict(next_pos, 6, room)
+        draft_native.evict(b, next_pos, 6, room)
+        assert len(a) == len(b) and torch.equal(a.pos, b.pos) and torch.equal(a.pinned, b.pinned)
+        assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+    assert len(b) < n                                   # the second one dropped entries
 
 
 def test_a_requests_start_through_the_kernel_equals_torchs(draft, kernel, monkeypatch):

@@ -387,6 +387,102 @@ std::tuple<Tensor, int64_t> entries(int64_t hq, int64_t hkv, int64_t d, double e
   return {x, rows ? *std::max_element(seen.begin(), seen.end()) : 0};
 }
 
+// draft_compile.DraftRunner.gather's copies: request b's `lengths[b]` filled entries of its DraftKV
+// (pos, pinned (cap_b,); keys, values per layer (1, Hkv, cap_b, D)) into the batch's buffers at
+// slots [0, lengths[b]); slots [lengths[b], C) at pad_pos, unpinned, keys and values zero; the
+// padding requests (b >= n) at pad_pos.
+void gather(Tensor pos, Tensor pinned, TensorList keys, TensorList values, const TensorList& kv_pos,
+            const TensorList& kv_pinned, const std::vector<TensorList>& kv_keys, const std::vector<TensorList>& kv_values,
+            int64_t pad_pos) {
+  Batch bt = make_batch(pos, pinned, nullptr, keys, values, pos.size(1));
+  const int64_t n = static_cast<int64_t>(kv_pos.size());
+  TORCH_CHECK(n <= bt.b && kv_pinned.size() == kv_pos.size() && kv_keys.size() == kv_pos.size() &&
+              kv_values.size() == kv_pos.size(), "native draft: gather's lists");
+  bool* batch_pinned = pinned.data_ptr<bool>();
+  for (int64_t b = 0; b < bt.b; ++b) {
+    const int64_t len = b < n ? kv_pos[b].size(0) : 0;
+    TORCH_CHECK(len <= bt.cap, "native draft: a request's cache is longer than the batch's slots");
+    if (b < n) {
+      std::copy_n(i64(kv_pos[b], "cache positions"), len, bt.pos + b * bt.cap);
+      std::copy_n(flags(kv_pinned[b], "cache pinned flags"), len, batch_pinned + b * bt.cap);
+    }
+    std::fill(bt.pos + b * bt.cap + len, bt.pos + (b + 1) * bt.cap, pad_pos);
+    std::fill(batch_pinned + b * bt.cap + len, batch_pinned + (b + 1) * bt.cap, false);
+    if (b >= n) continue;
+    for (size_t layer = 0; layer < bt.keys.size(); ++layer) {
+      for (const auto& [dst, src] : {std::pair<float*, const Tensor*>{bt.keys[layer], &kv_keys[b][layer]},
+                                     std::pair<float*, const Tensor*>{bt.values[layer], &kv_values[b][layer]}}) {
+        const Tensor& t = *src;        // (1, Hkv, cap_b, D), a view of the filled part or the whole buffer
+        TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.stride(3) == 1 && t.size(2) >= len,
+                    "native draft: cache keys must be float32 CPU rows");
+        const int64_t hkv = t.size(1), d = t.size(3);
+        const float* from = t.data_ptr<float>();
+        for (int64_t g = 0; g < hkv; ++g) {
+          float* to = dst + ((b * hkv + g) * bt.cap) * d;
+          const float* head = from + g * t.stride(1);
+          for (int64_t e = 0; e < len; ++e) std::copy_n(head + e * t.stride(2), d, to + e * d);
+          std::fill(to + len * d, to + bt.cap * d, 0.f);
+        }
+      }
+    }
+  }
+}
+
+// The other way (SparrowProposer._keep_emitted's copies): request b's counts[b] entries at the batch's
+// slots [start, start + counts[b]) appended to its DraftKV's whole buffers (pos, pinned (cap_b,);
+// keys, values per layer (1, Hkv, cap_b, D)) after its lengths[b] filled entries, unpinned.
+void scatter(const Tensor& pos, const TensorList& keys, const TensorList& values, int64_t start,
+             const std::vector<int64_t>& counts, const std::vector<int64_t>& lengths, const TensorList& kv_pos,
+             const TensorList& kv_pinned, const std::vector<TensorList>& kv_keys,
+             const std::vector<TensorList>& kv_values) {
+  const int64_t cap = pos.size(1);
+  const int64_t* from_pos = i64(pos, "batch positions");
+  for (size_t b = 0; b < counts.size(); ++b) {
+    const int64_t m = counts[b], len = lengths[b];
+    if (m == 0) continue;
+    TORCH_CHECK(start + m <= cap && len + m <= kv_pos[b].size(0), "native draft: scatter out of range");
+    std::copy_n(from_pos + b * cap + start, m, const_cast<int64_t*>(i64(kv_pos[b], "cache positions")) + len);
+    std::fill_n(const_cast<bool*>(flags(kv_pinned[b], "cache pinned flags")) + len, m, false);
+    for (size_t layer = 0; layer < keys.size(); ++layer) {
+      for (const auto& [src, dst] : {std::pair<const Tensor*, const Tensor*>{&keys[layer], &kv_keys[b][layer]},
+                                     std::pair<const Tensor*, const Tensor*>{&values[layer], &kv_values[b][layer]}}) {
+        const int64_t hkv = dst->size(1), d = dst->size(3), dcap = dst->size(2);
+        const float* in = f32(*src, "batch keys");
+        float* out = const_cast<float*>(f32(*dst, "cache keys"));
+        for (int64_t g = 0; g < hkv; ++g)
+          std::copy_n(in + ((b * hkv + g) * cap + start) * d, m * d, out + (g * dcap + len) * d);
+      }
+    }
+  }
+}
+
+// DraftKV.evict's compaction: of a DraftKV's `length` filled entries (pos, pinned (cap,); keys, values
+// per layer (1, Hkv, cap, D)), keep those a query at >= next_pos can see (pinned, or within the
+// window), in order, at the front. Returns how many are kept.
+int64_t compact(Tensor pos, Tensor pinned, TensorList keys, TensorList values, int64_t length, int64_t next_pos,
+                int64_t window) {
+  int64_t* p = const_cast<int64_t*>(i64(pos, "cache positions"));
+  bool* pin = const_cast<bool*>(flags(pinned, "cache pinned flags"));
+  const int64_t cap = pos.size(0);
+  TORCH_CHECK(length <= cap, "native draft: compact past the buffers");
+  std::vector<float*> bufs;
+  for (const TensorList* list : {&keys, &values})
+    for (const Tensor& t : *list) bufs.push_back(const_cast<float*>(f32(t, "cache keys")));
+  const int64_t hkv = keys.empty() ? 0 : keys[0].size(1), d = keys.empty() ? 0 : keys[0].size(3);
+  int64_t kept = 0;
+  for (int64_t e = 0; e < length; ++e) {
+    if (!(pin[e] || p[e] > next_pos - window)) continue;
+    if (e != kept) {
+      p[kept] = p[e];
+      pin[kept] = pin[e];
+      for (float* buf : bufs)
+        for (int64_t g = 0; g < hkv; ++g) std::copy_n(buf + (g * cap + e) * d, d, buf + (g * cap + kept) * d);
+    }
+    ++kept;
+  }
+  return kept;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -395,4 +491,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_level", &draft_level, "one draft level (draft_compile.draft_level)", free);
   m.def("greedy_chain", &greedy_chain, "a greedy chain of levels (draft_compile.greedy_chain)", free);
   m.def("entries", &entries, "one request's new entries through the layers (SparrowDraft.forward_entries)", free);
+  m.def("gather", &gather, "the requests' draft caches into a batch's buffers (DraftRunner.gather)", free);
+  m.def("scatter", &scatter, "a batch's emitted entries appended to the requests' draft caches", free);
+  m.def("compact", &compact, "a draft cache's entries no query can see dropped (DraftKV.evict)", free);
 }

@@ -335,16 +335,19 @@ class DraftRunner:
         batch = self._buffers.get(bucket) or self._new_buffers(bucket)
         s = max(len(kv) for kv in kvs)
         batch.size, batch.start, batch.seen, batch.weights = n, s, [], self.weights()
-        # one padded copy per buffer (pad_sequence loops in C++): (n, S, Hkv, D) -> (n, Hkv, S, D)
-        for layer in range(len(batch.keys)):
-            for dst, src in ((batch.keys, DraftKV.keys), (batch.values, DraftKV.values)):
-                rows = pad_sequence([src.fget(kv)[layer][0].transpose(0, 1) for kv in kvs], batch_first=True)
-                dst[layer][:n, :, :s].copy_(rows.transpose(1, 2))
-        batch.pos[:n, :s] = pad_sequence([kv.pos for kv in kvs], batch_first=True, padding_value=PAD_POS)
-        batch.pinned[:n, :s] = pad_sequence([kv.pinned for kv in kvs], batch_first=True)
-        batch.pos[:, s:] = PAD_POS                       # drafted slots get their position when written
-        batch.pinned[:, s:] = False
-        batch.pos[n:] = PAD_POS
+        if self.native and draft_native.ready():       # the same copies, one kernel call
+            draft_native.gather(batch.pos, batch.pinned, batch.keys, batch.values, kvs)
+        else:
+            # one padded copy per buffer (pad_sequence loops in C++): (n, S, Hkv, D) -> (n, Hkv, S, D)
+            for layer in range(len(batch.keys)):
+                for dst, src in ((batch.keys, DraftKV.keys), (batch.values, DraftKV.values)):
+                    rows = pad_sequence([src.fget(kv)[layer][0].transpose(0, 1) for kv in kvs], batch_first=True)
+                    dst[layer][:n, :, :s].copy_(rows.transpose(1, 2))
+            batch.pos[:n, :s] = pad_sequence([kv.pos for kv in kvs], batch_first=True, padding_value=PAD_POS)
+            batch.pinned[:n, :s] = pad_sequence([kv.pinned for kv in kvs], batch_first=True)
+            batch.pos[:, s:] = PAD_POS                   # drafted slots get their position when written
+            batch.pinned[:, s:] = False
+            batch.pos[n:] = PAD_POS
         batch.q_pos = torch.tensor([row + [PAD_POS] * (bucket - n) for row in positions],
                                    device=batch.pos.device)                             # (levels, Bb)
         batch.live = (batch.q_pos != PAD_POS)[:, :, None]

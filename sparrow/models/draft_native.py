@@ -96,3 +96,27 @@ def entries(dims, w, z, pos, pinned, kv, window: int) -> torch.Tensor:
     kv.max_visible = max(kv.max_visible, seen)
     kv.advance(n)
     return out
+
+
+def gather(pos, pinned, keys, values, kvs) -> None:
+    """DraftRunner.gather's copies by the kernel: each DraftKV's filled entries at slots [0, n_b)
+    of the batch's buffers, every other slot at PAD_POS (keys zero); padding requests at PAD_POS."""
+    EXTENSION.module.gather(pos, pinned, keys, values, [kv.pos for kv in kvs], [kv.pinned for kv in kvs],
+                            [kv.keys for kv in kvs], [kv.values for kv in kvs], PAD_POS)
+
+
+def scatter(pos, keys, values, start: int, counts: list[int], kvs) -> None:
+    """Each DraftKV's counts[b] new entries from the batch's slots [start, start + counts[b])
+    appended after its filled ones (unpinned; room reserved and the length moved by the caller)."""
+    buffers = [kv.buffers for kv in kvs]
+    EXTENSION.module.scatter(pos, keys, values, start, counts, [len(kv) for kv in kvs], [b[0] for b in buffers],
+                             [b[1] for b in buffers], [b[2] for b in buffers], [b[3] for b in buffers])
+
+
+def evict(kv, next_pos: int, window: int, room: int) -> None:
+    """DraftKV.evict by the kernel: the same rule (forget what no query at >= next_pos can see,
+    only when `room` more entries would not fit), the compaction one loop in place."""
+    if len(kv) + room <= kv.capacity:
+        return
+    pos, pinned, keys, values = kv.buffers
+    kv.truncate(EXTENSION.module.compact(pos, pinned, keys, values, len(kv), next_pos, window))

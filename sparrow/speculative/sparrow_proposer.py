@@ -211,6 +211,13 @@ class SparrowProposer:
         return torch.cat([draft_native.entries(runner.dims, w, z[g.start:g.end], pos[g.start:g.end],
                                                pinned[g.start:g.end], g.kv, g.window) for g in segments])
 
+    def _evict(self, kv: DraftKV, next_pos: int, window: int) -> None:
+        """kv.evict (room for a step), by the kernel where the runner's levels run."""
+        if self.runner is not None and self.runner.native and draft_native.ready():
+            draft_native.evict(kv, next_pos, window, _STEP_ROOM)
+        else:
+            kv.evict(next_pos, window, _STEP_ROOM)
+
     def begin_context(self, ctx: DraftContext, max_new_tokens: int = 0) -> SparrowState:
         """Process glimpse + anchors + window of the context. Entries that are neither an
         anchor nor in the final window are never visible to a later query: skipped."""
@@ -236,7 +243,7 @@ class SparrowProposer:
             m = min(rows, z.shape[0] - start)
             hidden = self._entries(z[start:start + m], kept_pos[start:start + m], kept_pinned[start:start + m],
                                    [DraftSegment(kv, 0, m, window)])
-        kv.evict(n, window, _STEP_ROOM)
+        self._evict(kv, n, window)
         return SparrowState(kv, n, len(kv), hidden[-1])
 
     @property
@@ -414,18 +421,23 @@ class SparrowProposer:
         """After a greedy chain ran the requests' pending entries (run.emitted): their keys,
         from the batch's buffers, appended to each request's own cache, as a commit leaves it."""
         s = run.start                     # the emitted rows sit at slots [S, S + M)
-        for b, state in enumerate(states):
-            m = len(state.pending)
+        counts = [len(state.pending) for state in states]
+        for state, m in zip(states, counts):
+            state.kv.reserve(m)
+        native = self.runner.native and draft_native.ready()
+        if native:                        # every request's copies in one kernel call
+            draft_native.scatter(run.pos, run.keys, run.values, s, counts, [state.kv for state in states])
+        for b, (state, m) in enumerate(zip(states, counts)):
             if not m:
                 continue
             kv = state.kv
-            kv.reserve(m)
-            kv.append_meta(run.emitted.pos[b, :m], torch.zeros(m, dtype=torch.bool, device=run.pos.device))
-            for layer in range(len(run.keys)):
-                kv.write(layer, run.keys[layer][b: b + 1, :, s: s + m], run.values[layer][b: b + 1, :, s: s + m])
+            if not native:
+                kv.append_meta(run.emitted.pos[b, :m], torch.zeros(m, dtype=torch.bool, device=run.pos.device))
+                for layer in range(len(run.keys)):
+                    kv.write(layer, run.keys[layer][b: b + 1, :, s: s + m], run.values[layer][b: b + 1, :, s: s + m])
             kv.advance(m)
             state.next_pos += m
-            kv.evict(state.next_pos, self.window, _STEP_ROOM)
+            self._evict(kv, state.next_pos, self.window)
             state.committed, state.last_hidden = len(kv), start[b, 0]
             state.pending, state.pending_features = [], []
 
@@ -478,7 +490,7 @@ class SparrowProposer:
                                torch.cat(pos).to(device), torch.zeros(row, dtype=torch.bool, device=device), segments)
         for state, seg in zip(states, segments):
             state.next_pos += seg.end - seg.start
-            state.kv.evict(state.next_pos, self.window, _STEP_ROOM)
+            self._evict(state.kv, state.next_pos, self.window)
             state.committed = len(state.kv)
             state.last_hidden = hidden[seg.end - 1]
 
