@@ -6,7 +6,10 @@
 // RMSNorm, rotary, the window / pinned / tree mask and a softmax over each row's visible keys,
 // all in registers and L1. The same maths as the Python functions, in float32 with float32
 // accumulation (sums in another order: equal within float tolerance, tests/test_draft_native.py).
-// Nothing reads a value on the host beyond what the Python reads; no allocation but the outputs.
+// Beside the levels, the copies around them that were per-request torch ops: a request's first
+// entries (SparrowDraft.forward_entries), the batch's gather from the requests' caches, a chain's
+// emitted entries kept in them, and their compaction (DraftKV.evict). Nothing reads a value on
+// the host beyond what the Python reads; no allocation but the outputs and a level's scratch.
 //
 // Weights, flat: embed (V, E), fc (H, E + H), final norm (H), lm_head (V, H), fuse (H, F),
 // rotary inverse frequencies (D / 2), then per layer: input norm (H), qkv (Q, H), qkv bias (Q),
