@@ -184,3 +184,18 @@ def test_runs_a_length_each_merge_into_one_report(models_dir, tmp_path):
     parts[1]["config"]["tokens"] = 4
     with pytest.raises(ValueError, match="tokens"):
         cr.merge(parts)
+
+
+def test_streams_run_past_the_answer_unless_told_to_stop_at_it(monkeypatch):
+    """--stop-at-eos: each stream ends at its answer's end (EOS honoured) on both paths; by
+    default every stream runs its tokens (EOS ignored), so each does the same work."""
+    got = []
+    monkeypatch.setattr(cb, "engine_call", lambda engine, key, prompt, sampling: got.append(sampling.ignore_eos))
+    monkeypatch.setattr(cb, "grpc_call", lambda *a: got.append(a[-1]))
+    video = cv.Video(None, 36, b"", 2.0, "p", {"sparrow": "k"}, "v")
+    assert ConcurrencyConfig().stop_at_eos is False
+    for stop in (False, True):
+        got.clear()
+        for path in PATHS:
+            cb._calls(path, None, None, [video], 8, "sparrow", 0.0, 1, not stop)
+        assert got == [not stop] * len(PATHS)
