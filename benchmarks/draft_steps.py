@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sparrow import SamplingParams, SpecConfig  # noqa: E402
 from sparrow.config import DRAFT_STEPS  # noqa: E402
-from sparrow.models import draft_native  # noqa: E402
+from sparrow.kernels import draft_chain  # noqa: E402
 from sparrow.models.draft import SparrowDraft  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.speculative.proposer import DraftRequest, StepResult  # noqa: E402
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-at", help="SIDExFRAMES: time the target's decode step at this world video too")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    draft_native.EXTENSION.load()          # the static steps' C++ levels built before anything is timed
+    draft_chain.EXTENSION.load()          # the static steps' C++ levels built before anything is timed
     target = TargetModel.from_pretrained(Path(args.models) / "world" / "target")
     draft = SparrowDraft.from_pretrained(Path(args.models) / "world" / "draft", target)
     geometry = {k: v for k, v in draft.trained_with.items() if k in ("window", "anchors", "glimpse")}

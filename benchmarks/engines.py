@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sparrow import Engine, SpecConfig
 from sparrow.kernels import cpu_prefix
-from sparrow.models import draft_native
+from sparrow.kernels import draft_chain
 from sparrow.models.draft import CONFIG_NAME as DRAFT_CONFIG, SparrowDraft
 from sparrow.models.target import TargetModel
 from sparrow.prefix_cache import PrefixCache
@@ -93,7 +93,7 @@ class Models:
         self.target = TargetModel.from_pretrained(path)
         if self.target.device.type == "cpu":
             cpu_prefix.load()         # the verify kernel built (or loaded) before anything is timed
-            draft_native.EXTENSION.load()     # and the draft's levels
+            draft_chain.EXTENSION.load()     # and the draft's levels
         self._drafts: dict[str, SparrowDraft] = {}
         self._small: TargetModel | None = None
 

@@ -12,7 +12,7 @@ from sparrow.config import EngineConfig
 from sparrow.engine import Engine
 from sparrow.models.placement import check_placement
 from sparrow.kernels import cpu_prefix
-from sparrow.models import draft_native
+from sparrow.kernels import draft_chain
 from sparrow.models.ragged import VERIFY_KERNELS
 from sparrow.prefix_cache import PrefixCache
 from sparrow.speculative.sparrow_proposer import SparrowProposer
@@ -109,7 +109,7 @@ def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, Stat
     if settings.draft is not None and target.device.type == "cpu" and settings.verify_attention in ("auto", "packed"):
         cpu_prefix.start_loading()       # the verify kernel builds while the server starts (kernels/cpu_prefix.py)
     if settings.draft is not None and target.device.type == "cpu":
-        draft_native.start_loading()     # and the draft's levels (sparrow/models/draft_native.py)
+        draft_chain.start_loading()      # and the draft's levels (kernels/draft_chain.py)
     cache = open_cache(settings.cache)
     prefix = PrefixCache(settings.prefix_cache_bytes, settings.prefix_cache_entries)
     if settings.draft is None:

@@ -113,7 +113,7 @@ class SpecConfig:
     # How the Sparrow draft runs its k steps (sparrow.models.draft_compile): "static" (the
     # default: the whole batch's levels over keys gathered once, static shapes, no host read per
     # step; for a small float32 draft on a CPU each call is one C++ kernel once it is built
-    # (draft_native.py: ~3x the reference at batch 1 on the 2-core CPU; torch ops until then,
+    # (kernels/draft_chain.py: ~8x the reference at batch 1 on the 2-core CPU; torch ops until then,
     # ~1.5x; SPARROW_DRAFT_NATIVE=off keeps them), "compiled" (the same,
     # torch.compile on a CPU, CUDA graphs on a GPU: ~5x the reference at batch 1; each batch
     # bucket compiles once, ~10 s on a CPU, the time logged at INFO: for long-lived servers) or

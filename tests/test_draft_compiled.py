@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import sparrow.models.draft_compile as draft_compile
-from sparrow.models import draft_native
+from sparrow.kernels import draft_chain
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models.draft_compile import COMPILE_SECONDS, DraftRunner
 from sparrow.speculative.proposer import DraftRequest, StepResult
@@ -38,7 +38,7 @@ def draft(qwen_target):
 @pytest.fixture(autouse=True)
 def torch_levels(monkeypatch):
     """The static levels in torch here (test_draft_native.py checks the C++ ones the same way)."""
-    monkeypatch.setattr(draft_native, "IMPL", "torch")
+    monkeypatch.setattr(draft_chain, "IMPL", "torch")
 
 
 def contexts(draft, glimpse: int = 2) -> list[DraftContext]:

@@ -1,4 +1,4 @@
-"""The static draft runner's C++ levels (sparrow/models/draft_native.py, kernels/csrc/draft_chain.cpp)
+"""The static draft runner's C++ levels (kernels/draft_chain.py, csrc/draft_chain.cpp)
 against torch: function by function against draft_compile's draft_level and greedy_chain (outputs
 within float tolerance, the same tokens, the same buffers written), proposals through the proposer
 equal to the reference's (greedy chains with a commit's emitted rows, seeded sampling, narrow and
@@ -19,9 +19,10 @@ import torch
 from test_draft_compiled import SPEC, _fields, assert_same, contexts, run_steps
 
 from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.kernels import draft_chain
 from sparrow.kernels import native as native_build
 from sparrow.kernels.native import NativeExtension
-from sparrow.models import draft_compile, draft_native
+from sparrow.models import draft_compile
 from sparrow.models.draft_compile import DraftRunner
 from sparrow.speculative.proposer import DraftRequest
 from sparrow.speculative.sampling import new_generator
@@ -42,7 +43,7 @@ def draft(qwen_target):
 def kernel():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on this machine: the draft's levels stay in torch")
-    module = draft_native.EXTENSION.load()
+    module = draft_chain.EXTENSION.load()
     assert module is not None, "the native draft levels did not build (see the log)"
     return module
 
@@ -50,11 +51,11 @@ def kernel():
 @pytest.fixture
 def calls(kernel, monkeypatch):
     """The kernel switched on; records each call of it by name."""
-    monkeypatch.setattr(draft_native, "IMPL", "kernel")
+    monkeypatch.setattr(draft_chain, "IMPL", "kernel")
     seen = []
     for name in ("draft_level", "greedy_chain"):
-        real = getattr(draft_native, name)
-        monkeypatch.setattr(draft_native, name, lambda *a, _real=real, _name=name, **kw: (
+        real = getattr(draft_chain, name)
+        monkeypatch.setattr(draft_chain, name, lambda *a, _real=real, _name=name, **kw: (
             seen.append(_name), _real(*a, **kw))[1])
     return seen
 
@@ -83,7 +84,7 @@ def test_a_greedy_chain_equals_torchs_function(draft, kernel):
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(batch.bucket, 1, draft.config.hidden_size, generator=g)
     outs, bufs = [], []
-    for fn in (draft_compile.greedy_chain, draft_native.greedy_chain):
+    for fn in (draft_compile.greedy_chain, draft_chain.greedy_chain):
         keys, values, pos = _clone(batch)
         outs.append(fn(runner.dims, batch.weights, hidden, batch.q_pos, batch.live, batch.allowed,
                        batch.level_slots, pos, batch.pinned, keys, values, batch.emitted))
@@ -115,7 +116,7 @@ def test_a_level_equals_torchs_function(draft, kernel, rows, tree):
     hidden = torch.randn(b, rows, h, generator=g)
     live = torch.rand(b, rows, generator=g) < 0.8
     outs = []
-    for fn in (draft_compile.draft_level, draft_native.draft_level):
+    for fn in (draft_compile.draft_level, draft_chain.draft_level):
         keys, values, pos = _clone(batch)
         outs.append(fn(runner.dims, batch.weights, tokens, hidden, batch.q_pos[0], live, batch.allowed,
                        batch.level_slots[0], pos, batch.pinned, keys, values))
@@ -134,7 +135,7 @@ def test_a_batch_gathered_by_the_kernel_equals_torchs(draft, kernel, monkeypatch
     kvs, positions = [s.kv for s in states], [[len(s.kv) + 3 for s in states]]
     got = {}
     for impl in ("kernel", "torch"):
-        monkeypatch.setattr(draft_native, "IMPL", impl)
+        monkeypatch.setattr(draft_chain, "IMPL", impl)
         runner = DraftRunner(draft, window=6, capacity=40, emitted_rows=3)
         runner.bucket = lambda n: 4                            # as compiled runners pad: one padding request
         assert runner.native == (impl == "kernel")
@@ -154,7 +155,7 @@ def test_a_cache_compacted_by_the_kernel_equals_torchs(draft, kernel):
     for next_pos, room in ((int(kv.pos.max()) + 1, 0), (int(kv.pos.max()) + 10, kv.capacity - n + 1)):
         a, b = copy.deepcopy(kv), copy.deepcopy(kv)
         a.evict(next_pos, 6, room)
-        draft_native.evict(b, next_pos, 6, room)
+        draft_chain.evict(b, next_pos, 6, room)
         assert len(a) == len(b) and torch.equal(a.pos, b.pos) and torch.equal(a.pinned, b.pinned)
         assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
     assert len(b) < n                                   # the second one dropped entries
@@ -168,7 +169,7 @@ def test_a_requests_start_through_the_kernel_equals_torchs(draft, kernel, monkey
     proposer = SparrowProposer(draft, STATIC)
     begun = {}
     for impl in ("kernel", "torch"):
-        monkeypatch.setattr(draft_native, "IMPL", impl)
+        monkeypatch.setattr(draft_chain, "IMPL", impl)
         begun[impl] = [proposer.begin_context(c, 40) for c in contexts(draft)]
     for got, want in zip(begun["kernel"], begun["torch"]):
         assert len(got.kv) == len(want.kv) and got.kv.max_visible == want.kv.max_visible
@@ -211,7 +212,7 @@ def test_what_the_kernel_does_not_take_stays_in_torch(draft, qwen_target, calls,
     bf16 = tiny_draft(qwen_target, seed=1).to(torch.bfloat16)
     assert not SparrowProposer(bf16, STATIC).runner.native
     assert not SparrowProposer(draft, SPEC).runner.native            # compiled
-    monkeypatch.setattr(draft_native, "IMPL", "torch")
+    monkeypatch.setattr(draft_chain, "IMPL", "torch")
     assert not SparrowProposer(draft, STATIC).runner.native
     _propose(draft, STATIC)
     assert calls == []
@@ -223,8 +224,8 @@ def test_a_failed_build_leaves_the_levels_to_torch(draft, monkeypatch, tmp_path,
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
     ext = NativeExtension("broken_draft_for_test", bad, [], "native draft levels")
-    monkeypatch.setattr(draft_native, "EXTENSION", ext)
-    monkeypatch.setattr(draft_native, "IMPL", "kernel")
+    monkeypatch.setattr(draft_chain, "EXTENSION", ext)
+    monkeypatch.setattr(draft_chain, "IMPL", "kernel")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     with caplog.at_level(logging.WARNING, logger=native_build.__name__):
         want = _propose(draft, SpecConfig(**{**_fields(STATIC), "draft_step": "reference"}))

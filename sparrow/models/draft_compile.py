@@ -26,6 +26,7 @@ Nothing here reads a value on the host.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 import types
@@ -37,7 +38,6 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from ..window import PAD_POS, window_mask
-from . import draft_native
 from .attention import get_backend
 from .draft import DraftKV, SparrowDraft, apply_rope, rope_frequencies, rope_tables
 
@@ -48,6 +48,13 @@ log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Attention backends whose function takes a mask that broadcasts over a batch (B, 1, R, C).
 STATIC_BACKENDS = ("sdpa", "eager")
+
+
+def draft_kernel():
+    """The C++ draft kernel (sparrow.kernels.draft_chain: the static levels for a small float32
+    draft on a CPU), imported by name on first use as the verify kernels are (models/ragged.py):
+    the core imports no kernel module."""
+    return importlib.import_module("sparrow.kernels.draft_chain")
 
 
 class Dims(NamedTuple):
@@ -287,7 +294,7 @@ class DraftRunner:
     rule (`DraftBatch.allow`), not by position alone. compiled: the levels run compiled
     (CPU: inductor with `cpu_options`, default CPU_OPTIONS; CUDA: "reduce-overhead", i.e.
     CUDA graphs), each shape compiled on first use; else eagerly: by the C++ levels
-    (draft_native.py) for a small float32 draft on a CPU once they are built, torch until then.
+    (draft_kernel) for a small float32 draft on a CPU once they are built, torch until then.
     emitted_rows: M, the most emitted entries a request may bring to a greedy chain (its last
     steps' commit, run in the same call; 0: never); capacity counts them.
     """
@@ -302,13 +309,21 @@ class DraftRunner:
         self.compiled, self.cpu_options, self.emitted_rows = compiled, cpu_options, emitted_rows
         self.dims = Dims(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta, window,
                          draft.attention_backend)
-        self.native = not compiled and draft_native.usable(draft, self.dims)
+        self.native = not compiled and draft_kernel().usable(draft, self.dims)
         if self.native:
-            draft_native.ready()                          # starts its build, on a thread of its own
+            draft_kernel().ready()                        # starts its build, on a thread of its own
         self._buffers: dict[int, DraftBatch] = {}
         self._features: dict[int, torch.Tensor] = {}      # per bucket: the emitted rows' target features
         self._weights: tuple[list, StepWeights] | None = None
         self._sources: tuple[tuple, list[torch.Tensor]] | None = None
+
+    def kernel(self):
+        """The C++ draft kernel's module when this runner's work goes through it now (its draft
+        is one it takes and it is built; the build starts on the first ask), else None."""
+        if not self.native:
+            return None
+        kernel = draft_kernel()
+        return kernel if kernel.ready() else None
 
     def bucket(self, n: int) -> int | None:
         """The batch bucket n requests run in (n itself when eager); None: too many to compile for."""
@@ -335,8 +350,9 @@ class DraftRunner:
         batch = self._buffers.get(bucket) or self._new_buffers(bucket)
         s = max(len(kv) for kv in kvs)
         batch.size, batch.start, batch.seen, batch.weights = n, s, [], self.weights()
-        if self.native and draft_native.ready():       # the same copies, one kernel call
-            draft_native.gather(batch.pos, batch.pinned, batch.keys, batch.values, kvs)
+        kernel = self.kernel()
+        if kernel is not None:                           # the same copies, one kernel call
+            kernel.gather(batch.pos, batch.pinned, batch.keys, batch.values, kvs)
         else:
             # one padded copy per buffer (pad_sequence loops in C++): (n, S, Hkv, D) -> (n, Hkv, S, D)
             for layer in range(len(batch.keys)):
@@ -429,8 +445,9 @@ class DraftRunner:
 
     def _run(self, fn: Callable, batch: DraftBatch, args: tuple):
         if not self.compiled:
-            if self.native and draft_native.ready():      # the C++ levels (where built; torch until then)
-                return (draft_native.greedy_chain if fn is greedy_chain else draft_native.draft_level)(*args)
+            kernel = self.kernel()
+            if kernel is not None:                        # the C++ levels (where built; torch until then)
+                return (kernel.greedy_chain if fn is greedy_chain else kernel.draft_level)(*args)
             return fn(*args)
         device, dtype = batch.pos.device, batch.keys[0].dtype
         options = self.cpu_options or CPU_OPTIONS

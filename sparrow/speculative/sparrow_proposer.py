@@ -15,7 +15,6 @@ import torch
 from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.draft import DraftKV, DraftSegment, SparrowDraft
-from ..models import draft_native
 from ..models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftRunner
 from ..models.target import FeatureNeeds
 from ..window import PAD_POS
@@ -200,21 +199,22 @@ class SparrowProposer:
     def _entries(self, z: torch.Tensor, pos: torch.Tensor, pinned: torch.Tensor,
                  segments: list[DraftSegment]) -> torch.Tensor:
         """draft.forward_packed (the requests' new entries z (N, H) through the layers into their
-        caches), by the static runner's C++ kernel where it runs (draft_native), a call a request."""
+        caches), by the static runner's C++ kernel where it runs (kernels/draft_chain.py), a call a request."""
         runner = self.runner
-        if (runner is None or not runner.native or any(g.spec_mask is not None for g in segments)
-                or not draft_native.ready()):
+        kernel = runner.kernel() if runner is not None else None
+        if kernel is None or any(g.spec_mask is not None for g in segments):
             if len(segments) == 1 and segments[0].spec_mask is None:     # one request's entries
                 return self.draft.forward_entries(z, pos, pinned, segments[0].kv, segments[0].window)
             return self.draft.forward_packed(z, pos, pinned, segments)
         w = runner.weights()
-        return torch.cat([draft_native.entries(runner.dims, w, z[g.start:g.end], pos[g.start:g.end],
-                                               pinned[g.start:g.end], g.kv, g.window) for g in segments])
+        return torch.cat([kernel.entries(runner.dims, w, z[g.start:g.end], pos[g.start:g.end],
+                                         pinned[g.start:g.end], g.kv, g.window) for g in segments])
 
     def _evict(self, kv: DraftKV, next_pos: int, window: int) -> None:
         """kv.evict (room for a step), by the kernel where the runner's levels run."""
-        if self.runner is not None and self.runner.native and draft_native.ready():
-            draft_native.evict(kv, next_pos, window, _STEP_ROOM)
+        kernel = self.runner.kernel() if self.runner is not None else None
+        if kernel is not None:
+            kernel.evict(kv, next_pos, window, _STEP_ROOM)
         else:
             kv.evict(next_pos, window, _STEP_ROOM)
 
@@ -424,9 +424,10 @@ class SparrowProposer:
         counts = [len(state.pending) for state in states]
         for state, m in zip(states, counts):
             state.kv.reserve(m)
-        native = self.runner.native and draft_native.ready()
+        kernel = self.runner.kernel()
+        native = kernel is not None
         if native:                        # every request's copies in one kernel call
-            draft_native.scatter(run.pos, run.keys, run.values, s, counts, [state.kv for state in states])
+            kernel.scatter(run.pos, run.keys, run.values, s, counts, [state.kv for state in states])
         for b, (state, m) in enumerate(zip(states, counts)):
             if not m:
                 continue

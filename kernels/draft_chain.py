@@ -4,8 +4,10 @@ of draft_compile's functions of the same names and return what they do, computed
 instead of ~80 tiny torch ops a level (whose dispatch, not arithmetic, is a draft step's cost on
 a CPU). Equal to draft_compile's within float tolerance (tests/test_draft_native.py).
 
-It is built on a thread of its own when a static runner is made (kernels/native.py); until it is
-ready, and for a draft it does not take (`usable`), the runner computes the levels in torch.
+The core reaches it by name (sparrow.models.draft_compile.draft_kernel), as it does the verify
+kernels. It is built on a thread of its own when a static runner is made (kernels/native.py);
+until it is ready, and for a draft it does not take (`usable`), the runner computes the levels
+in torch.
 
     SPARROW_DRAFT_NATIVE=off    never build or use it (the levels stay in torch; or set IMPL = "torch")
 """
@@ -16,8 +18,9 @@ import os
 
 import torch
 
-from ..kernels.native import CSRC, NativeExtension
-from ..window import PAD_POS
+from sparrow.window import PAD_POS  # the rule's leaf module: kernels import no more of the core
+
+from .native import CSRC, NativeExtension
 
 # "kernel": the C++ levels where they build (torch's otherwise); "torch": torch's always.
 IMPL = "torch" if os.environ.get("SPARROW_DRAFT_NATIVE", "").strip().lower() in ("off", "torch", "0") else "kernel"
