@@ -54,7 +54,12 @@ def draft_kernel():
     """The C++ draft kernel (sparrow.kernels.draft_chain: the static levels for a small float32
     draft on a CPU), imported by name on first use as the verify kernels are (models/ragged.py):
     the core imports no kernel module."""
-    return importlib.import_module("sparrow.kernels.draft_chain")
+    if not _DRAFT_KERNEL:
+        _DRAFT_KERNEL.append(importlib.import_module("sparrow.kernels.draft_chain"))
+    return _DRAFT_KERNEL[0]
+
+
+_DRAFT_KERNEL: list = []       # the module, once imported (an import_module call is ~4 us: a few a step)
 
 
 class Dims(NamedTuple):
