@@ -30,13 +30,14 @@ EXTENSION = NativeExtension("sparrow_draft_chain", CSRC / "draft_chain.cpp", ["-
 MAX_WEIGHTS = 1 << 22
 
 
-def usable(draft, dims) -> bool:
-    """Whether the kernel takes this draft (SparrowDraft) and its Dims: float32 on the CPU, the
-    sdpa or eager attention (both exact softmax attention), at most MAX_WEIGHTS weights."""
-    p = draft.fc.weight
+def usable(w, dims) -> bool:
+    """Whether the kernel takes a draft with these step weights (draft_compile.StepWeights, the
+    shared embedding and lm_head included) and Dims: float32 on the CPU, the sdpa or eager
+    attention (both exact softmax attention), at most MAX_WEIGHTS weights."""
+    p = w[1]
     return (IMPL == "kernel" and p.device.type == "cpu" and p.dtype == torch.float32
             and dims.backend in ("sdpa", "eager") and dims.head_dim % 2 == 0
-            and sum(t.numel() for t in draft.parameters()) <= MAX_WEIGHTS)
+            and sum(t.numel() for t in _flat(w)) <= MAX_WEIGHTS)
 
 
 def start_loading() -> None:

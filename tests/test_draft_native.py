@@ -208,10 +208,16 @@ def _propose(draft, spec: SpecConfig) -> list:
 
 
 def test_what_the_kernel_does_not_take_stays_in_torch(draft, qwen_target, calls, monkeypatch):
-    """A bfloat16 draft, a compiled runner and the switch off: torch's levels, never the kernel."""
+    """A bfloat16 draft, a compiled runner, a draft past MAX_WEIGHTS and the switch off: torch's
+    levels, never the kernel."""
     bf16 = tiny_draft(qwen_target, seed=1).to(torch.bfloat16)
     assert not SparrowProposer(bf16, STATIC).runner.native
     assert not SparrowProposer(draft, SPEC).runner.native            # compiled
+    weights = sum(t.numel() for t in draft_chain._flat(SparrowProposer(draft, STATIC).runner.weights()))
+    monkeypatch.setattr(draft_chain, "MAX_WEIGHTS", weights - 1)     # the shared lm_head and embedding count
+    assert not SparrowProposer(draft, STATIC).runner.native
+    monkeypatch.setattr(draft_chain, "MAX_WEIGHTS", weights)
+    assert SparrowProposer(draft, STATIC).runner.native
     monkeypatch.setattr(draft_chain, "IMPL", "torch")
     assert not SparrowProposer(draft, STATIC).runner.native
     _propose(draft, STATIC)

@@ -314,13 +314,14 @@ class DraftRunner:
         self.compiled, self.cpu_options, self.emitted_rows = compiled, cpu_options, emitted_rows
         self.dims = Dims(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta, window,
                          draft.attention_backend)
-        self.native = not compiled and draft_kernel().usable(draft, self.dims)
-        if self.native:
-            draft_kernel().ready()                        # starts its build, on a thread of its own
         self._buffers: dict[int, DraftBatch] = {}
         self._features: dict[int, torch.Tensor] = {}      # per bucket: the emitted rows' target features
         self._weights: tuple[list, StepWeights] | None = None
         self._sources: tuple[tuple, list[torch.Tensor]] | None = None
+        # the C++ kernel (draft_kernel) for a draft it takes, its shared embedding and lm_head counted
+        self.native = not compiled and draft._shared is not None and draft_kernel().usable(self.weights(), self.dims)
+        if self.native:
+            draft_kernel().ready()                        # starts its build, on a thread of its own
 
     def kernel(self):
         """The C++ draft kernel's module when this runner's work goes through it now (its draft
