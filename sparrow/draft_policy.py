@@ -11,32 +11,30 @@ from .step_costs import CostModel, MeasuredCosts
 
 
 class DraftPolicy:
-    """k per request per step, from what a step costs on this machine (a CostModel,
-    step_costs.py: fitted online by default) and each request's per-token acceptance alpha,
-    estimated from its accepted and rejected draft tokens. A request drafting k tokens is
-    expected to emit what such steps emitted (expected_tokens: the engine's measured chance of
-    each draft position given the one before, the request's alpha as the prior and for the
-    first position); the step's time is its
-    verify (every request's rows, each over its own cached length) plus the draft's (by
-    depth; none when nobody drafts). A request's alpha starts from the engine's (all its
-    requests' acceptance so far, decayed), worth PRIOR_WEIGHT of its own draft steps, so one
-    unlucky first step neither stops a good draft nor a failing draft's record keeps a new
-    request drafting. (At weight 3 with lifetime counts one rejection on a 25k video once
-    stopped a request for good; that was with 25k rows priced ~8x too dear by cold samples,
-    step_costs.py. Priced right, a 25k row is ~0.1 of a step and drafting pays down to an
-    alpha of ~0.3; at 0.5k, where a drafting step costs ~1.7 plain ones, down to ~0.5.) A request with no record of its own is valued at least PROBE_ALPHA:
-    the engine's record is other requests' (other videos, other prompts, text past an end of
-    turn), and below it a new request would never draft and so never show that its own draft
-    does well (one probing step at most: after it, its own record speaks). A request's own
-    record fades by RECENT a drafting step: what its draft earns changes within an answer
-    (measured at 0.5k: 2-4 tokens a step through a caption, then none past its end), and on a
-    lifetime count a run of good steps kept a failing draft drafting 4 deep for 20-30 steps,
-    each a rejected verify and a draft call (Sparrow 0.75-0.9x plain on such streams). The policy picks
-    the ks that maximise the batch's expected tokens per second: for each common depth K it
-    lowers each request's k, one at a time, wherever that raises the rate (a request whose
-    draft fails, or whose rows are dear at its length, drafts less or not at all), and keeps
-    the best. So drafting stops where it cannot pay: a failing draft, a big batch, a slow
-    verify.
+    """k per request per step, from what a step costs on this machine (a CostModel, step_costs.py:
+    fitted online by default) and each request's per-token acceptance alpha, estimated from its
+    accepted and rejected draft tokens. A request drafting k tokens is expected to emit what such
+    steps emitted (expected_tokens: the engine's measured chance of each draft position given the
+    one before, the request's alpha as the prior and for the first position); the step's time is its
+    verify (every request's rows, each over its own cached length) plus the draft's (by depth; none
+    when nobody drafts). A request's alpha starts from the engine's (all its requests' acceptance so
+    far, decayed), worth PRIOR_WEIGHT of its own draft steps, so one unlucky first step neither
+    stops a good draft nor a failing draft's record keeps a new request drafting. (At weight 3 with
+    lifetime counts one rejection on a 25k video once stopped a request for good; that was with 25k
+    rows priced ~8x too dear by cold samples, step_costs.py. Priced right, a 25k row is ~0.1 of a
+    step and drafting pays down to an alpha of ~0.3; at 0.5k, where a drafting step costs ~1.7 plain
+    ones, down to ~0.5.) A request with no record of its own is valued at least PROBE_ALPHA: the
+    engine's record is other requests' (other videos, other prompts, text past an end of turn), and
+    below it a new request would never draft and so never show that its own draft does well (one
+    probing step at most: after it, its own record speaks). A request's own record fades by RECENT a
+    drafting step: what its draft earns changes within an answer (measured at 0.5k: 2-4 tokens a
+    step through a caption, then none past its end), and on a lifetime count a run of good steps
+    kept a failing draft drafting 4 deep for 20-30 steps, each a rejected verify and a draft call
+    (Sparrow 0.75-0.9x plain on such streams). The policy picks the ks that maximise the batch's
+    expected tokens per second: for each common depth K it lowers each request's k, one at a time,
+    wherever that raises the rate (a request whose draft fails, or whose rows are dear at its
+    length, drafts less or not at all), and keeps the best. So drafting stops where it cannot pay: a
+    failing draft, a big batch, a slow verify.
 
     While the cost model cannot yet tell a row's cost from the step's at the batch's cached
     length (a long video after short ones is new ground), and now and then after

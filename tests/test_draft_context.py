@@ -174,8 +174,8 @@ def test_begin_in_slices_equals_one_pass(qwen_target, small_video, monkeypatch, 
     ctx = build_context(pre, 7, s.glimpse, context)
     one = proposer.begin_context(ctx)
     calls = []
-    real = draft.forward_entries
-    monkeypatch.setattr(draft, "forward_entries", lambda z, *a: calls.append(z.shape[0]) or real(z, *a))
+    real = draft.forward_packed
+    monkeypatch.setattr(draft, "forward_packed", lambda z, *a: calls.append(z.shape[0]) or real(z, *a))
     monkeypatch.setattr(propose, "BEGIN_SLICE_ENTRIES", 64 * 64)
     sliced = proposer.begin_context(ctx)
     n = len(one.kv)

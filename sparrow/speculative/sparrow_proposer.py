@@ -203,8 +203,6 @@ class SparrowProposer:
         runner = self.runner
         kernel = runner.kernel() if runner is not None else None
         if kernel is None or any(g.spec_mask is not None for g in segments):
-            if len(segments) == 1 and segments[0].spec_mask is None:     # one request's entries
-                return self.draft.forward_entries(z, pos, pinned, segments[0].kv, segments[0].window)
             return self.draft.forward_packed(z, pos, pinned, segments)
         w = runner.weights()
         return torch.cat([kernel.entries(runner.dims, w, z[g.start:g.end], pos[g.start:g.end],
@@ -425,14 +423,13 @@ class SparrowProposer:
         for state, m in zip(states, counts):
             state.kv.reserve(m)
         kernel = self.runner.kernel()
-        native = kernel is not None
-        if native:                        # every request's copies in one kernel call
+        if kernel is not None:            # every request's copies in one kernel call
             kernel.scatter(run.pos, run.keys, run.values, s, counts, [state.kv for state in states])
         for b, (state, m) in enumerate(zip(states, counts)):
             if not m:
                 continue
             kv = state.kv
-            if not native:
+            if kernel is None:
                 kv.append_meta(run.emitted.pos[b, :m], torch.zeros(m, dtype=torch.bool, device=run.pos.device))
                 for layer in range(len(run.keys)):
                     kv.write(layer, run.keys[layer][b: b + 1, :, s: s + m], run.values[layer][b: b + 1, :, s: s + m])
