@@ -21,7 +21,7 @@ import torch
 from benchmarks.report import write_section
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models.kv_cache import new_kv_cache
-from sparrow.models.target import TargetState
+from sparrow.models.prefill import TargetState
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 from sparrow.video import VideoOptions
 

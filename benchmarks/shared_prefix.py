@@ -10,7 +10,8 @@ import time
 import torch
 
 from sparrow import Engine
-from sparrow.models.target import TargetModel, VideoPrefix
+from sparrow.models.prefill import VideoPrefix
+from sparrow.models.target import TargetModel
 from sparrow.prefix_cache import PrefixCache, PrefixEntry
 from sparrow.speculative.specvlm import SpecVLMProposer
 from sparrow.video import ProcessedVideo

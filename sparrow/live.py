@@ -48,7 +48,7 @@ from .live_alerts import LiveAlerts
 from .live_questions import LiveQuestions
 from .live_source import CameraTime, SilenceWatch, SourceClock
 from .live_window import FramePair, LiveConfig, LiveWindow
-from .models.target import FeatureNeeds
+from .models.prefill import FeatureNeeds
 from .video.live_decode import LiveDecoder
 from .video.processors import _resize_all
 from .video.ts_framing import TS_SYNC, Segment, TsFraming

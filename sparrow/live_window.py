@@ -33,7 +33,8 @@ import torch
 from .errors import InvalidRequest
 from .live_source import CameraTime
 from .models.kv_cache import new_kv_cache
-from .models.target import FeatureNeeds, TargetModel, VideoPrefix
+from .models.prefill import FeatureNeeds, VideoPrefix
+from .models.target import TargetModel
 from .prefix_cache import PrefixEntry
 from .video import ProcessedVideo, VideoOptions
 from .video.options import Frames

@@ -27,7 +27,8 @@ from .chat import as_messages
 from .config import EngineConfig, SamplingParams, SpecConfig
 from .errors import InvalidRequest, ResourceExhausted
 from .models.kv_cache import KVArena
-from .models.target import FeatureNeeds, PrefillJob, TargetModel
+from .models.prefill import FeatureNeeds, PrefillJob, finish_together
+from .models.target import TargetModel
 from .output import GenerationOutput, OutputProcessor
 from .prefix_cache import PrefixCache, PrefixEntry
 from .request import Request
@@ -140,6 +141,12 @@ class ModelRunner:
         return PrefillJob(self.target, request.inputs, request.slot.cache, request.needs,
                           prefix=entry.prefix if entry is not None else None,
                           chunk_tokens=self.config.prefill_chunk_tokens, embeds=embeds)
+
+    def finish_prefills(self, requests: list[Request]) -> None:
+        """The short rests of these requests' prefills (a question after a cached video) in one
+        forward (prefill.finish_together). Each request's embeddings are made already
+        (PrefillJob.embed). A failure fails them all, as a failed decode step fails its batch."""
+        finish_together([request.job for request in requests])
 
     def start_decoding(self, request: Request) -> int:
         """After the prefill: keep the video's prefix for later questions, draw the first

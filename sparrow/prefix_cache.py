@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .models.target import VideoPrefix
+from .models.prefill import VideoPrefix
 from .video import ProcessedVideo
 
 

@@ -13,7 +13,7 @@ import torch
 from .config import SamplingParams
 from .metrics import SpecMetrics
 from .models.kv_cache import KVSlot
-from .models.target import FeatureNeeds, PrefillJob, TargetState
+from .models.prefill import FeatureNeeds, PrefillJob, TargetState
 from .output import OutputProcessor
 from .prefix_cache import PrefixEntry
 from .speculative.proposer import DraftState

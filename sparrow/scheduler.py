@@ -79,11 +79,13 @@ class Scheduler:
         self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
         self._fresh_s_per_token = 0.0                # a first slice's seconds per position, last measured
         # Counters for operators and tests: decode steps, the largest batch, requests that had
-        # to wait for KV memory, prefill slices run; requests that ended (abort, deadline) before
-        # their preparation began, while it ran (stopped at the next packet, or before the
-        # patchify), or after its last check (the patchify or prompt build then wasted).
+        # to wait for KV memory, prefill slices run, prefills finished in a shared forward (with
+        # others); requests that ended (abort, deadline) before their preparation began, while it
+        # ran (stopped at the next packet, or before the patchify), or after its last check (the
+        # patchify or prompt build then wasted).
         self.stats = {"steps": 0, "max_batch": 0, "waited_for_memory": 0, "prefill_slices": 0, "tasks": 0,
-                      "ended_before_prepare": 0, "ended_while_preparing": 0, "prepared_dead": 0}
+                      "prefills_together": 0, "ended_before_prepare": 0, "ended_while_preparing": 0,
+                      "prepared_dead": 0}
 
     # ----- submission (any thread) ---------------------------------------------------------------
     def submit(self, video, prompt: str, sampling: SamplingParams, options, video_key: str | None,
@@ -265,6 +267,9 @@ class Scheduler:
             limit = max(16, int(cfg.prefill_slice_s / per_token)) if per_token else FIRST_SLICE
         elif per_token:                          # alone: longer slices, still short enough for a newcomer
             limit = max(16, int(ALONE_SLICES * cfg.prefill_slice_s / per_token))
+        if request.job.short:
+            self._finish_short(request, limit)
+            return
         if limit is not None and request.prefill_last_slice:
             limit = min(limit, SLICE_GROWTH * request.prefill_last_slice)
         start, first = request.job.cursor, not request.prefill_last_slice
@@ -286,13 +291,64 @@ class Scheduler:
         self.stats["prefill_slices"] += 1
         if done:
             self._prefilling.remove(request)
+            self._start_decoding(request)
+
+    def _finish_short(self, first: Request, limit: int | None) -> None:
+        """`first`'s prefill is short (at most TOGETHER_ROWS positions left: a question after a
+        cached video): it finishes in one forward with every other short prefill (fewest positions
+        first) that fits in about one slice's positions (`limit`; None: no bound), as decode
+        steps batch requests; the forward is paced as one slice."""
+        group, rows = [first], first.job.remaining
+        for other in sorted(self._prefilling, key=lambda r: r.job.remaining):
+            n = other.job.remaining
+            if other is not first and other.job.short and not other.aborted.is_set() \
+                    and (limit is None or rows + n <= limit):
+                group.append(other)
+                rows += n
+        ready = []
+        for request in group:               # each one's embeddings first: its error is its own
             try:
-                first = self.runner.start_decoding(request)
-            except Exception as exc:  # noqa: BLE001
+                request.job.embed()
+            except Exception as exc:  # noqa: BLE001 - this request's inputs, not the engine's
+                self._prefilling.remove(request)
                 self._finish(request, error=exc)
-                return
-            self._running.append(request)
-            self._emit(request, [first])
+            else:
+                ready.append(request)
+        if not ready:
+            return
+        fresh = [not r.prefill_last_slice for r in ready]
+        t0 = time.perf_counter()
+        try:
+            self.runner.finish_prefills(ready)
+        except Exception as exc:  # noqa: BLE001 - the shared forward failed: every request in it
+            for request in ready:
+                self._prefilling.remove(request)
+                self._finish(request, error=exc)
+            return
+        spent = time.perf_counter() - t0
+        cfg, per_token = self.config, spent / rows
+        for request in ready:
+            request.prefill_last_slice = max(1, request.job.end - request.job.start)
+            request.metrics.prefill_seconds += per_token * request.prefill_last_slice
+            request.prefill_s_per_token = per_token
+        if any(fresh):
+            self._fresh_s_per_token = per_token
+        self._next_slice_at = time.perf_counter() + spent * (1 - cfg.prefill_share) / cfg.prefill_share
+        self.stats["prefill_slices"] += 1
+        self.stats["prefills_together"] += len(ready) if len(ready) > 1 else 0
+        for request in ready:
+            self._prefilling.remove(request)
+            self._start_decoding(request)
+
+    def _start_decoding(self, request: Request) -> None:
+        """A request's prefill is done: its first token, and it joins the decode batch."""
+        try:
+            first = self.runner.start_decoding(request)
+        except Exception as exc:  # noqa: BLE001
+            self._finish(request, error=exc)
+            return
+        self._running.append(request)
+        self._emit(request, [first])
 
     def _next_prefill(self) -> Request:
         """The prefill whose slice runs next: fewest positions left (ties: the oldest), unless

@@ -14,7 +14,7 @@ import sparrow.models.draft as draft_module
 from sparrow import Engine
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.models.draft import SparrowDraft
-from sparrow.models.target import FeatureNeeds
+from sparrow.models.prefill import FeatureNeeds
 from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer
 from sparrow.speculative.proposer import DraftState, Proposal
 from sparrow.speculative.sampling import new_generator

@@ -355,7 +355,7 @@ def test_target_tree_verify_with_each_verify_kernel(qwen_target, small_video, ke
     the kernel == HF greedy."""
     if kernel == "triton" and not HAS_TRITON:
         pytest.skip(str(TRITON_SKIP))
-    from sparrow.models.target import TargetState
+    from sparrow.models.prefill import TargetState
     from sparrow.models.kv_cache import new_kv_cache
     from sparrow.speculative.tree import DraftTree
 

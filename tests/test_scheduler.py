@@ -286,6 +286,12 @@ class _StubPrefill:
     def __init__(self, positions: int, clock: list, chunk: int = 2048):
         self.end, self.cursor, self.clock, self.chunk = positions, 0, clock, chunk
 
+    short = False                   # never finished with others (finish_together)
+
+    @property
+    def remaining(self):
+        return self.end - self.cursor
+
     def step(self, limit=None):
         n = min(limit or self.chunk, self.chunk, self.end - self.cursor)
         self.clock[0] += n * (60e-6 + 55e-9 * (self.cursor + n / 2))

@@ -1,6 +1,7 @@
 """Target and draft models."""
 
 from .draft import DraftConfig, SparrowDraft
-from .target import PrefillOutput, TargetModel, TargetState
+from .prefill import PrefillOutput, TargetState
+from .target import TargetModel
 
 __all__ = ["TargetModel", "TargetState", "PrefillOutput", "SparrowDraft", "DraftConfig"]

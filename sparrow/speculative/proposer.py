@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..config import SamplingParams
-from ..models.target import FeatureNeeds, PrefillOutput
+from ..models.prefill import FeatureNeeds, PrefillOutput
 from .accept import AcceptResult
 from .sampling import PositionNoise
 from .tree import DraftTree

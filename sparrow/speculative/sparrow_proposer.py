@@ -16,7 +16,7 @@ from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.draft import DraftKV, DraftSegment, SparrowDraft
 from ..models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftRunner
-from ..models.target import FeatureNeeds
+from ..models.prefill import FeatureNeeds
 from ..window import PAD_POS
 from .glimpse import select_glimpse, text_to_visual_attention
 from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult

@@ -48,7 +48,8 @@ from transformers.cache_utils import Cache
 from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.kv_cache import new_kv_cache
-from ..models.target import FeatureNeeds, PrefillOutput, TargetModel
+from ..models.prefill import FeatureNeeds, PrefillOutput
+from ..models.target import TargetModel
 from .glimpse import text_to_visual_attention
 from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
 from .prune import prune_budget, prune_visual
