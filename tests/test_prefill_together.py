@@ -114,21 +114,3 @@ def test_questions_admitted_together_prefill_in_one_forward_and_equal_their_solo
     assert scheduler.stats["prefills_together"] - before["prefills_together"] == len(jobs)
     assert scheduler.stats["prefill_slices"] - before["prefill_slices"] == 1      # one forward for all five
 
-
-def test_a_question_after_a_cached_prefix_gets_the_whole_prompts_positions(any_target):
-    """After a video prefix the text's positions come from the prefix's rope delta, not a
-    rope index over the whole prompt: they equal the whole prompt's (Qwen's 3-axis positions
-    compress the video, so the delta is not 0)."""
-    target = any_target
-    video = prepare_video(synthetic_frames(4, 56, 56, seed=3), target.processor, VideoOptions())
-    prefix = target.prefill_prefix(target.build_inputs(video, QUESTIONS[0]))
-    assert prefix.rope_delta is not None
-    for question in QUESTIONS:
-        inputs = target.build_inputs(video, question)
-        whole, delta = target.family.prefill_positions(target.hf, inputs)
-        n = inputs["input_ids"].shape[1]
-        job = PrefillJob(target, inputs, new_kv_cache("static", target.num_layers, n), FeatureNeeds(), prefix=prefix)
-        assert job.rope_delta == delta
-        assert torch.equal(job.positions(prefix.length, n), whole[..., prefix.length:n])
-    if target.family.model_type == "qwen2_5_vl":
-        assert delta != 0

@@ -181,23 +181,15 @@ class PrefillJob:
         self.target, self.inputs, self.kv, self.needs = target, inputs, kv, needs
         self.ids = inputs["input_ids"][0]
         self.end = self.ids.shape[0] if end is None else end
+        self.position_ids, self.rope_delta = target.family.prefill_positions(target.hf, inputs)  # pure, no pixels
         self.cursor = 0
         if prefix is not None:
             if not prefix.matches(self.ids, target.video_token_id):
                 raise ValueError("this video prefix was prefilled for a different prompt start")
             self.cursor = prefix.load_into(kv)
             time_shift = prefix.time_shift      # a live window's text sits later in time
-        # position_ids cover prompt positions [_pos_from, T): after a video prefix whose rope
-        # delta is known, only the text's (no rope index over the whole prompt); else all.
-        if prefix is not None and prefix.rope_delta is not None:
-            self.rope_delta, self._pos_from = prefix.rope_delta, self.cursor
-            self.position_ids = target.family.step_positions(self.cursor, self.ids.shape[0] - self.cursor,
-                                                             self.rope_delta)
-        else:
-            self.position_ids, self.rope_delta = target.family.prefill_positions(target.hf, inputs)  # pure
-            self._pos_from = 0
         if time_shift:
-            self.position_ids = target.family.shift_time(self.position_ids, self.cursor - self._pos_from, time_shift)
+            self.position_ids = target.family.shift_time(self.position_ids, self.cursor, time_shift)
         self.time_shift = time_shift
         self.start = self.cursor
         self.collector = FeatureCollector(self.ids, target.video_token_id, needs, prefix)
@@ -222,13 +214,9 @@ class PrefillJob:
         target = self.target
         a, b = self._span(max_tokens)
         out = target.hf(inputs_embeds=self._embeds[:, a - self.start: b - self.start],
-                        position_ids=self.positions(a, b).to(target.device), past_key_values=self.kv,
+                        position_ids=self.position_ids[..., a:b].to(target.device), past_key_values=self.kv,
                         use_cache=True, output_hidden_states=self.needs.hidden, logits_to_keep=1)
         return self._took(b, out.hidden_states, out.logits[0, -1])
-
-    def positions(self, a: int, b: int) -> torch.Tensor:
-        """The position ids of prompt positions [a, b) (a >= the prefix's end, if any)."""
-        return self.position_ids[..., a - self._pos_from: b - self._pos_from]
 
     @property
     def short(self) -> bool:
@@ -274,10 +262,7 @@ class PrefillJob:
         video_pos = torch.nonzero(self.ids == self.target.video_token_id).view(-1)
         if video_pos.numel() == 0:
             raise InvalidRequest("the prompt holds no video tokens")
-        prefix = self.collector.prefix(self.kv, int(video_pos[-1]) + 1)
-        if not self.time_shift:              # the text after it continues at i + rope_delta
-            prefix.rope_delta = self.rope_delta
-        return prefix
+        return self.collector.prefix(self.kv, int(video_pos[-1]) + 1)
 
 
 # A prefill whose rest is at most this many positions (a question after a cached video) runs
@@ -306,7 +291,7 @@ def finish_together(jobs: list[PrefillJob]) -> None:
         segments.append(RaggedSegment(job.kv, row, row + b - a))
         row += b - a
     embeds = torch.cat([job._embeds[:, a - job.start: b - job.start] for job, (a, b) in zip(jobs, spans)], dim=1)
-    positions = torch.cat([job.positions(a, b) for job, (a, b) in zip(jobs, spans)], dim=-1)
+    positions = torch.cat([job.position_ids[..., a:b] for job, (a, b) in zip(jobs, spans)], dim=-1)
     hidden = any(job.needs.hidden for job in jobs)
     batch = RaggedBatch(segments, target.step_kernel())
     last = torch.tensor([seg.end - 1 for seg in segments], device=target.device)
@@ -334,9 +319,6 @@ class VideoPrefix:
     # A live window (sparrow/live_window.py) whose oldest frames were evicted: the text after it sits
     # this much later on the temporal rope axis, as the text before it was re-positioned.
     time_shift: int = 0
-    # Text after the prefix sits at sequence index i + rope_delta (PrefillJob: no rope index over
-    # the whole prompt to compute for a question); None: not known (computed from the prompt).
-    rope_delta: int | None = None
 
     @property
     def length(self) -> int:
