@@ -78,13 +78,15 @@ def draft_level(dims, w, tokens, hidden, q_pos, live, allowed, slots, pos, pinne
     return tuple(out)
 
 
-def greedy_chain(dims, w, hidden, q_pos, live, allowed, slots, pos, pinned, keys, values, emitted=None):
-    """draft_compile.greedy_chain by the kernel."""
+def greedy_chain(dims, w, hidden, q_pos, live, allowed, slots, pos, pinned, keys, values, emitted=None,
+                 seeded=None):
+    """draft_compile.greedy_chain by the kernel (seeded rows drawn by their noise, as chain_pick)."""
     e = [] if emitted is None else [t.contiguous() for t in emitted]
+    s = [] if seeded is None else [t.contiguous() for t in seeded]
     out, start = EXTENSION.module.greedy_chain(dims.heads, dims.kv_heads, dims.head_dim, dims.eps, dims.window,
                                                PAD_POS, _flat(w), hidden.contiguous(), q_pos.contiguous(),
                                                live.contiguous(), allowed, slots.contiguous(), pos, pinned, keys,
-                                               values, e)
+                                               values, e, s)
     return out, start
 
 

@@ -21,7 +21,7 @@ from sparrow.kernels import draft_chain
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models.draft_compile import COMPILE_SECONDS, DraftRunner
 from sparrow.speculative.proposer import DraftRequest, StepResult
-from sparrow.speculative.sampling import new_generator
+from sparrow.speculative.sampling import PositionNoise, new_generator
 from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer
 from sparrow.tiny import tiny_draft
 from sparrow.window import window_mask
@@ -61,10 +61,11 @@ def _fields(spec: SpecConfig) -> dict:
 
 
 def run_steps(draft, spec: SpecConfig, ks: list[int], sampling: SamplingParams, steps: int = 4,
-              compiled: bool = True) -> dict[str, list]:
+              compiled: bool = True, noise: bool = True) -> dict[str, list]:
     """Each path begins the same contexts, then `steps` times proposes for the whole batch and
     commits the same emitted tokens (the reference's first draft token, if any, + a random bonus),
-    so the caches grow, slide and evict alike, then proposes once more. Returns each path's
+    so the caches grow, slide and evict alike, then proposes once more. A seeded request draws
+    by its position noise, as in the engine (noise=False: by its generator). Returns each path's
     proposals, step by step."""
     paths = proposers(draft, spec, compiled)
     states = {name: [p.begin_context(c, 40) for c in contexts(draft, spec.glimpse)] for name, p in paths.items()}
@@ -72,7 +73,9 @@ def run_steps(draft, spec: SpecConfig, ks: list[int], sampling: SamplingParams, 
     out = {name: [] for name in paths}
     for step in range(steps + 1):
         for name, p in paths.items():
-            batch = [DraftRequest(s, k, sampling, new_generator(100 + i)) for i, (s, k) in enumerate(zip(states[name], ks))]
+            batch = [DraftRequest(s, k, sampling, new_generator(100 + i),
+                                  noise=PositionNoise(sampling.seed + step) if noise and sampling.replayable else None)
+                     for i, (s, k) in enumerate(zip(states[name], ks))]
             out[name].append(p.propose(batch))
         if step == steps:           # (a static greedy chain runs the last commit: after it, all have)
             break
@@ -87,7 +90,9 @@ def run_steps(draft, spec: SpecConfig, ks: list[int], sampling: SamplingParams, 
     return out
 
 
-def assert_same(out: dict[str, list], exact_probs: bool = False) -> None:
+def assert_same(out: dict[str, list], exact_probs: bool = False, seeded: bool = False) -> None:
+    """Every path's proposals equal the reference's. seeded: a path may carry no draft probabilities
+    (a seeded chain's one call: acceptance of a seeded request reads its noise, not q)."""
     ref = out["reference"]
     for name, steps in out.items():
         for step, (got, want) in enumerate(zip(steps, ref)):
@@ -98,7 +103,7 @@ def assert_same(out: dict[str, list], exact_probs: bool = False) -> None:
                 if b.parents is not None:
                     assert torch.equal(a.parents, b.parents) and torch.equal(a.draw, b.draw), where
                 torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=1e-5, msg=where)
-                if b.probs is not None:
+                if b.probs is not None and not (seeded and a.probs is None):
                     torch.testing.assert_close(a.probs, b.probs, atol=1e-6, rtol=1e-5, msg=where)
 
 
@@ -138,10 +143,13 @@ def test_greedy_chains_compiled_equal_reference(draft, caplog):
 
 def test_sampled_chains_and_narrow_trees_compiled_equal_reference(draft):
     """T=1 with seeded generators (the same draws from numerically the same q), and trees of
-    width 1 x branch 2 at T=0 and T=1: level by level, through one compiled draft_level."""
-    run_steps(draft, SPEC, [4, 1, 1], SamplingParams(temperature=1.0, seed=0), steps=1)    # compiled, if no test did yet
+    width 1 x branch 2 at T=0 and T=1: level by level, through one compiled draft_level. With
+    position noise (a seeded request in the engine) the static levels run the chain in one call
+    (chain_pick: no q), and the compiled levels still level by level (their graphs have no noise)."""
+    run_steps(draft, SPEC, [4, 1, 1], SamplingParams(temperature=1.0, seed=0), steps=1, noise=False)  # compiled
     graphs = counters["stats"]["unique_graphs"]
-    assert_same(run_steps(draft, SPEC, [4, 3, 1], SamplingParams(temperature=1.0, seed=3)))
+    assert_same(run_steps(draft, SPEC, [4, 3, 1], SamplingParams(temperature=1.0, seed=3), noise=False))
+    assert_same(run_steps(draft, SPEC, [4, 3, 1], SamplingParams(temperature=1.0, seed=3)), seeded=True)
     narrow = SpecConfig(**{**_fields(SPEC), "tree_branch": 2})
     assert_same(run_steps(draft, narrow, [4, 3, 2], SamplingParams()))
     assert_same(run_steps(draft, narrow, [3, 4, 2], SamplingParams(temperature=0.7, seed=2), steps=3))

@@ -100,6 +100,31 @@ def test_a_greedy_chain_equals_torchs_function(draft, kernel):
         torch.testing.assert_close(a, b, **FP32)
 
 
+def test_a_seeded_chain_equals_torchs_function(draft, kernel):
+    """Rows drawn by their seeded noise (temperature 1 and 0.7, a negative seed) beside a
+    greedy one: the kernel picks the tokens torch's reference does (chain_pick: Gumbel-max over
+    log softmax(logits / T) under sampling.gumbel_noise), scores within float tolerance; and the
+    seeded rows really drew (not the greedy chain's tokens everywhere)."""
+    runner, batch = _batch(draft, 1, False, 0)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(batch.bucket, 1, draft.config.hidden_size, generator=g)
+    pad = batch.bucket - 3
+    seeded = draft_compile.Seeded(torch.tensor([0.0, 1.0, 0.7] + [0.0] * pad, dtype=torch.float64),
+                                  torch.tensor([0, 5, -3] + [0] * pad), torch.tensor([0, 11, 2] + [0] * pad))
+    outs = []
+    for fn, how in ((draft_compile.greedy_chain, seeded), (draft_chain.greedy_chain, seeded),
+                    (draft_chain.greedy_chain, None)):
+        keys, values, pos = _clone(batch)
+        outs.append(fn(runner.dims, batch.weights, hidden, batch.q_pos, batch.live, batch.allowed,
+                       batch.level_slots, pos, batch.pinned, keys, values, batch.emitted, how)[0])
+    want, got, greedy = outs
+    levels = batch.q_pos.shape[0] + 1
+    assert torch.equal(got[:, :levels], want[:, :levels])                         # tokens
+    torch.testing.assert_close(got[:, levels:-1], want[:, levels:-1], atol=1e-4, rtol=1e-5)
+    assert torch.equal(got[0], greedy[0])                                         # the greedy row
+    assert not torch.equal(got[1:3, :levels], greedy[1:3, :levels])              # the seeded rows drew
+
+
 @pytest.mark.parametrize("rows,tree", [(1, False), (3, True)])
 def test_a_level_equals_torchs_function(draft, kernel, rows, tree):
     """One level of a chain, and of a tree of three rows under an ancestor rule (each row sees
@@ -181,14 +206,22 @@ def test_a_requests_start_through_the_kernel_equals_torchs(draft, kernel, monkey
 
 def test_proposals_through_the_kernel_equal_the_reference(draft, calls):
     """What test_draft_compiled checks for torch's static levels, through the kernel: greedy
-    chains (their commits in the chain's call), seeded sampling, narrow and wide trees."""
+    chains (their commits in the chain's call), seeded chains (one call a step too), narrow and
+    wide trees (seeded sampling in the wide one)."""
     assert_same(run_steps(draft, STATIC, [4, 2, 3], SamplingParams(), compiled=False))
-    assert_same(run_steps(draft, STATIC, [4, 3, 1], SamplingParams(temperature=1.0, seed=3), compiled=False))
+    calls.clear()
+    assert_same(run_steps(draft, STATIC, [4, 3, 1], SamplingParams(temperature=1.0, seed=3), compiled=False),
+                seeded=True)
+    assert "greedy_chain" in calls and "draft_level" not in calls        # seeded chains: one call a step
+    calls.clear()
+    assert_same(run_steps(draft, STATIC, [4, 3, 1], SamplingParams(temperature=1.0, seed=3), compiled=False,
+                          noise=False))
+    assert "draft_level" in calls and "greedy_chain" not in calls        # drawn by a generator: by level
     narrow = SpecConfig(**{**_fields(STATIC), "tree_branch": 2})
     assert_same(run_steps(draft, narrow, [4, 3, 2], SamplingParams(), compiled=False))
     wide = SpecConfig(**{**_fields(STATIC), "tree_width": 2, "tree_branch": 2, "tree_budget": 7})
     assert_same(run_steps(draft, wide, [3, 4, 2], SamplingParams(temperature=0.8, seed=1), steps=3, compiled=False))
-    assert "greedy_chain" in calls and "draft_level" in calls
+    assert "draft_level" in calls and "greedy_chain" not in calls        # trees: by level
 
 
 def test_engine_greedy_through_the_kernel_is_the_targets(qwen_target, draft, small_video, calls):

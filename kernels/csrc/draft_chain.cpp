@@ -272,6 +272,41 @@ void logits_top(const Net& n, const float* x, int64_t rows, float* logits, float
   }
 }
 
+// speculative/sampling.py's seeded noise, bit for bit in the integers: splitmix64's finalizer,
+// the key of (seed, output position), and a token's standard Gumbel draw under it.
+uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+float gumbel(uint64_t key, int64_t token) {
+  const uint64_t bits = mix64(key * 0xBF58476D1CE4E5B9ULL + static_cast<uint64_t>(token));
+  const double u = (static_cast<double>(bits >> 11) + 0.5) * 0x1p-53;
+  return static_cast<float>(-std::log(-std::log(u)));
+}
+
+// A seeded request's draw from the draft's q = softmax(logits / temperature): Gumbel-max under its
+// noise at this output position (PositionNoise.pick), and log q of the token drawn.
+void pick_seeded(const float* l, int64_t vocab, double temperature, uint64_t seed, int64_t position,
+                 int64_t* token, float* logp) {
+  const float t = static_cast<float>(temperature);
+  const uint64_t key = mix64(seed ^ mix64(static_cast<uint64_t>(position)));
+  float top = -std::numeric_limits<float>::infinity(), best = top;
+  int64_t arg = 0;
+  for (int64_t v = 0; v < vocab; ++v) {
+    const float s = l[v] / t;
+    top = std::max(top, s);
+    const float z = s + gumbel(key, v);
+    if (z > best) best = z, arg = v;
+  }
+  double sum = 0.0;
+  for (int64_t v = 0; v < vocab; ++v) sum += std::exp(static_cast<double>(l[v] / t - top));
+  *token = arg;
+  *logp = static_cast<float>(static_cast<double>(l[arg] / t - top) - std::log(sum));
+}
+
 const int64_t* i64(const Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(),
               "native draft: ", what, " must be a contiguous int64 CPU tensor");
@@ -304,16 +339,37 @@ std::vector<Tensor> draft_level(int64_t hq, int64_t hkv, int64_t d, double eps, 
 }
 
 // draft_compile.greedy_chain: hidden (B, 1, H); q_pos (L, B); live (L, B, 1); slots (L, 1); emitted: empty,
-// or (tokens (B, M), features (B, M, F), pos (B, M), last (B,), slots (M,)); pad_pos: PAD_POS.
+// or (tokens (B, M), features (B, M, F), pos (B, M), last (B,), slots (M,)); pad_pos: PAD_POS; seeded:
+// empty, or (temperature (B,) float64, seed (B,) int64, position (B,) int64): a row with a temperature
+// > 0 draws each pick j of its chain by its seeded noise at output position position + j (pick_seeded).
 // Returns (B, 2 (L + 1) + 1) float64 (tokens, cumulative log-probabilities, most keys seen) and the
 // output the chains started from (B, 1, H).
 std::vector<Tensor> greedy_chain(int64_t hq, int64_t hkv, int64_t d, double eps, int64_t window, int64_t pad_pos,
                                  const TensorList& w, const Tensor& hidden, const Tensor& q_pos, const Tensor& live,
                                  const Tensor& allowed, const Tensor& slots, Tensor pos, const Tensor& pinned,
-                                 TensorList keys, TensorList values, const TensorList& emitted) {
+                                 TensorList keys, TensorList values, const TensorList& emitted,
+                                 const TensorList& seeded) {
   const Net n = make_net(w, hq, hkv, d, eps, window);
   Batch bt = make_batch(pos, pinned, &allowed, keys, values, pos.size(1));
   const int64_t b = hidden.size(0), h = n.hidden, levels = q_pos.size(0), width = 2 * (levels + 1) + 1;
+  const double* temps = nullptr;
+  const int64_t *seeds = nullptr, *positions = nullptr;
+  if (!seeded.empty()) {
+    TORCH_CHECK(seeded[0].scalar_type() == at::kDouble && seeded[0].is_contiguous() && seeded[0].numel() == b,
+                "native draft: seeded temperatures must be a contiguous (B,) float64 tensor");
+    TORCH_CHECK(seeded[1].numel() == b && seeded[2].numel() == b, "native draft: seeded needs (B,) seeds and positions");
+    temps = seeded[0].data_ptr<double>();
+    seeds = i64(seeded[1], "seeds");
+    positions = i64(seeded[2], "positions");
+  }
+  // pick j of every row: the top token, or a seeded row's draw (replacing the top one logits_top found)
+  auto pick = [&](const float* logits, float* logp, int64_t* token, int64_t j) {
+    if (temps == nullptr) return;
+    for (int64_t i = 0; i < b; ++i)
+      if (temps[i] > 0.0)
+        pick_seeded(logits + i * n.vocab, n.vocab, temps[i], static_cast<uint64_t>(seeds[i]), positions[i] + j,
+                    token + i, logp + i);
+  };
   Tensor start = hidden.clone();
   float* x = start.data_ptr<float>();
   std::vector<int64_t> most(b, 0);
@@ -344,6 +400,7 @@ std::vector<Tensor> greedy_chain(int64_t hq, int64_t hkv, int64_t d, double eps,
   std::vector<int64_t> token(b), seen(b);
   std::vector<double> score(b);
   logits_top(n, cur.data(), b, logits.data(), logp.data(), token.data());
+  pick(logits.data(), logp.data(), token.data(), 0);
   for (int64_t i = 0; i < b; ++i) {
     score[i] = logp[i];
     res[i * width] = static_cast<double>(token[i]);
@@ -356,6 +413,7 @@ std::vector<Tensor> greedy_chain(int64_t hq, int64_t hkv, int64_t d, double eps,
     embed_rows(n, token.data(), cur.data(), b, next.data());
     layers(n, bt, 1, next.data(), qp + level * b, lv + level * b, sl + level, seen.data());
     logits_top(n, next.data(), b, logits.data(), logp.data(), token.data());
+    pick(logits.data(), logp.data(), token.data(), level + 1);
     std::swap(cur, next);
     for (int64_t i = 0; i < b; ++i) {
       score[i] += static_cast<double>(logp[i]);
@@ -492,7 +550,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a call runs: a server's other threads (gRPC, request preparation) go on
   const auto free = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("draft_level", &draft_level, "one draft level (draft_compile.draft_level)", free);
-  m.def("greedy_chain", &greedy_chain, "a greedy chain of levels (draft_compile.greedy_chain)", free);
+  m.def("greedy_chain", &greedy_chain, "a chain of levels, greedy or seeded (draft_compile.greedy_chain)", free);
   m.def("entries", &entries, "one request's new entries through the layers (SparrowDraft.forward_entries)", free);
   m.def("gather", &gather, "the requests' draft caches into a batch's buffers (DraftRunner.gather)", free);
   m.def("scatter", &scatter, "a batch's emitted entries appended to the requests' draft caches", free);

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from ..speculative.sampling import gumbel_noise
 from ..window import PAD_POS, window_mask
 from .attention import get_backend
 from .draft import DraftKV, SparrowDraft, apply_rope, rope_frequencies, rope_tables
@@ -189,11 +190,13 @@ class Emitted(NamedTuple):
 def greedy_chain(dims: Dims, w: StepWeights, hidden: torch.Tensor, q_pos: torch.Tensor, live: torch.Tensor,
                  allowed: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, pinned: torch.Tensor,
                  keys: list[torch.Tensor], values: list[torch.Tensor],
-                 emitted: Emitted | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole chain at T=0 for B requests: the top token of the draft's output hidden (B, 1, H),
+                 emitted: Emitted | None = None, seeded: Seeded | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole chain for B requests: the top token of the draft's output hidden (B, 1, H),
     then L levels, each feeding the token just picked (draft_level), picking the next. With
     `emitted`, first the entries the last steps emitted run through the layers (what a commit
     computes), and a request with any starts from its last one's output instead of hidden.
+    With `seeded`, a row with a temperature > 0 draws its picks instead, as a seeded request's
+    draft does (chain_pick).
 
     q_pos (L, B), live (L, B, 1), slots (L, 1): each level's (see draft_layers); the rest as there.
     Returns (B, 2 (L + 1) + 1) float64, everything a propose reads, in one tensor: per request
@@ -208,17 +211,44 @@ def greedy_chain(dims: Dims, w: StepWeights, hidden: torch.Tensor, q_pos: torch.
         at = x.gather(1, emitted.last[:, None, None].expand(-1, 1, x.shape[-1]))      # (B, 1, H)
         hidden = torch.where(real.any(1)[:, None, None], at, hidden)
         seen.append(keys_seen.amax(1, keepdim=True))
-    top = torch.topk(torch.log_softmax(draft_logits(dims, w, hidden).float(), -1), 1)
-    token, logp = top.indices[..., 0], top.values[..., 0]                              # (B, 1)
+    token, logp = chain_pick(draft_logits(dims, w, hidden), seeded, 0)                  # (B, 1)
     tokens, scores, start = [token], [logp.double()], hidden
     for level in range(q_pos.shape[0]):
-        hidden, _, logp, token, keys_seen = draft_level(dims, w, token, hidden, q_pos[level], live[level], allowed,
-                                                        slots[level], pos, pinned, keys, values)
+        hidden, logits, logp, token, keys_seen = draft_level(dims, w, token, hidden, q_pos[level], live[level],
+                                                             allowed, slots[level], pos, pinned, keys, values)
+        if seeded is not None:
+            token, logp = chain_pick(logits, seeded, level + 1)
         tokens.append(token)
         scores.append(scores[-1] + logp.double())
         seen.append(keys_seen)
     most = torch.stack(seen).amax(0) if seen else torch.zeros_like(token)               # (B, 1)
     return torch.cat([torch.cat(tokens, 1).double(), torch.cat(scores, 1), most.double()], 1), start
+
+
+class Seeded(NamedTuple):
+    """A chain's seeded draws: per row the request's temperature (0: greedy), seed and the output
+    position of its first pick (float64, int64, int64 (B,))."""
+    temperature: torch.Tensor
+    seed: torch.Tensor
+    position: torch.Tensor
+
+
+def chain_pick(logits: torch.Tensor, seeded: Seeded | None, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick j of every row of logits (B, 1, V): the top token and its log-probability; a seeded
+    row draws from q = softmax(logits / temperature) by Gumbel-max under its noise at output
+    position + j (what PositionNoise.pick draws from the same q), with log q of the draw. The
+    reference of the kernel's seeded picks: a row at a time, on the host."""
+    top = torch.topk(torch.log_softmax(logits.float(), -1), 1)
+    token, logp = top.indices[..., 0], top.values[..., 0]                              # (B, 1)
+    if seeded is None:
+        return token, logp
+    token, logp = token.clone(), logp.clone()
+    for i in torch.nonzero(seeded.temperature > 0).view(-1).tolist():
+        lq = torch.log_softmax(logits[i, 0].float() / float(seeded.temperature[i]), -1)
+        at = seeded.position[i: i + 1] + j
+        t = int(torch.argmax(lq + gumbel_noise(int(seeded.seed[i]), at, lq.shape[-1])[0]))
+        token[i, 0], logp[i, 0] = t, lq[t]
+    return token, logp
 
 
 # Compiled levels, kept for the process: one per shape (bucket, rows, slots, dims, dtype,
@@ -442,12 +472,16 @@ class DraftRunner:
         batch.seen.append(out[-1])
         return out[:-1]
 
-    def greedy_chains(self, batch: DraftBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def greedy_chains(self, batch: DraftBatch, hidden: torch.Tensor,
+                      seeded: Seeded | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """greedy_chain over the batch's emitted rows (if any) and levels from the draft outputs
-        hidden (Bb, 1, H): (Bb, 2 (L + 1) + 1), and the outputs the chains started from (Bb, 1, H)."""
+        hidden (Bb, 1, H): (Bb, 2 (L + 1) + 1), and the outputs the chains started from (Bb, 1, H).
+        seeded (rows drawn by their seeded noise): not with compiled steps (their graphs have none)."""
+        if seeded is not None and self.compiled:
+            raise ValueError("compiled chains are greedy: a seeded chain runs the kernel's or torch's levels")
         return self._run(greedy_chain, batch, (self.dims, batch.weights, hidden, batch.q_pos, batch.live,
                                                batch.allowed, batch.level_slots, batch.pos, batch.pinned,
-                                               batch.keys, batch.values, batch.emitted))
+                                               batch.keys, batch.values, batch.emitted, seeded))
 
     def _run(self, fn: Callable, batch: DraftBatch, args: tuple):
         if not self.compiled:

@@ -57,6 +57,11 @@ class PositionNoise:
     def __init__(self, seed: int):
         self.seed, self.position = seed, 0
 
+    @property
+    def seed_bits(self) -> int:
+        """The seed's 64 bits as an int64 (what gumbel_noise keys by; a kernel's uint64 reads the same bits)."""
+        return _signed(self.seed & _MASK64)
+
     def scores(self, probs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """(n, V) probabilities of the tokens at offsets (n,) -> log p + Gumbel: the token is their argmax."""
         positions = offsets.to(probs.device, torch.int64) + self.position

@@ -15,7 +15,7 @@ import torch
 from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.draft import DraftKV, DraftSegment, SparrowDraft
-from ..models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftRunner
+from ..models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftRunner, Seeded
 from ..models.prefill import FeatureNeeds
 from ..window import PAD_POS
 from .glimpse import select_glimpse, text_to_visual_attention
@@ -259,9 +259,10 @@ class SparrowProposer:
         one packed pass per level; each sees the request's context and its own ancestors.
 
         With a static runner (SpecConfig.draft_step), the levels run over the batch's keys
-        gathered once (models.draft_compile); chains at T=0 then read the host once."""
+        gathered once (models.draft_compile); chains that are greedy or seeded (`_one_call`)
+        then run in one call and read the host once."""
         run = self._gather(batch)
-        if run is not None and self.is_chain and all(r.sampling.greedy for r in batch):
+        if run is not None and self._one_call(batch):
             return self._greedy_chains(batch, run)
         trees = [TreeGrowth(r, self.spec) for r in batch]
         frontier = [[Node(-1, r.state.last_hidden, 0.0)] for r in batch]       # the root
@@ -308,7 +309,7 @@ class SparrowProposer:
             self._flush(states)
             return None
         levels = max(r.k for r in batch) - 1
-        greedy_chains = self.is_chain and all(r.sampling.greedy for r in batch)
+        greedy_chains = self._one_call(batch)
         if greedy_chains:
             lengths = _chain_lengths(batch, self.spec)
             levels = max(lengths) - 1
@@ -329,13 +330,33 @@ class SparrowProposer:
                                          for i, r in enumerate(batch)] for d in range(1, levels + 1)],
                                   emitted if along else None)
 
+    def _one_call(self, batch: list[DraftRequest]) -> bool:
+        """Whether the batch's chains run as one greedy_chain call: chains, each greedy or seeded
+        with the request's plain tempered distribution as the draft's q (no top-k / top-p, no
+        draft_mass cut: the call draws from softmax(logits / T)), seeded ones not compiled."""
+        spec = self.spec
+        plain_q = spec.draft_mass >= 1.0 and spec.draft_max_candidates == 0
+        return self.is_chain and all(
+            r.sampling.greedy or (r.noise is not None and plain_q and r.sampling.top_k == 0 and r.sampling.top_p >= 1.0
+                                  and not self.runner.compiled)
+            for r in batch)
+
     def _greedy_chains(self, batch: list[DraftRequest], run: DraftBatch) -> list[Proposal]:
-        """Chains at T=0 over a static batch: one call (models.draft_compile.greedy_chain) picks
-        every level's token on the device and feeds it back; one host read at the end."""
+        """Chains over a static batch: one call (models.draft_compile.greedy_chain) picks every
+        level's token on the device (a seeded request's by its noise, as TreeGrowth would draw
+        it) and feeds it back; one host read at the end."""
         n, bb, width = len(batch), run.bucket, run.q_pos.shape[0] + 1
         last = [r.state.last_hidden for r in batch]
         hidden = torch.stack(last + [torch.zeros_like(last[0])] * (bb - n))[:, None]     # (Bb, 1, H)
-        host, start = self.runner.greedy_chains(run, hidden)
+        seeded = None
+        if not all(r.sampling.greedy for r in batch):
+            pad = [0] * (bb - n)
+            sampled = [not r.sampling.greedy for r in batch]
+            seeded = Seeded(torch.tensor([r.sampling.temperature if s else 0.0 for r, s in zip(batch, sampled)] + pad,
+                                         dtype=torch.float64),
+                            torch.tensor([r.noise.seed_bits if s else 0 for r, s in zip(batch, sampled)] + pad),
+                            torch.tensor([r.noise.position if s else 0 for r, s in zip(batch, sampled)] + pad))
+        host, start = self.runner.greedy_chains(run, hidden, seeded)
         host = host[:n].tolist()     # tokens | scores | keys seen
         if run.emitted is not None:
             self._keep_emitted(run, [r.state for r in batch], start)
