@@ -316,7 +316,9 @@ class Scheduler:
                 ready.append(request)
         if not ready:
             return
-        fresh = [not r.prefill_last_slice for r in ready]
+        fresh = any(not r.prefill_last_slice for r in ready)
+        positions = {r.id: r.job.remaining for r in ready}
+        rows = sum(positions.values())
         t0 = time.perf_counter()
         try:
             self.runner.finish_prefills(ready)
@@ -328,10 +330,10 @@ class Scheduler:
         spent = time.perf_counter() - t0
         cfg, per_token = self.config, spent / rows
         for request in ready:
-            request.prefill_last_slice = max(1, request.job.end - request.job.start)
-            request.metrics.prefill_seconds += per_token * request.prefill_last_slice
+            request.prefill_last_slice = max(1, positions[request.id])
+            request.metrics.prefill_seconds += per_token * positions[request.id]
             request.prefill_s_per_token = per_token
-        if any(fresh):
+        if fresh:
             self._fresh_s_per_token = per_token
         self._next_slice_at = time.perf_counter() + spent * (1 - cfg.prefill_share) / cfg.prefill_share
         self.stats["prefill_slices"] += 1
