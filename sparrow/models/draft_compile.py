@@ -245,7 +245,7 @@ def chain_pick(logits: torch.Tensor, seeded: Seeded | None, j: int) -> tuple[tor
     token, logp = token.clone(), logp.clone()
     for i in torch.nonzero(seeded.temperature > 0).view(-1).tolist():
         lq = torch.log_softmax(logits[i, 0].float() / float(seeded.temperature[i]), -1)
-        at = seeded.position[i: i + 1] + j
+        at = (seeded.position[i: i + 1] + j).to(lq.device)       # the noise is made where the logits are
         t = int(torch.argmax(lq + gumbel_noise(int(seeded.seed[i]), at, lq.shape[-1])[0]))
         token[i, 0], logp[i, 0] = t, lq[t]
     return token, logp

@@ -263,7 +263,7 @@ class SparrowProposer:
         then run in one call and read the host once."""
         run = self._gather(batch)
         if run is not None and self._one_call(batch):
-            return self._greedy_chains(batch, run)
+            return self._chains(batch, run)
         trees = [TreeGrowth(r, self.spec) for r in batch]
         frontier = [[Node(-1, r.state.last_hidden, 0.0)] for r in batch]       # the root
         for depth in range(1, max((r.k for r in batch), default=0) + 1):
@@ -302,15 +302,16 @@ class SparrowProposer:
         """The batch's keys in the static runner's buffers, or None: no runner, or the batch
         does not fit its shapes (the reference path runs it). Compiled greedy chains always run
         num_draft_tokens - 1 levels (one shape a bucket; a shorter chain's rows are padding).
-        Greedy chains take the requests' pending commits along (their entries run first, in
-        the same call); any other propose runs them alone first (`_flush`)."""
+        Chains in one call (`_one_call`: greedy or seeded) take the requests' pending commits
+        along (their entries run first, in the same call); any other propose runs them alone
+        first (`_flush`)."""
         states = [r.state for r in batch]
         if self.runner is None or not batch:
             self._flush(states)
             return None
         levels = max(r.k for r in batch) - 1
-        greedy_chains = self._one_call(batch)
-        if greedy_chains:
+        one_call = self._one_call(batch)
+        if one_call:
             lengths = _chain_lengths(batch, self.spec)
             levels = max(lengths) - 1
             if self.runner.compiled and levels >= 1:
@@ -318,7 +319,7 @@ class SparrowProposer:
         else:
             lengths = [levels + 1] * len(batch)
         kvs = [s.kv for s in states]
-        along = greedy_chains and levels >= 1 and self.runner.fits(kvs, levels, emitted=True) and \
+        along = one_call and levels >= 1 and self.runner.fits(kvs, levels, emitted=True) and \
             max(len(s.pending) for s in states) <= self.runner.emitted_rows
         if not along:
             self._flush(states)
@@ -341,7 +342,7 @@ class SparrowProposer:
                                   and not self.runner.compiled)
             for r in batch)
 
-    def _greedy_chains(self, batch: list[DraftRequest], run: DraftBatch) -> list[Proposal]:
+    def _chains(self, batch: list[DraftRequest], run: DraftBatch) -> list[Proposal]:
         """Chains over a static batch: one call (models.draft_compile.greedy_chain) picks every
         level's token on the device (a seeded request's by its noise, as TreeGrowth would draw
         it) and feeds it back; one host read at the end."""
@@ -349,13 +350,11 @@ class SparrowProposer:
         last = [r.state.last_hidden for r in batch]
         hidden = torch.stack(last + [torch.zeros_like(last[0])] * (bb - n))[:, None]     # (Bb, 1, H)
         seeded = None
-        if not all(r.sampling.greedy for r in batch):
-            pad = [0] * (bb - n)
-            sampled = [not r.sampling.greedy for r in batch]
-            seeded = Seeded(torch.tensor([r.sampling.temperature if s else 0.0 for r, s in zip(batch, sampled)] + pad,
-                                         dtype=torch.float64),
-                            torch.tensor([r.noise.seed_bits if s else 0 for r, s in zip(batch, sampled)] + pad),
-                            torch.tensor([r.noise.position if s else 0 for r, s in zip(batch, sampled)] + pad))
+        if not all(r.sampling.greedy for r in batch):      # per row (temperature, seed, position); greedy: T 0
+            rows = [(0.0, 0, 0) if r.sampling.greedy else (r.sampling.temperature, r.noise.seed_bits, r.noise.position)
+                    for r in batch] + [(0.0, 0, 0)] * (bb - n)
+            temps, seeds, positions = zip(*rows)
+            seeded = Seeded(torch.tensor(temps, dtype=torch.float64), torch.tensor(seeds), torch.tensor(positions))
         host, start = self.runner.greedy_chains(run, hidden, seeded)
         host = host[:n].tolist()     # tokens | scores | keys seen
         if run.emitted is not None:
