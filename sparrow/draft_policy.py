@@ -36,15 +36,23 @@ class DraftPolicy:
     length, drafts less or not at all), and keeps the best. So drafting stops where it cannot pay: a
     failing draft, a big batch, a slow verify.
 
-    While the cost model cannot yet tell a row's cost from the step's at the batch's cached
-    length (a long video after short ones is new ground), and now and then after
-    (the model asks: `wants_sample`), a step drafts a depth chosen to teach it: the deepest
-    and half of it in turn at first (a plain step would teach as much and emit fewer tokens),
-    then each depth in turn. Requests whose k is pinned (an
-    explicit k) always get their own k.
+    While the cost model cannot yet tell a row's cost, drafting's and the step's apart at the
+    batch's cached length (a long video after short ones is new ground), and now and then after
+    (the model asks: `wants_sample`), a step drafts a depth chosen to teach it: the deepest,
+    half of it and none in turn at first (a verify step is not a decode step plus rows: at 25k
+    on this CPU it costs ~2 ms more before its first row, step_costs.py), then each depth in
+    turn. A request's price for drafting k is k rows plus that jump once (k > 0). Requests
+    whose k is pinned (an explicit k) always get their own k.
+
+    The engine's acceptance weighs as PRIOR_WEIGHT of a request's own events at first and less
+    as the request's own drafting steps come in (PRIOR_STEPS): at a fixed weight, against a
+    request's own record that fades by RECENT, a request whose every draft failed for 28 steps
+    still expected ~0.4 a token from its engine's four good videos before, and drafted 3-4 deep
+    (0.66-0.82x plain on that 25k video).
     """
 
-    PRIOR_WEIGHT = 3.0         # the engine's acceptance counts as this many of a request's own events
+    PRIOR_WEIGHT = 3.0         # the engine's acceptance counts as this many of a request's own events ...
+    PRIOR_STEPS = 4.0          # ... at first: after this many drafting steps of its own, half as many
     PROBE_ALPHA = 2 / 3        # what a request with no record of its own is worth at least
     DECAY = 0.99               # per drafting step, on the engine's acceptance counts
     RECENT = 0.7               # per drafting step, on a request's own (a memory of ~3 steps)
@@ -66,7 +74,7 @@ class DraftPolicy:
     def alpha(self, request: Request) -> float:
         """Per-token acceptance: accepted / (accepted + rejections), the engine's as a prior;
         with no record of its own, at least PROBE_ALPHA."""
-        w = self.PRIOR_WEIGHT
+        w = self.PRIOR_WEIGHT * self.PRIOR_STEPS / (self.PRIOR_STEPS + request.drafted)
         if request.accepted + request.rejected == 0:
             return max(self.engine_alpha, self.PROBE_ALPHA)
         return (request.accepted + w * self.engine_alpha) / (request.accepted + request.rejected + w)
@@ -80,14 +88,18 @@ class DraftPolicy:
         token); the first position's is the request's alpha scaled by how the engine's first
         drafts fared against what its per-token rate predicts (passed / (reached x engine
         alpha), with PRIOR_WEIGHT steps of 1:1 as a prior: a failing engine's 0 / 0 is no
-        evidence that a request's own good record overstates its first draft)."""
+        evidence that a request's own good record overstates its first draft). A later
+        position's chance is lowered by the request's alpha over the engine's where that is
+        below 1: the engine's chances come from ~100 steps (DECAY), mostly other videos', and a
+        request whose draft fails on its video rarely reaches a later position to correct them
+        (simulated: after four good 25k videos, one at an alpha of 0.3 kept drafting 4 deep)."""
         alpha, engine, w = self.alpha(request), self.engine_alpha, self.PRIOR_WEIGHT
         out, reach = [1.0], 1.0
         for j, (reached, passed) in enumerate(zip(self.reached, self.passed)):
             if j == 0:      # first drafts passed against what the per-token rate predicts, w of 1:1 as a prior
                 chance = alpha * (passed + w) / (reached * engine + w)
-            else:
-                chance = (passed + w * alpha) / (reached + w)
+            else:           # the engine's chance, lowered as far as this request's draft fares below the engine's
+                chance = (passed + w * alpha) / (reached + w) * min(1.0, alpha / engine)
             reach *= min(0.999, chance)
             out.append(out[-1] + reach)
         return out
@@ -100,16 +112,17 @@ class DraftPolicy:
         ctx = [r.context for r in batch]
         if self.costs.wants_sample(next(self._steps), ctx):
             n = next(self._samples)
-            # new ground: two drafting depths in turn (both emit tokens; the fit is linear in rows)
-            k = (self.k_max if n % 2 == 0 else self.k_max // 2) if not self.costs.ready(ctx) else n % (self.k_max + 1)
+            # new ground: the deepest, half of it and none in turn (what a row costs, and a drafting step over a plain one)
+            k = (self.k_max, self.k_max // 2, 0)[n % 3] if not self.costs.ready(ctx) else n % (self.k_max + 1)
             return [min(c, k) if i in free else c for i, c in enumerate(caps)]
         return self._best(batch, caps, free)
 
     def _best(self, batch: list[Request], caps: list[int], free: list[int]) -> list[int]:
         ctx = [r.context for r in batch]
         gain = [self.expected_tokens(r) for r in batch]          # tokens by k, per request
-        # a row more, at each request's own length (the verify model is linear in rows)
-        row = {i: self.costs.verify_s([2], [ctx[i]]) - self.costs.verify_s([1], [ctx[i]]) for i in free}
+        # at each request's own length: a drafted row, and drafting at all (a verify over a decode step)
+        row = {i: self.costs.verify_s([3], [ctx[i]]) - self.costs.verify_s([2], [ctx[i]]) for i in free}
+        jump = {i: self.costs.verify_s([2], [ctx[i]]) - self.costs.verify_s([1], [ctx[i]]) - row[i] for i in free}
         best, best_rate = None, -1.0
         for depth in range(self.k_max + 1):
             ks = [min(c, depth) if i in free else c for i, c in enumerate(caps)]
@@ -119,11 +132,12 @@ class DraftPolicy:
                          for g, k, r in zip(gain, ks, batch))
             verify_s = self.costs.verify_s(rows, ctx)
             for i in free:           # each request's own k, the others held; a request that stops drafting
-                base_t, base_s = tokens - gain[i][ks[i]], verify_s - row[i] * ks[i]     # spares the draft its rows
+                own = (lambda k: row[i] * k + jump[i] * (k > 0))         # spares the step its rows and the draft
+                base_t, base_s = tokens - gain[i][ks[i]], verify_s - own(ks[i])
                 others = drafting - (ks[i] > 0)
                 ks[i] = max(range(ks[i] + 1), key=lambda k: (base_t + gain[i][k]) / max(
-                    base_s + row[i] * k + self.costs.draft_s(deepest, others + (k > 0)), 1e-12))
-                tokens, verify_s = base_t + gain[i][ks[i]], base_s + row[i] * ks[i]
+                    base_s + own(k) + self.costs.draft_s(deepest, others + (k > 0)), 1e-12))
+                tokens, verify_s = base_t + gain[i][ks[i]], base_s + own(ks[i])
                 drafting = others + (ks[i] > 0)
             rate = tokens / max(verify_s + self.costs.draft_s(max(ks), drafting), 1e-12)
             if rate > best_rate:
@@ -131,13 +145,14 @@ class DraftPolicy:
         return best
 
     def linear_costs(self, batch: list[Request]) -> tuple[float, float] | None:
-        """The batch's step as a + b * (draft nodes verified): a plain step's verify time and
+        """A drafting step of the batch as a + b * (draft nodes verified): its verify time with
+        no node (the line through its drafting steps, which a decode step does not lie on) and
         the mean cost of one more row (for TreeTrim); None until the model is ready."""
         ctx = [r.context for r in batch]
         if not self.costs.ready(ctx):
             return None
-        plain = self.costs.verify_s([1] * len(batch), ctx)
-        return plain, (self.costs.verify_s([2] * len(batch), ctx) - plain) / len(batch)
+        one, two = self.costs.verify_s([2] * len(batch), ctx), self.costs.verify_s([3] * len(batch), ctx)
+        return 2 * one - two, (two - one) / len(batch)
 
     def record(self, batch: list[Request], rows: list[int], verify_s: float, depth: int, draft_s: float,
                ks: list[int], accepted: list[int]) -> None:
@@ -146,6 +161,7 @@ class DraftPolicy:
         self.costs.record(rows, [r.context for r in batch], verify_s, depth, draft_s)
         for request, k, n in zip(batch, ks, accepted):
             if k > 0:
+                request.drafted += 1
                 request.accepted = self.RECENT * request.accepted + n
                 request.rejected = self.RECENT * request.rejected + (n < k)
                 self.accepted = self.DECAY * self.accepted + n

@@ -5,48 +5,77 @@ A step verifies rows_r = 1 + drafts_r tokens for each request r of the batch, wh
 cache holds ctx_r tokens. Its verify time is fitted as
 
     verify = a + b * sum_r rows_r + e * sum_r ctx_r / 1000 + c * sum_r rows_r * ctx_r / 1000
+               + j * (requests with rows_r > 1)
 
 (a: the step's fixed cost; b: a row through the MLPs and the head; e: reading a request's
 cached keys, once a step for all its rows (the packed verify, kernels/packed.py); c: a row's
 own attention work over those keys, which on a CPU at 25k tokens is a large share of a step and
-on a GPU near nothing), and the draft's time for a step of depth k with n drafting requests as
-d0 + d1 * k + d2 * k * (n - 1) (the batch's levels run in one call; measured at 0.5k with eager
-static steps, k = 4: ~1.2 ms for one request, ~2.8 ms for eight; fitted as one line in k, a
-batch of eight was priced as one). Both are least squares over the last samples, coefficients
-kept >= 0; until a step with several drafting requests is measured, d2 is 0. The verify fit is local in the cached length: a
-sample's weight falls with how far its mean cached length is from the step's, by octaves
-(LOCALITY), because one line does not hold across lengths (below ~8k keys the CPU verify runs
-one masked call, above it the packed split, kernels/packed.py; fitted globally, the 0.5k and
-25k samples made a 25k row look twice as dear as it is, and the default engine stopped
-drafting where drafting paid). The model is ready at a length once the samples near it
-(within NEAR octaves) have two step sizes: the 0.5k samples of one video say nothing of a row
-at 25k (fitted from them, a 25k row looked 7 ms dear where it costs ~1 ms, and the default
-engine stopped drafting on the next long video). The first step of each size (rows in all) in
-each octave of cached length, and of each draft depth, is not a sample: it pays one-time costs
-(kernels chosen or loaded, buffers allocated for a new shape) that can be several times a warm
-step's. Measured: the first 25k steps after 0.5k ones took 54.5 ms (5 rows: the CPU prefix
-kernel loads on its first long cache), 17.7 ms (3 rows) and 14.5 ms (1 row) where warm ones
-take ~14, ~12 and ~10; taken as samples, the first priced a 25k row at 8 ms, and the default
-engine drafted nothing on that video or the next two (tau 1.00-1.38 where fixed k had 4.6).
-So a new length costs four exploring steps, not two. Nor is a step OUTLIER times slower than the fit
-predicts, nor a draft OUTLIER times dearer than the step's verify (a compile of a new draft
-shape - its greedy chain and its sampled level compile at different steps -, a pause). The model says when it needs a sample it cannot get
-from the steps the policy would choose anyway (`wants_sample`): until it can tell a row's
-cost from the step's, and now and then so that a change of load is noticed.
+on a GPU near nothing; j: what verifying several rows costs over a decode step's one, paid once
+a request: a decode step attends by one SDPA call, a verify by the packed split, with its
+log-sum-exp merge. Measured at 25k (benchmarks.verify_cost): 1 / 2 / 3 / 5 rows 10.5 / 13.1 /
+13.8 / 15.0 ms, a jump of ~2 ms and then ~0.6 ms a row; a line through the 3- and 5-row steps
+alone put a decode step 2 ms too dear, and drafting paid on paper where it did not). The draft's
+time for a step of depth k with n drafting requests is d0 + d1 * k + d2 * k * (n - 1) (the
+batch's levels run in one call; measured at 0.5k with eager static steps, k = 4: ~1.2 ms for one
+request, ~2.8 ms for eight), least squares over the last samples; until a step with several
+drafting requests is measured, d2 is 0. Every coefficient is kept >= 0.
+
+The verify fit is in two stages, because this box's speed drifts: a plain 25k step took 10 ms
+in one video and 15-20 ms in the next. Fitted on raw samples, the drift leaked into the row
+terms: at 25k a drafting policy takes almost only 5-row steps, so a row's cost rested on two or
+three 3-row ones; from a slow stretch their slope came out negative, the fit priced a row at
+0 ms where it cost ~1 ms, and the default engine drafted 4 deep at an acceptance of 0.3 (0.66-
+0.82x plain on that video); from another stretch a row cost 2-3 ms and drafting stopped where
+it paid. So the terms that differ between steps of one batch (b, c, j) are fitted on the
+differences between consecutive steps (`pairs`: PAIR_GAP apart at most, the same number of
+requests at about the same length, their rows different), where a slow drift cancels (a spike,
+one step 7 ms slow, does not: the pairs are fitted by least absolute deviations), and (a, e) on what those
+leave of the samples, the recent ones (RECENT_HALF_LIFE) weighing most.
+
+The fit is local in the cached length: a sample's weight falls with how far its mean cached
+length is from the step's, by octaves (LOCALITY), because one line does not hold across lengths
+(below ~8k keys the CPU verify runs one masked call, above it the packed split; fitted
+globally, the 0.5k and 25k samples made a 25k row look twice as dear as it is, and the default
+engine stopped drafting where drafting paid). The model is ready at a length once, near it
+(within NEAR octaves), two consecutive drafting steps differ in rows and a drafting step follows
+a decode step or the other way round (b apart from j): the 0.5k samples of
+one video say nothing of a row at 25k (fitted from them, a 25k row looked 7 ms dear where it
+costs ~1 ms, and the default engine stopped drafting on the next long video). The first step of
+each size (rows in all) in each octave of cached length, and of each draft depth, is not a
+sample: it pays one-time costs (kernels chosen or loaded, buffers allocated for a new shape)
+that can be several times a warm step's. Measured: the first 25k steps after 0.5k ones took
+54.5 ms (5 rows: the CPU prefix kernel loads on its first long cache), 17.7 ms (3 rows) and
+14.5 ms (1 row) where warm ones take ~14, ~12 and ~10; taken as samples, the first priced a
+25k row at 8 ms, and the default engine drafted nothing on that video or the next two (tau
+1.00-1.38 where fixed k had 4.6). So a new length costs six exploring steps, not three. Nor is a
+step OUTLIER times slower than the fit predicts, nor a draft OUTLIER times dearer than the
+step's verify (a compile of a new draft shape - its greedy chain and its sampled level compile
+at different steps -, a pause). The model says when it needs a sample it cannot get from the
+steps the policy would choose anyway (`wants_sample`): until it can tell a row's cost from the
+step's, and now and then so that a change of load is noticed.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Protocol, Sequence
 
 import numpy as np
 
-WINDOW = 64            # samples kept per fit
+WINDOW = 64            # samples (and pairs) kept per fit
 NEAR = 1.0             # octaves of cached length within which samples make the model ready there
 LOCALITY = 0.5         # a verify sample d octaves of cached length away weighs 1 / (1 + (d / LOCALITY)^2)
 OUTLIER = 5.0          # a sample this many times the fit's prediction is a one-off, not a cost
 RESAMPLE_EVERY = 50    # steps between samples taken only to keep the fit current
+PAIR_GAP = 1.0         # seconds between two steps' ends within which their difference is a sample
+PAIR_OCTAVES = 0.1     # ... and how far apart their mean cached lengths may be (the same batch, a few tokens on)
+RECENT_HALF_LIFE = 16  # samples over which a sample's weight in the fixed costs (a, e) halves
+ROBUST_PASSES = 8      # reweighted passes of the least-deviations fit of the pairs
+
+# a sample: rows, ctx / 1000, rows x ctx / 1000, drafting requests, log2 of the mean cached length, requests, s
+ROWS, KILO, ATTENTION, DRAFTING, OCTAVES, REQUESTS, SECONDS = range(7)
+STEP = [ROWS, ATTENTION, DRAFTING]        # the terms two steps of one batch differ by (b, c, j)
 
 
 class CostModel(Protocol):
@@ -82,26 +111,32 @@ class MeasuredCosts:
     """The default CostModel: fitted from the steps this engine ran."""
 
     def __init__(self, window: int = WINDOW, resample_every: int = RESAMPLE_EVERY):
-        # verify: (rows, ctx / 1000, rows x ctx / 1000, log2 of the mean cached length, seconds)
-        self.verify_samples: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)
+        self.verify_samples: deque[tuple[float, ...]] = deque(maxlen=window)     # (ROWS .. SECONDS)
+        # consecutive samples' differences where their rows differ (OCTAVES: their mean)
+        self.pairs: deque[tuple[float, ...]] = deque(maxlen=window)
         self.draft_samples: deque[tuple[float, float, float]] = deque(maxlen=window)    # (depth, requests, s)
         self.resample_every = resample_every
-        self._verify: dict[int, np.ndarray] = {}      # half-octave of cached length -> (a, b, e, c), lazily
+        self._verify: dict[int, np.ndarray] = {}      # half-octave of cached length -> (a, b, e, c, j), lazily
+        self._steps: dict[int, np.ndarray] = {}       # ... -> (b, c, j): refitted when a pair comes
         self._draft: tuple[float, float, float] | None = None
         self._seen_rows: set[tuple[int, int]] = set()   # (rows in all, octave of cached length) run once (warm)
         self._seen_depths: set[int] = set()
+        self._last: tuple[tuple[float, ...], float] | None = None     # the last sample, and when it was recorded
 
     def ready(self, contexts: Sequence[int] | None = None) -> bool:
-        """A row's cost and the step's are apart: two step sizes sampled (near this length)."""
+        """A row's cost, drafting's and the step's are apart: near this length two consecutive
+        drafting steps differ in rows, and a drafting step follows a decode step or precedes one."""
         near = _octaves(contexts) if contexts is not None else None
-        return len({s[0] for s in self.verify_samples if near is None or abs(s[3] - near) <= NEAR}) >= 2
+        told = {p[DRAFTING] != 0 for p in self.pairs if near is None or abs(p[OCTAVES] - near) <= NEAR}
+        return told == {True, False}
 
     def wants_sample(self, step: int, contexts: Sequence[int] | None = None) -> bool:
         return not self.ready(contexts) or step % self.resample_every == self.resample_every - 1
 
     def verify_s(self, rows: Sequence[int], contexts: Sequence[int]) -> float:
-        a, b, e, c = self._fit_verify(_octaves(contexts))
-        return float(a + b * sum(rows) + e * sum(contexts) / 1000.0 + c * _attention(rows, contexts))
+        a, b, e, c, j = self._fit_verify(_octaves(contexts))
+        drafting = sum(r > 1 for r in rows)
+        return float(a + b * sum(rows) + e * sum(contexts) / 1000.0 + c * _attention(rows, contexts) + j * drafting)
 
     def draft_s(self, depth: int, requests: int = 1) -> float:
         """A draft step `depth` deep for `requests` drafting requests."""
@@ -115,9 +150,21 @@ class MeasuredCosts:
         total, octaves = int(sum(rows)), _octaves(contexts)
         size = (total, round(octaves))
         if size in self._seen_rows and not (self.ready(contexts) and verify_s > OUTLIER * self.verify_s(rows, contexts)):
-            self.verify_samples.append((float(total), sum(contexts) / 1000.0, _attention(rows, contexts), octaves,
-                                        float(verify_s)))
+            sample = (float(total), sum(contexts) / 1000.0, _attention(rows, contexts), float(sum(r > 1 for r in rows)),
+                      octaves, float(len(rows)), float(verify_s))
+            now = time.monotonic()
+            last = self._last[0] if self._last is not None and now - self._last[1] <= PAIR_GAP else None
+            if (last is not None and last[REQUESTS] == sample[REQUESTS]
+                    and abs(last[OCTAVES] - sample[OCTAVES]) <= PAIR_OCTAVES):
+                diff = tuple(s - t for s, t in zip(sample, last))
+                if diff[ROWS] != 0:
+                    self.pairs.append(diff[:OCTAVES] + ((sample[OCTAVES] + last[OCTAVES]) / 2,) + diff[REQUESTS:])
+                    self._steps.clear()
+            self.verify_samples.append(sample)
+            self._last = (sample, now)
             self._verify.clear()
+        else:
+            self._last = None          # a step that is no sample breaks the run of consecutive ones
         self._seen_rows.add(size)
         if depth > 0:
             # a draft step is never OUTLIER x dearer than its own fit or than the step's verify
@@ -130,14 +177,22 @@ class MeasuredCosts:
             self._seen_depths.add(depth)
 
     def _fit_verify(self, octaves: float) -> np.ndarray:
-        """(a, b, e, c) weighted towards samples near `octaves` (log2 of the step's mean cached
-        length); kept per half-octave. Callers check `ready` first."""
+        """(a, b, e, c, j) weighted towards samples near `octaves` (log2 of the step's mean
+        cached length). Kept per half-octave; callers check `ready` first."""
         key = round(2 * octaves)
         if key not in self._verify:
+            at = key / 2
+            if key not in self._steps:
+                pairs = np.array(self.pairs)
+                w = np.sqrt(_locality(pairs[:, OCTAVES], at))
+                self._steps[key] = _least_deviations(pairs[:, STEP] * w[:, None], pairs[:, SECONDS] * w)
+            step = self._steps[key]
+            b, c, j = step
             data = np.array(self.verify_samples)
-            w = np.sqrt(1.0 / (1.0 + ((data[:, 3] - key / 2) / LOCALITY) ** 2))
-            x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]]) * w[:, None]
-            self._verify[key] = _nonnegative_lstsq(x, data[:, 4] * w)
+            weight = np.sqrt(_locality(data[:, OCTAVES], at) * 0.5 ** (np.arange(len(data))[::-1] / RECENT_HALF_LIFE))
+            rest = data[:, SECONDS] - data[:, STEP] @ step
+            a, e = _nonnegative_lstsq(np.column_stack([np.ones(len(data)), data[:, KILO]]) * weight[:, None], rest * weight)
+            self._verify[key] = np.array([a, b, e, c, j])
         return self._verify[key]
 
     def _fit_draft(self) -> tuple[float, float, float]:
@@ -155,6 +210,24 @@ class MeasuredCosts:
                 d0, d1, d2 = _nonnegative_lstsq(np.column_stack([np.ones(len(data)), depth, batch]), data[:, 2])
                 self._draft = (float(d0), float(d1), float(d2))
         return self._draft
+
+
+def _least_deviations(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Coefficients >= 0 that minimise the sum of |y - x @ coef| (least absolute deviations, by
+    reweighted least squares from the least-squares start): a spike's two pairs, 7 ms off, pull a
+    least-squares row cost below zero; here they weigh as what they are, two of the pairs."""
+    coef = _nonnegative_lstsq(x, y)
+    for _ in range(ROBUST_PASSES):
+        off = np.abs(y - x @ coef)
+        floor = max(1e-3 * float(np.median(off)), 1e-9)
+        w = 1.0 / np.sqrt(np.maximum(off, floor))
+        coef = _nonnegative_lstsq(x * w[:, None], y * w)
+    return coef
+
+
+def _locality(octaves: np.ndarray, at: float) -> np.ndarray:
+    """A sample's weight in the fit at `at` (log2 of a cached length), by its own length's distance."""
+    return 1.0 / (1.0 + ((octaves - at) / LOCALITY) ** 2)
 
 
 def _octaves(contexts: Sequence[int]) -> float:
