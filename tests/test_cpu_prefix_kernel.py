@@ -73,6 +73,8 @@ CASES = [  # heads, kv heads, dim, tokens, prefixes (one per batch row), tree
     (4, 2, 128, 4, [515], False),
     (4, 2, 32, 5, [700, 700, 700], True),      # batch > 1, one prefix length: one call for all rows
     (4, 2, 32, 9, [700, 33, 1500], False),     # batch > 1, ragged
+    (4, 2, 32, 1, [2500], False),              # a decode step: prefix and own key in one call
+    (8, 1, 64, 1, [700, 33, 1500], False),     # decode steps, ragged, GQA 8:1
 ]
 
 
@@ -85,7 +87,7 @@ def test_kernel_matches_the_reference(case, calls):
     assert calls and all(calls)
 
 
-@pytest.mark.parametrize("case", [1, 3, 7])
+@pytest.mark.parametrize("case", [1, 3, 7, 9])
 def test_kernel_bf16_cache(case, calls):
     """bf16 K/V (a bf16 cache): the kernel reads them as they are and computes in fp32, so it
     equals the reference on the same values upcast, within fp32 tolerance."""
