@@ -120,26 +120,40 @@ class DraftPolicy:
     def _best(self, batch: list[Request], caps: list[int], free: list[int]) -> list[int]:
         ctx = [r.context for r in batch]
         gain = [self.expected_tokens(r) for r in batch]          # tokens by k, per request
-        # at each request's own length: a drafted row, and drafting at all (a verify over a decode step)
-        row = {i: self.costs.verify_s([3], [ctx[i]]) - self.costs.verify_s([2], [ctx[i]]) for i in free}
-        jump = {i: self.costs.verify_s([2], [ctx[i]]) - self.costs.verify_s([1], [ctx[i]]) - row[i] for i in free}
+        # at each request's own length: a drafted row's cost, and drafting's at all (a verify over a
+        # decode step); the fit is per half-octave, so requests of one length share the three calls
+        by_length: dict[int, tuple[float, float]] = {}
+        prices: dict[int, tuple[float, float]] = {}               # request -> (row, jump)
+        for i in free:
+            key = round(2 * math.log2(max(1, ctx[i])))
+            if key not in by_length:
+                one, two, three = (self.costs.verify_s([r], [ctx[i]]) for r in (1, 2, 3))
+                by_length[key] = (three - two, two - one - (three - two))
+            prices[i] = by_length[key]
+        draft = {}                                                # (depth, drafting requests) -> seconds
+
+        def draft_s(depth: int, drafting: int) -> float:
+            if (depth, drafting) not in draft:
+                draft[depth, drafting] = self.costs.draft_s(depth, drafting)
+            return draft[depth, drafting]
+
         best, best_rate = None, -1.0
         for depth in range(self.k_max + 1):
             ks = [min(c, depth) if i in free else c for i, c in enumerate(caps)]
             deepest, drafting = max(ks), sum(k > 0 for k in ks)
-            rows = [k + 1 for k in ks]
             tokens = sum(g[k] if k < len(g) else _expected_tokens(self.alpha(r), k)     # a pinned k past k_max
                          for g, k, r in zip(gain, ks, batch))
-            verify_s = self.costs.verify_s(rows, ctx)
+            verify_s = self.costs.verify_s([k + 1 for k in ks], ctx)
             for i in free:           # each request's own k, the others held; a request that stops drafting
-                own = (lambda k: row[i] * k + jump[i] * (k > 0))         # spares the step its rows and the draft
-                base_t, base_s = tokens - gain[i][ks[i]], verify_s - own(ks[i])
+                row, jump = prices[i]                                  # spares the step its rows and the draft
+                base_t, base_s = tokens - gain[i][ks[i]], verify_s - row * ks[i] - jump * (ks[i] > 0)
                 others = drafting - (ks[i] > 0)
-                ks[i] = max(range(ks[i] + 1), key=lambda k: (base_t + gain[i][k]) / max(
-                    base_s + own(k) + self.costs.draft_s(deepest, others + (k > 0)), 1e-12))
-                tokens, verify_s = base_t + gain[i][ks[i]], base_s + own(ks[i])
+                rates = [(base_t + gain[i][k]) / max(base_s + row * k + jump * (k > 0) + draft_s(deepest, others + (k > 0)),
+                                                     1e-12) for k in range(ks[i] + 1)]
+                ks[i] = rates.index(max(rates))
+                tokens, verify_s = base_t + gain[i][ks[i]], base_s + row * ks[i] + jump * (ks[i] > 0)
                 drafting = others + (ks[i] > 0)
-            rate = tokens / max(verify_s + self.costs.draft_s(max(ks), drafting), 1e-12)
+            rate = tokens / max(verify_s + draft_s(max(ks), drafting), 1e-12)
             if rate > best_rate:
                 best, best_rate = ks, rate
         return best
