@@ -36,13 +36,17 @@ class DraftPolicy:
     length, drafts less or not at all), and keeps the best. So drafting stops where it cannot pay: a
     failing draft, a big batch, a slow verify.
 
-    While the cost model cannot yet tell a row's cost, drafting's and the step's apart at the
-    batch's cached length (a long video after short ones is new ground), and now and then after
-    (the model asks: `wants_sample`), a step drafts a depth chosen to teach it: the deepest,
-    half of it and none in turn at first (a verify step is not a decode step plus rows: at 25k
-    on this CPU it costs ~2 ms more before its first row, step_costs.py), then each depth in
-    turn. A request's price for drafting k is k rows plus that jump once (k > 0). Requests
-    whose k is pinned (an explicit k) always get their own k.
+    While the cost model cannot yet tell a row's cost from the step's at the batch's cached
+    length (a long video after short ones is new ground), and now and then after (the model
+    asks: `wants_sample`), a step drafts a depth chosen to teach it: the deepest and half of it
+    in turn at first, then each depth in turn. A request's price for drafting k is k rows plus,
+    once (k > 0), what a verify step costs over a decode step (at 25k on this CPU ~2 ms before
+    its first row, step_costs.py). Until that jump is measured at the length, the choice is
+    made again with drafting priced a whole decode step dearer: where that changes it (a draft
+    of middling acceptance), every other step is a decode step, which measures the jump beside
+    the drafting one before it (`jump_probes`); a good draft is not held up by it (measured: a
+    plain step in each new length's exploration cost the first 25k video ~1.5 of its ~5 steps'
+    tokens). Requests whose k is pinned (an explicit k) always get their own k.
 
     The engine's acceptance weighs as PRIOR_WEIGHT of a request's own events at first and less
     as the request's own drafting steps come in (PRIOR_STEPS): at a fixed weight, against a
@@ -62,6 +66,8 @@ class DraftPolicy:
         self.costs: CostModel = costs if costs is not None else MeasuredCosts()
         self._steps = itertools.count()
         self._samples = itertools.count()
+        self.jump_probes = 0               # decode steps taken to measure the jump (step_costs.knows_jump)
+        self._probe_turns = itertools.count()
         self.accepted, self.rejected = 2.0, 1.0       # the engine's, decayed (a weak prior of 2/3)
         # Per draft position j: steps that reached it (every earlier draft accepted) and that
         # accepted it, decayed; their ratio is the chance of j given j - 1 (expected_tokens).
@@ -112,23 +118,31 @@ class DraftPolicy:
         ctx = [r.context for r in batch]
         if self.costs.wants_sample(next(self._steps), ctx):
             n = next(self._samples)
-            # new ground: the deepest, half of it and none in turn (what a row costs, and a drafting step over a plain one)
-            k = (self.k_max, self.k_max // 2, 0)[n % 3] if not self.costs.ready(ctx) else n % (self.k_max + 1)
+            # new ground: two drafting depths in turn (both emit tokens)
+            k = (self.k_max if n % 2 == 0 else self.k_max // 2) if not self.costs.ready(ctx) else n % (self.k_max + 1)
             return [min(c, k) if i in free else c for i, c in enumerate(caps)]
-        return self._best(batch, caps, free)
+        ks = self._best(batch, caps, free)
+        if any(ks[i] for i in free) and not self.costs.knows_jump(ctx) and self._best(batch, caps, free, True) != ks:
+            # the unknown jump could change the choice: decode steps between drafting ones measure it
+            if next(self._probe_turns) % 2 == 0:
+                self.jump_probes += 1
+                return [0 if i in free else c for i, c in enumerate(caps)]
+        return ks
 
-    def _best(self, batch: list[Request], caps: list[int], free: list[int]) -> list[int]:
+    def _best(self, batch: list[Request], caps: list[int], free: list[int], dear_jump: bool = False) -> list[int]:
+        """The ks of the best expected rate; dear_jump: drafting priced at least a decode step more."""
         ctx = [r.context for r in batch]
         gain = [self.expected_tokens(r) for r in batch]          # tokens by k, per request
         # at each request's own length: a drafted row's cost, and drafting's at all (a verify over a
         # decode step); the fit is per half-octave, so requests of one length share the three calls
-        by_length: dict[int, tuple[float, float]] = {}
-        prices: dict[int, tuple[float, float]] = {}               # request -> (row, jump)
+        by_length: dict[int, tuple[float, float, float]] = {}
+        prices: dict[int, tuple[float, float, float]] = {}        # request -> (row, jump, the fitted jump)
         for i in free:
             key = round(2 * math.log2(max(1, ctx[i])))
             if key not in by_length:
                 one, two, three = (self.costs.verify_s([r], [ctx[i]]) for r in (1, 2, 3))
-                by_length[key] = (three - two, two - one - (three - two))
+                jump = two - one - (three - two)
+                by_length[key] = (three - two, max(jump, one) if dear_jump else jump, jump)
             prices[i] = by_length[key]
         draft = {}                                                # (depth, drafting requests) -> seconds
 
@@ -143,9 +157,10 @@ class DraftPolicy:
             deepest, drafting = max(ks), sum(k > 0 for k in ks)
             tokens = sum(g[k] if k < len(g) else _expected_tokens(self.alpha(r), k)     # a pinned k past k_max
                          for g, k, r in zip(gain, ks, batch))
-            verify_s = self.costs.verify_s([k + 1 for k in ks], ctx)
+            verify_s = self.costs.verify_s([k + 1 for k in ks], ctx) + sum(
+                prices[i][1] - prices[i][2] for i in free if ks[i] > 0)          # a dear jump over the fitted one
             for i in free:           # each request's own k, the others held; a request that stops drafting
-                row, jump = prices[i]                                  # spares the step its rows and the draft
+                row, jump, _ = prices[i]                               # spares the step its rows and the draft
                 base_t, base_s = tokens - gain[i][ks[i]], verify_s - row * ks[i] - jump * (ks[i] > 0)
                 others = drafting - (ks[i] > 0)
                 rates = [(base_t + gain[i][k]) / max(base_s + row * k + jump * (k > 0) + draft_s(deepest, others + (k > 0)),

@@ -37,8 +37,9 @@ length is from the step's, by octaves (LOCALITY), because one line does not hold
 (below ~8k keys the CPU verify runs one masked call, above it the packed split; fitted
 globally, the 0.5k and 25k samples made a 25k row look twice as dear as it is, and the default
 engine stopped drafting where drafting paid). The model is ready at a length once, near it
-(within NEAR octaves), two consecutive drafting steps differ in rows and a drafting step follows
-a decode step or the other way round (b apart from j): the 0.5k samples of
+(within NEAR octaves), two consecutive drafting steps differ in rows (`knows_jump`: a drafting
+step beside a decode step, for j; the policy takes a decode step to learn it only where the
+jump could change its choice): the 0.5k samples of
 one video say nothing of a row at 25k (fitted from them, a 25k row looked 7 ms dear where it
 costs ~1 ms, and the default engine stopped drafting on the next long video). The first step of
 each size (rows in all) in each octave of cached length, and of each draft depth, is not a
@@ -47,7 +48,7 @@ that can be several times a warm step's. Measured: the first 25k steps after 0.5
 54.5 ms (5 rows: the CPU prefix kernel loads on its first long cache), 17.7 ms (3 rows) and
 14.5 ms (1 row) where warm ones take ~14, ~12 and ~10; taken as samples, the first priced a
 25k row at 8 ms, and the default engine drafted nothing on that video or the next two (tau
-1.00-1.38 where fixed k had 4.6). So a new length costs six exploring steps, not three. Nor is a
+1.00-1.38 where fixed k had 4.6). So a new length costs four exploring steps, not two. Nor is a
 step OUTLIER times slower than the fit predicts, nor a draft OUTLIER times dearer than the
 step's verify (a compile of a new draft shape - its greedy chain and its sampled level compile
 at different steps -, a pause). The model says when it needs a sample it cannot get from the
@@ -82,6 +83,8 @@ class CostModel(Protocol):
     """Seconds a step would take; what the policy compares expected tokens against."""
 
     def ready(self, contexts: Sequence[int] | None = None) -> bool: ...
+
+    def knows_jump(self, contexts: Sequence[int]) -> bool: ...
 
     def wants_sample(self, step: int, contexts: Sequence[int] | None = None) -> bool: ...
 
@@ -124,11 +127,16 @@ class MeasuredCosts:
         self._last: tuple[tuple[float, ...], float] | None = None     # the last sample, and when it was recorded
 
     def ready(self, contexts: Sequence[int] | None = None) -> bool:
-        """A row's cost, drafting's and the step's are apart: near this length two consecutive
-        drafting steps differ in rows, and a drafting step follows a decode step or precedes one."""
+        """A row's cost and the step's are apart: near this length two consecutive drafting
+        steps differ in rows."""
         near = _octaves(contexts) if contexts is not None else None
-        told = {p[DRAFTING] != 0 for p in self.pairs if near is None or abs(p[OCTAVES] - near) <= NEAR}
-        return told == {True, False}
+        return any(p[DRAFTING] == 0 and (near is None or abs(p[OCTAVES] - near) <= NEAR) for p in self.pairs)
+
+    def knows_jump(self, contexts: Sequence[int]) -> bool:
+        """What drafting costs over a decode step (j) is measured near this length: a drafting
+        step followed a decode step there or preceded one (until then j is fitted as 0)."""
+        near = _octaves(contexts)
+        return any(p[DRAFTING] != 0 and abs(p[OCTAVES] - near) <= NEAR for p in self.pairs)
 
     def wants_sample(self, step: int, contexts: Sequence[int] | None = None) -> bool:
         return not self.ready(contexts) or step % self.resample_every == self.resample_every - 1

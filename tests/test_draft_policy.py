@@ -28,6 +28,9 @@ class StubCosts:
     def ready(self, contexts=None):
         return True
 
+    def knows_jump(self, contexts):
+        return True
+
     def wants_sample(self, step, contexts=None):
         return False
 
@@ -169,35 +172,44 @@ def test_verify_costs_are_fitted_near_the_steps_cached_length_and_one_offs_are_n
     assert costs.verify_s([5], [25_000]) == pytest.approx(0.014, rel=0.05)
 
 
-def test_until_the_costs_are_known_it_samples_three_depths_in_turn_at_each_length():
+def test_until_the_costs_are_known_it_samples_two_depths_in_turn_at_each_length():
     """The first step of each size at each length is a cold one (its cost is not a sample):
-    two of each, the deepest, half of it and none (a verify step is not a decode step plus rows:
-    at 25k a decode step costs 10.5 ms, a 2-row verify 13.1, each row more ~0.6). A much longer
-    video is new ground: what a row and drafting cost there is sampled again (two steps of each
-    size: its first ones pay one-time costs, such as a kernel loading) before the policy trusts
-    the fit (from 1k samples alone a 25k row would be priced by the 1k steps' slope; from the
-    cold 25k steps, ~8x too dear)."""
+    two of each, the deepest and half of it. A much longer video is new ground: what a row
+    costs there is sampled again (two steps of each size: its first ones pay one-time costs,
+    such as a kernel loading) before the policy trusts the fit (from 1k samples alone a 25k row
+    would be priced by the 1k steps' slope; from the cold 25k steps, ~8x too dear). What a
+    verify costs over a decode step before its first row (at 25k 10.5 ms against 13.1 for two
+    rows) needs a decode step beside a drafting one: a good draft drafts on without it, a
+    middling one takes decode steps until it is measured, then drafts by the measured costs."""
     policy = DraftPolicy(K, adaptive=True)
     batch = [request(0.9, 1000)]
-    verify = {K: 0.022, K // 2: 0.017, 0: 0.010}          # 1k: a decode step, a 2 ms jump, 2.5 ms a row
     for cold in (10.0, 1.0):
-        for k in (K, K // 2, 0):
-            assert not policy.costs.ready([1000]) and policy.choose(batch) == [k]
-            policy.record(batch, [k + 1], verify[k] * cold, k, 0.0005 * k * cold, [k], [k])
+        assert policy.choose(batch) == [K]
+        policy.record(batch, [K + 1], 0.022 * cold, K, 0.002 * cold, [K], [K])
+        assert policy.choose(batch) == [K // 2]
+        policy.record(batch, [K // 2 + 1], 0.017 * cold, K // 2, 0.001 * cold, [K // 2], [K // 2])
     assert policy.costs.ready([1000]) and policy.linear_costs(batch) == pytest.approx((0.012, 0.0025))
-    assert policy.costs.verify_s([1], [1000]) == pytest.approx(0.010)
-    assert policy.costs.draft_s(K) == pytest.approx(0.002)
+    assert policy.costs.draft_s(K) == pytest.approx(0.002) and not policy.costs.knows_jump([1000])
+    assert policy.choose(batch) == [K] and policy.jump_probes == 0        # drafting pays whatever the jump
     long = [request(0.9, 25_000)]
     assert not policy.costs.ready([25_000]) and policy.linear_costs(long) is None
-    cold_25k = {K: 0.0545, K // 2: 0.0177, 0: 0.0145}      # measured first steps; warm ones below
-    for first in (True, False):
-        for k, warm in ((K, 0.0145), (K // 2, 0.013), (0, 0.010)):
-            assert policy.choose(long) == [k]
-            policy.record(long, [k + 1], cold_25k[k] if first else warm, k, 0.0005 * k, [k], [k])
+    for first in (True, False):                 # measured: 54.5 and 17.7 ms first, then ~14.5 and ~13
+        assert policy.choose(long) == [K]
+        policy.record(long, [K + 1], 0.0545 if first else 0.0145, K, 0.002, [K], [K])
+        assert policy.choose(long) == [K // 2]
+        policy.record(long, [K // 2 + 1], 0.0177 if first else 0.013, K // 2, 0.001, [K // 2], [K // 2])
         assert policy.costs.ready([25_000]) is not first
     assert policy.linear_costs(long) == pytest.approx((0.0115, 0.00075), rel=0.05)      # not 1k's 0.0025
-    assert policy.costs.verify_s([1], [25_000]) == pytest.approx(0.010, rel=0.05)
-    assert policy.choose(long) == [K]           # a row at 25k is ~1 ms on a 10 ms step: drafting pays
+    middling = [request(0.45, 25_000)]          # pays at a jump of 0 (10.5 ms a decode step), not at 10 ms
+    for seconds in (0.0145, 0.0105):            # a decode step (its first one at 25k is cold), a drafting one
+        assert policy.choose(middling) == [0] and not policy.costs.knows_jump([25_000])
+        policy.record(middling, [1], seconds, 0, 0.0, [0], [0])
+        drafting = policy.choose(middling)
+        assert drafting != [0]
+        policy.record(middling, [drafting[0] + 1], 0.0125 + 0.00075 * drafting[0], drafting[0], 0.001, drafting, [1])
+    assert policy.costs.knows_jump([25_000]) and policy.jump_probes == 2
+    assert policy.costs.verify_s([1], [25_000]) == pytest.approx(0.0105, rel=0.05)
+    assert policy.costs.verify_s([2], [25_000]) - policy.costs.verify_s([1], [25_000]) == pytest.approx(0.00275, rel=0.1)   # a 2 ms jump and a row
 
 
 def test_a_rows_cost_is_fitted_from_consecutive_steps_so_a_drifting_box_does_not_hide_it():
