@@ -134,16 +134,15 @@ class DraftPolicy:
         ctx = [r.context for r in batch]
         gain = [self.expected_tokens(r) for r in batch]          # tokens by k, per request
         # at each request's own length: a drafted row's cost, and drafting's at all (a verify over a
-        # decode step); the fit is per half-octave, so requests of one length share the three calls
+        # decode step); requests at one length share the three calls
         by_length: dict[int, tuple[float, float, float]] = {}
         prices: dict[int, tuple[float, float, float]] = {}        # request -> (row, jump, the fitted jump)
         for i in free:
-            key = round(2 * math.log2(max(1, ctx[i])))
-            if key not in by_length:
+            if ctx[i] not in by_length:
                 one, two, three = (self.costs.verify_s([r], [ctx[i]]) for r in (1, 2, 3))
                 jump = two - one - (three - two)
-                by_length[key] = (three - two, max(jump, one) if dear_jump else jump, jump)
-            prices[i] = by_length[key]
+                by_length[ctx[i]] = (three - two, max(jump, one) if dear_jump else jump, jump)
+            prices[i] = by_length[ctx[i]]
         draft = {}                                                # (depth, drafting requests) -> seconds
 
         def draft_s(depth: int, drafting: int) -> float:
