@@ -1,8 +1,15 @@
-"""The prefix part of the packed verify attention on a CPU, by a compiled kernel (csrc/cpu_prefix.cpp):
-every query row of a kv head attends, unmasked, to all P cached keys, reading each key once for
-all rows (online softmax over blocks of 64 keys kept in L1, vectorised for this CPU). Returns the
-rows' normalised outputs and log-sum-exps, as torch's `_scaled_dot_product_flash_attention_for_cpu`
-does, faster at many rows over a long cache (kernels/README.md).
+"""The packed verify attention on a CPU, by a compiled kernel (csrc/cpu_prefix.cpp).
+
+`prefix_attention`: every query row of a kv head attends, unmasked, to all P cached keys, reading
+each key once for all rows (online softmax over blocks of keys kept in L1, vectorised for this
+CPU). Returns the rows' normalised outputs and log-sum-exps, as torch's
+`_scaled_dot_product_flash_attention_for_cpu` does, faster at many rows over a long cache
+(kernels/README.md).
+
+`ragged_attention`: a ragged batch's whole step for one layer in ONE call: every request's rows
+over its own prefix (as above) and its own new keys (causal or its tree's mask), merged by
+log-sum-exp. A batch of short caches otherwise pays a handful of torch calls a request a layer
+(~70 us each at 0.5k keys, most of it per-call overhead, not arithmetic).
 
 It is built on first use (kernels/native.py: cached per CPU, built on a thread of its own, a failed
 build logged once): until it is ready, and where it cannot be built, `prefix_attention` returns
@@ -62,3 +69,22 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return None
     out, lse = module.prefix_attention(q, k, v, float(scale))
     return out, lse
+
+
+_CAUSAL = torch.empty(0, dtype=torch.bool)          # a segment without a tree: causal among its new keys
+
+
+def ragged_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], starts: list[int],
+                     ends: list[int], trees: list[torch.Tensor | None], scale: float) -> torch.Tensor | None:
+    """A ragged batch's verify attention in one call: segment s is rows starts[s]..ends[s] of the
+    packed queries q (1, Hq, N, D), over its keys / values (1, Hkv, P_s + n_s, D) (its cache's
+    prefix, then its n_s new rows), seeing the whole prefix and, among its new keys, what
+    trees[s] (n_s, n_s) allows (None: causal). -> (N, Hq, Dv) fp32; None where the kernel does
+    not apply (usable) or is not built."""
+    module = EXTENSION.module
+    if module is None or not all(usable(q, k, v) for k, v in zip(keys, values)):
+        if module is None and usable(q, keys[0], values[0]):
+            start_loading()
+        return None
+    owns = [_CAUSAL if t is None else t.to(dtype=torch.bool).contiguous() for t in trees]
+    return module.ragged_attention(q, keys, values, starts, ends, owns, float(scale))

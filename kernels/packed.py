@@ -18,6 +18,10 @@ tokens on the 2-core CPU), and the masked kernel's slower inner loop. Here:
     merge    a softmax over [lse_p, s] gives the prefix's total weight w_p and the new keys'
              weights w_o: out = w_p * o_p + w_o @ v_own, exact (o_p is already normalised)
 
+A ragged batch (several requests, each over its own cache) on a CPU takes all of them in one
+call of the compiled kernel a layer (verify_attention_ragged: per request the split above, in
+C++), where one call a request costs ~70 us of mostly per-call overhead at 0.5k keys.
+
 A decode step (nq = 1) sees every key: one unmasked call (on a CPU the prefix kernel's, over
 the prefix and its own key: measured 5-30% under SDPA's from 0.5k to 25k keys). Up to DENSE_PREFIX cached keys one
 call with a float mask made once per step (the layers share it) is cheaper than the split's
@@ -43,6 +47,11 @@ DENSE_PREFIX = 8192
 # keys 5- and 13-token verify steps 15-17% faster than the one masked call (BENCHMARKS.md, the
 # hot path after the CPU prefix kernel). Below this many keys the masked call stays.
 KERNEL_DENSE_PREFIX = 2048
+# A ragged batch on a CPU: every request of a layer in one call of the compiled kernel
+# (verify_attention_ragged) where it is built. At 8 requests over 0.5k keys a 5-token step's
+# attention is 172 us a layer against 314 us for one call a request (one thread; at 25k keys the
+# same, 0.72 ms either way); off: one call a request (verify_attention_packed's paths).
+ONE_CALL = True
 # A step calls the attention once per layer with the same new-token mask: what is made from it
 # is kept for the next call. A tree is matched by value (a copy is kept); a dense mask by its
 # bias's identity, which the entry holds, so a freed tensor's reused id cannot match. Entries are
@@ -137,6 +146,19 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     w_p, w_o = torch.softmax(torch.cat([lse_p.reshape(bsz * hkv, rows, 1), scores], dim=-1), dim=-1).split([1, nq], -1)
     out = torch.baddbmm(o_p.reshape(bsz * hkv, rows, dv).float() * w_p, w_o, v_own)          # (B*Hkv, rows, Dv)
     return out.to(q.dtype).view(bsz, heads, nq, dv)
+
+
+def verify_attention_ragged(query: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor]],
+                            bounds: list[tuple[int, int]], trees: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """A ragged batch's step for one layer in one call (models/ragged.py): request s is rows
+    bounds[s] = (start, end) of the packed queries (1, Hq, N, D), over its views[s] = (k, v), its
+    cache with the new rows last, among which it sees trees[s] (None: causal). -> (1, N, Hq, Dv)
+    in q's dtype; None where no one-call kernel applies (off the CPU, or cpu_prefix not built)."""
+    if not ONE_CALL or query.device.type != "cpu":
+        return None
+    out = cpu_prefix.ragged_attention(query, [k for k, _ in views], [v for _, v in views], [b[0] for b in bounds],
+                                      [b[1] for b in bounds], trees, query.shape[-1] ** -0.5)
+    return None if out is None else out.to(query.dtype).unsqueeze(0)
 
 
 def verify_attention_packed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix_lens: torch.Tensor,

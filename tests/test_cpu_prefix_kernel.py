@@ -42,6 +42,7 @@ def kernel():
 def calls(kernel, monkeypatch):
     """Forces the split path at every length and counts the kernel's calls that returned a result."""
     monkeypatch.setattr(packed, "DENSE_PREFIX", -1)
+    monkeypatch.setattr(packed, "ONE_CALL", False)      # one call a request (the one-call kernel: below)
     monkeypatch.setattr(cpu_prefix, "IMPL", "kernel")
     done = []
     real = cpu_prefix.prefix_attention
@@ -205,3 +206,74 @@ def test_greedy_through_the_kernel_is_hf_greedy(any_target, small_video, calls):
     out = Engine(any_target, tiny_draft(any_target, seed=1), tree).generate(small_video, PROMPT, sampling)
     assert out.token_ids == reference and out.metrics.draft_tokens > 0
     assert calls and all(calls)
+
+
+# ----- a ragged batch in one call (cpu_prefix.ragged_attention) --------------------------------------
+
+RAGGED = [  # heads, kv heads, dim, (prefix, tokens, tree) a request
+    (4, 2, 32, [(512, 5, False)] * 8),                                      # the batch of 8 it is for
+    (4, 2, 32, [(0, 3, False), (1, 1, False), (129, 13, True), (2000, 5, True), (33, 1, False)]),
+    (8, 1, 64, [(700, 6, True), (1023, 1, False), (4100, 4, False)]),        # GQA 8:1, decode rows, long
+    (4, 4, 24, [(300, 4, True), (5, 2, False)]),                             # 1:1, a dim not whole vectors
+    (2, 1, 128, [(127, 9, True)]),
+]
+
+
+def _ragged_case(seed, heads, hkv, dim, requests, dtype=torch.float32):
+    """A packed query (1, H, N, D), strided views into preallocated caches, bounds and trees, and
+    the reference: verify_attention_ref of each request alone."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(n for _, n, _ in requests)
+    q = torch.randn(1, total, heads, dim, generator=g).transpose(1, 2)      # as the model hands it over
+    views, bounds, trees, want, row = [], [], [], [], 0
+    for prefix, n, tree in requests:
+        k, v = (torch.randn(1, hkv, prefix + n + 7, dim, generator=g).to(dtype) for _ in range(2))
+        t = random_tree(n, g) if tree else None
+        views.append((k[:, :, :prefix + n], v[:, :, :prefix + n]))
+        bounds.append((row, row + n))
+        trees.append(t)
+        want.append(verify_attention_ref(q[:, :, row:row + n].to(dtype).float(), k.float(), v.float(),
+                                         torch.tensor([prefix]), t))
+        row += n
+    return q, views, bounds, trees, torch.cat(want, dim=2).transpose(1, 2)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("case", range(len(RAGGED)))
+def test_one_call_matches_the_reference(kernel, case, threads):
+    """Every request of a layer in one call: its rows over its own prefix and its own new keys
+    (causal, or its tree), equal to each request alone through the reference; with more threads
+    than requests x kv heads the long prefixes are cut in splits."""
+    q, views, bounds, trees, want = _ragged_case(case, *RAGGED[case])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = packed.verify_attention_ragged(q, views, bounds, trees)
+    finally:
+        torch.set_num_threads(before)
+    assert got is not None and got.shape == want.shape
+    torch.testing.assert_close(got, want, **FP32)
+
+
+def test_one_call_bf16_cache_and_bad_operands(kernel):
+    q, views, bounds, trees, want = _ragged_case(11, *RAGGED[1], dtype=torch.bfloat16)
+    got = packed.verify_attention_ragged(q.bfloat16(), views, bounds, trees)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    k, v = views[0]
+    with pytest.raises(RuntimeError, match="do not fit"):            # rows past the packed query
+        kernel.ragged_attention(q.float(), [k], [v], [0], [q.shape[2] + 1], [torch.empty(0, dtype=torch.bool)], 0.1)
+    with pytest.raises(RuntimeError, match="own mask"):
+        kernel.ragged_attention(q.float(), [k], [v], [0], [3], [torch.ones(2, 2, dtype=torch.bool)], 0.1)
+
+
+def test_one_call_declines_where_it_does_not_apply(kernel, monkeypatch):
+    q, views, bounds, trees, _ = _ragged_case(2, *RAGGED[0])
+    monkeypatch.setattr(cpu_prefix, "IMPL", "torch")
+    assert packed.verify_attention_ragged(q, views, bounds, trees) is None
+    monkeypatch.setattr(cpu_prefix, "IMPL", "kernel")
+    monkeypatch.setattr(packed, "ONE_CALL", False)
+    assert packed.verify_attention_ragged(q, views, bounds, trees) is None
+    monkeypatch.setattr(packed, "ONE_CALL", True)
+    half = [(k.half(), v.half()) for k, v in views]                   # a dtype the kernel does not read
+    assert packed.verify_attention_ragged(q, half, bounds, trees) is None

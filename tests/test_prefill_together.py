@@ -95,7 +95,13 @@ def test_questions_admitted_together_prefill_in_one_forward_and_equal_their_solo
     engine.runner.prefill_job = prefill_job
     scheduler = engine.scheduler
     before = dict(scheduler.stats)
-    hold = scheduler.call_soon(lambda: release.wait(30))       # the scheduler thread waits here
+    holding = threading.Event()
+
+    def hold_the_loop():                          # the scheduler thread waits here
+        holding.set()
+        release.wait(30)
+    hold = scheduler.call_soon(hold_the_loop)
+    assert holding.wait(30)                       # held before any request exists: none is admitted early
     gens = [engine.stream(video, q, sp, video_key="v", num_draft_tokens=k) for q, sp, k in jobs]
     broken = engine.stream(video, "broken", SamplingParams(max_new_tokens=4), video_key="v")
     gens_all = [*gens, broken]

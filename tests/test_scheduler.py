@@ -99,12 +99,14 @@ def test_concurrent_mixed_requests_equal_their_solo_runs(qwen_target):
 def test_requests_wait_for_memory_and_are_refused_past_the_arena_or_the_timeout(qwen_target, small_video):
     draft = tiny_draft(qwen_target, seed=1)
     per_token = 2 * 4 * 2 * 16 * 4                                     # layers x kv heads x head dim x fp32, K and V
-    tight = EngineConfig(kv_cache_bytes=1000 * per_token, queue_timeout_s=0.5)   # prompt is ~330 tokens
+    tight = EngineConfig(kv_cache_bytes=1000 * per_token, queue_timeout_s=0.3)   # prompt is ~330 tokens
     engine = Engine(qwen_target, draft, SPEC, config=tight)
     with pytest.raises(ResourceExhausted, match="KV memory"):
         engine.generate(small_video, PROMPTS[0], SamplingParams(max_new_tokens=2000))
     # One request fills most of the arena; a second one waits, then is refused after the timeout.
-    long = engine.stream(small_video, PROMPTS[0], SamplingParams(max_new_tokens=300, ignore_eos=True))
+    # The first holds its memory until it ends (~600 one-token steps: far longer than the timeout).
+    long = engine.stream(small_video, PROMPTS[0], SamplingParams(max_new_tokens=600, ignore_eos=True),
+                         num_draft_tokens=0)
     next(long)
     with pytest.raises(ResourceExhausted, match="waited"):
         engine.generate(small_video, PROMPTS[1], SamplingParams(max_new_tokens=200))

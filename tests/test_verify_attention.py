@@ -15,6 +15,7 @@ from helpers import OracleProposer
 from test_kernels import FP32, HAS_TRITON, random_tree, verify_case
 
 import sparrow.kernels.packed as packed
+from sparrow.kernels import cpu_prefix
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.kernels.packed import verify_attention_packed
 from sparrow.kernels.reference import verify_attention_ref
@@ -27,11 +28,45 @@ PROMPT = "What happens in the video?"
 
 @pytest.fixture(params=["dense", "split"])
 def packed_mode(request, monkeypatch):
-    """"packed" as it runs by default at these short prefixes (one masked call), or forced to
-    split the prefix from the new tokens at every length (what it does past DENSE_PREFIX keys)."""
+    """"packed" one call a request as it runs at these short prefixes (one masked call), or forced
+    to split the prefix from the new tokens at every length (what it does past DENSE_PREFIX keys)."""
+    monkeypatch.setattr(packed, "ONE_CALL", False)
     if request.param == "split":
         monkeypatch.setattr(packed, "DENSE_PREFIX", -1)
     return request.param
+
+
+@pytest.fixture(params=["dense", "split", "one-call"])
+def step_mode(request, monkeypatch):
+    """packed_mode's two, or every request of a layer in one call of the compiled CPU kernel
+    (the default where it is built; skipped where it cannot be)."""
+    one_call = request.param == "one-call"
+    if one_call:
+        if cpu_prefix.load() is None:
+            pytest.skip("the CPU kernel is not built on this machine")
+        monkeypatch.setattr(cpu_prefix, "IMPL", "kernel")
+    monkeypatch.setattr(packed, "ONE_CALL", one_call)
+    if request.param == "split":
+        monkeypatch.setattr(packed, "DENSE_PREFIX", -1)
+    done, real = [], cpu_prefix.ragged_attention
+
+    def counted(*args):
+        out = real(*args)
+        done.append(out is not None)
+        return out
+    monkeypatch.setattr(cpu_prefix, "ragged_attention", counted)
+    return request.param, done
+
+
+def _one_call(q, k, v, prefix, tree):
+    """The batch as a ragged batch through verify_attention_ragged: row b's queries are rows
+    b * nq .. of one packed query, its keys a view of its cache up to prefix + nq."""
+    bsz, heads, nq, dim = q.shape
+    packed_q = q.transpose(0, 1).reshape(1, heads, bsz * nq, dim)
+    views = [(k[b:b + 1, :, :p + nq], v[b:b + 1, :, :p + nq]) for b, p in enumerate(prefix.tolist())]
+    trees = [None if tree is None else (tree if tree.dim() == 2 else tree[b]) for b in range(bsz)]
+    out = packed.verify_attention_ragged(packed_q, views, [(b * nq, b * nq + nq) for b in range(bsz)], trees)
+    return None if out is None else out[0].view(bsz, nq, heads, -1).transpose(1, 2)
 
 
 def _ragged_sdpa(q, k, v, prefix, tree):
@@ -46,13 +81,17 @@ def _ragged_sdpa(q, k, v, prefix, tree):
 # ----- the attention alone ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", range(12))
-def test_packed_and_ragged_sdpa_match_the_reference(seed, packed_mode):
+def test_packed_and_ragged_sdpa_match_the_reference(seed, packed_mode, monkeypatch):
     """verify_case cycles GQA 1:1 / 2:1 / 8:1, head dims 16/24/64, chains and trees, batches of
     1-3 rows with ragged prefixes (the first 0, 1, 300 or 1023 tokens)."""
     q, k, v, prefix, tree = verify_case(seed)
     ref = verify_attention_ref(q, k, v, prefix, tree)
     torch.testing.assert_close(verify_attention_packed(q, k, v, prefix, tree), ref, **FP32)
     torch.testing.assert_close(_ragged_sdpa(q, k, v, prefix, tree), ref, **FP32)
+    if cpu_prefix.load() is not None:                      # every row in one call of the CPU kernel
+        monkeypatch.setattr(packed, "ONE_CALL", True)
+        monkeypatch.setattr(cpu_prefix, "IMPL", "kernel")
+        torch.testing.assert_close(_one_call(q, k, v, prefix, tree), ref, **FP32)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -145,8 +184,10 @@ def test_every_path_gives_the_same_logits_in_a_ragged_batch(qwen_target, llava_t
         assert (text.num_key_value_heads < text.num_attention_heads) == grouped
         ref = _ragged_step_logits(target, small_video, "sdpa")
         for path in _paths():
-            for split in ([False, True] if path == "packed" else [False]):
-                monkeypatch.setattr(packed, "DENSE_PREFIX", -1 if split else packed.DENSE_PREFIX)
+            modes = ["dense", "split"] + (["one-call"] if cpu_prefix.load() is not None else [])
+            for mode in (modes if path == "packed" else ["dense"]):
+                monkeypatch.setattr(packed, "DENSE_PREFIX", -1 if mode == "split" else packed.DENSE_PREFIX)
+                monkeypatch.setattr(packed, "ONE_CALL", mode == "one-call")
                 for got, want in zip(_ragged_step_logits(target, small_video, path), ref):
                     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             monkeypatch.undo()
@@ -169,7 +210,7 @@ def _hf_greedy(target, video, n: int) -> list[int]:
     return _HF_GREEDY[key]
 
 
-def test_greedy_through_packed_is_hf_greedy(any_target, small_video, packed_mode):
+def test_greedy_through_packed_is_hf_greedy(any_target, small_video, step_mode):
     """Chains of k + 1 = 5 tokens all accepted (an oracle draft) and none accepted (a corrupted
     one), and draft trees from a random draft: the tokens are HF's."""
     reference = _hf_greedy(any_target, small_video, 16)
@@ -184,3 +225,5 @@ def test_greedy_through_packed_is_hf_greedy(any_target, small_video, packed_mode
     out = Engine(any_target, tiny_draft(any_target, seed=1), tree).generate(small_video, PROMPT, sampling)
     assert out.token_ids == reference and out.metrics.draft_tokens > 0
     assert any_target.verify_attention == "auto"         # the default path ran
+    mode, one_calls = step_mode
+    assert (one_calls and all(one_calls)) if mode == "one-call" else not one_calls

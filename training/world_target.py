@@ -75,11 +75,12 @@ class WorldTargetConfig:
     warmup: int = 100
     frames: tuple[int, ...] = (8, 12, 16, 32)  # training video lengths (frames), drawn uniformly
     sizes: tuple[int, ...] = (84, 84, 168)    # training frame sides (px), drawn uniformly with the length
-    # Longer videos, a long_prob share of training: 84 px (3x3 tokens a frame pair) so they
-    # stay cheap; beyond temporal_positions several frame pairs share a temporal position,
-    # which is how the long benchmark videos are seen.
+    # Longer videos, a long_prob share of training: long_size px (84: 3x3 tokens a frame pair)
+    # so they stay cheap; beyond temporal_positions several frame pairs share a temporal
+    # position, which is how the long benchmark videos are seen.
     long_frames: tuple[int, ...] = (64, 128)
     long_prob: float = 0.15
+    long_size: int = 84
     max_turns: int = 1                    # chat turns per conversation (see world_turns)
     caption_prob: float = 0.3             # chance a conversation is the caption request (long answers)
     kinds: tuple[str, ...] = QUESTION_KINDS   # question kinds to train on
@@ -145,8 +146,9 @@ WORLD_TARGET_HELP = {
     "warmup": "first-stage warmup steps",
     "frames": "training video lengths in frames, comma-separated",
     "sizes": "training frame sides in px, comma-separated",
-    "long_frames": "lengths of the longer training videos (84 px), comma-separated",
+    "long_frames": "lengths of the longer training videos (long_size px), comma-separated",
     "long_prob": "share of training videos that are long",
+    "long_size": "frame side of the longer training videos (px)",
     "max_turns": "chat turns per training conversation",
     "caption_prob": "share of conversations that ask for the caption",
     "kinds": "question kinds trained on, comma-separated",

@@ -136,7 +136,7 @@ def world_turns(events: list[dict], rng: random.Random, max_turns: int, caption_
 # ----- the video pool ---------------------------------------------------------------------------------
 def training_world(c: WorldTargetConfig, rng: random.Random) -> WorldVideo:
     if c.long_frames and rng.random() < c.long_prob:
-        return WorldVideo(num_frames=rng.choice(c.long_frames), size=84)
+        return WorldVideo(num_frames=rng.choice(c.long_frames), size=c.long_size)
     return WorldVideo(num_frames=rng.choice(c.frames), size=rng.choice(c.sizes))
 
 

@@ -332,6 +332,113 @@ void dispatch_dim(const at::Tensor& qs, const at::Tensor& k, const at::Tensor& v
   }
 }
 
+// ----- a ragged batch's whole verify step, one call a layer -------------------------------------
+// Segment s (one request) is rows starts[s] .. ends[s] (n_s of them) of the packed queries and
+// its own keys ks[s], vs[s] (1, Hkv, P_s + n_s, D): P_s cached, then its n_s new ones. Every row
+// sees the whole prefix and, among the new keys, what owns[s] (n_s x n_s bool; empty: causal)
+// allows. Work items are (segment, kv head, split of the prefix), as in run(); a second pass per
+// (segment, kv head) merges the splits and the new keys by log-sum-exp. qs: (Hq, N, D), already
+// times scale * log2 e; out: (N, Hq, Dv), the layout the model's attention returns.
+template <typename T>
+struct Tag { using type = T; };
+
+template <typename T, int DC>
+void ragged_run(const at::Tensor& qs, const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs,
+                const std::vector<int64_t>& starts, const std::vector<int64_t>& ends,
+                const std::vector<at::Tensor>& owns, at::Tensor& out) {
+  const int64_t S = static_cast<int64_t>(ks.size()), Hq = qs.size(0), N = qs.size(1), D = qs.size(2);
+  const int64_t Hkv = ks[0].size(1), G = Hq / Hkv, DV = vs[0].size(3);
+  const int64_t pairs = S * Hkv, threads = at::get_num_threads();
+  std::vector<int64_t> splits(S), chunk(S), first(S + 1, 0), base(S + 1, 0);   // items, part rows before s
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = ends[s] - starts[s], P = ks[s].size(2) - n;
+    int64_t sp = P == 0 ? 0 : pairs >= threads ? 1
+               : std::min<int64_t>((threads + pairs - 1) / pairs, std::max<int64_t>(1, P / 1024));
+    chunk[s] = sp == 0 ? 0 : ((P + sp - 1) / sp + BN - 1) / BN * BN;
+    splits[s] = sp == 0 ? 0 : (P + chunk[s] - 1) / chunk[s];
+    first[s + 1] = first[s] + Hkv * splits[s];
+    base[s + 1] = base[s] + Hkv * splits[s] * G * n;
+  }
+  std::vector<float> part_out(base[S] * DV), part_lse(base[S]);
+  const float* qp = qs.data_ptr<float>();
+  // the rows of (segment s, kv head h), r = g * n + i: query head h * G + g at token starts[s] + i
+  const auto gather_rows = [&](int64_t s, int64_t h, float* rows) {
+    const int64_t n = ends[s] - starts[s];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(rows + (g * n + i) * D, qp + ((h * G + g) * N + starts[s] + i) * D, D * sizeof(float));
+  };
+  const auto segment_of = [&](int64_t item) {
+    return static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), item) - first.begin()) - 1;
+  };
+  at::parallel_for(0, first[S], 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> rows;
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t s = segment_of(item), n = ends[s] - starts[s], R = G * n;
+      const int64_t h = (item - first[s]) / splits[s], sp = (item - first[s]) % splits[s];
+      const int64_t P = ks[s].size(2) - n, begin = sp * chunk[s], end = std::min(P, begin + chunk[s]);
+      rows.resize(R * D);
+      gather_rows(s, h, rows.data());
+      const at::Tensor& k = ks[s];
+      const at::Tensor& v = vs[s];
+      const int64_t at = base[s] + (h * splits[s] + sp) * R;
+      attend_range<T, DC>(rows.data(), R, D, DV, k.data_ptr<T>() + h * k.stride(1), k.stride(2),
+                          v.data_ptr<T>() + h * v.stride(1), v.stride(2), begin, end,
+                          part_out.data() + at * DV, part_lse.data() + at);
+    }
+  });
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, pairs, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> rows, score, acc(DV);
+    for (int64_t pair = lo; pair < hi; ++pair) {
+      const int64_t s = pair / Hkv, h = pair % Hkv, n = ends[s] - starts[s], R = G * n, sp_n = splits[s];
+      const int64_t P = ks[s].size(2) - n;
+      const at::Tensor& k = ks[s];
+      const at::Tensor& v = vs[s];
+      const T* kh = k.data_ptr<T>() + h * k.stride(1) + P * k.stride(2);     // the new keys
+      const T* vh = v.data_ptr<T>() + h * v.stride(1) + P * v.stride(2);
+      const bool* own = owns[s].numel() ? owns[s].data_ptr<bool>() : nullptr;
+      rows.resize(R * D);
+      score.resize(n);
+      gather_rows(s, h, rows.data());
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t g = r / n, i = r % n;
+        const float* q = rows.data() + r * D;
+        // the prefix's splits: their log-sum-exps (base 2) and normalised outputs
+        const int64_t at = base[s] + h * sp_n * R + r;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t sp = 0; sp < sp_n; ++sp) mx = std::max(mx, part_lse[at + sp * R]);
+        for (int64_t j = 0; j < n; ++j) {
+          const bool seen = own ? own[i * n + j] : j <= i;
+          float dot = -std::numeric_limits<float>::infinity();
+          if (seen) {
+            dot = 0.f;
+            for (int64_t d = 0; d < D; ++d) dot += q[d] * to_float(kh[j * k.stride(2) + d]);
+          }
+          score[j] = dot;
+          mx = std::max(mx, dot);
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float total = 0.f;
+        for (int64_t sp = 0; sp < sp_n; ++sp) {
+          const float w = std::exp2(part_lse[at + sp * R] - mx);
+          const float* po = part_out.data() + (at + sp * R) * DV;
+          for (int64_t d = 0; d < DV; ++d) acc[d] += w * po[d];
+          total += w;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          if (score[j] == -std::numeric_limits<float>::infinity()) continue;
+          const float w = std::exp2(score[j] - mx);
+          for (int64_t d = 0; d < DV; ++d) acc[d] += w * to_float(vh[j * v.stride(2) + d]);
+          total += w;
+        }
+        float* o = op + ((starts[s] + i) * Hq + h * G + g) * DV;
+        for (int64_t d = 0; d < DV; ++d) o[d] = acc[d] / total;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 std::vector<at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
@@ -356,6 +463,52 @@ std::vector<at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& 
   return {out, lse};
 }
 
+at::Tensor ragged_attention(const at::Tensor& q, const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs,
+                            const std::vector<int64_t>& starts, const std::vector<int64_t>& ends,
+                            const std::vector<at::Tensor>& owns, double scale) {
+  const int64_t S = static_cast<int64_t>(ks.size());
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && q.size(0) == 1, "ragged_attention: q must be (1, Hq, N, D) on the CPU");
+  TORCH_CHECK(S >= 1 && static_cast<int64_t>(vs.size()) == S && static_cast<int64_t>(starts.size()) == S
+                  && static_cast<int64_t>(ends.size()) == S && static_cast<int64_t>(owns.size()) == S,
+              "ragged_attention: one key, value, start, end and mask entry a segment");
+  const int64_t Hq = q.size(1), N = q.size(2), D = q.size(3);
+  const auto dtype = ks[0].scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "ragged_attention: keys must be float32 or bfloat16");
+  const int64_t Hkv = ks[0].size(1), DV = vs[0].size(3);
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "ragged_attention: query heads must be a multiple of kv heads");
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = ends[s] - starts[s];
+    const at::Tensor& k = ks[s];
+    const at::Tensor& v = vs[s];
+    TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && k.scalar_type() == dtype && v.scalar_type() == dtype,
+                "ragged_attention: keys and values on the CPU, one dtype");
+    TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == 1 && v.size(0) == 1 && k.size(1) == Hkv
+                    && v.size(1) == Hkv && k.size(3) == D && v.size(3) == DV && k.size(2) == v.size(2),
+                "ragged_attention: segment ", s, " has keys ", k.sizes(), " and values ", v.sizes());
+    TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "ragged_attention: keys and values need a contiguous last dim");
+    TORCH_CHECK(n >= 1 && starts[s] >= 0 && ends[s] <= N && (s == 0 || starts[s] >= ends[s - 1]) && k.size(2) >= n,
+                "ragged_attention: segment ", s, " rows ", starts[s], "..", ends[s], " do not fit");
+    TORCH_CHECK(owns[s].numel() == 0 || (owns[s].scalar_type() == at::kBool && owns[s].is_contiguous()
+                                         && owns[s].dim() == 2 && owns[s].size(0) == n && owns[s].size(1) == n),
+                "ragged_attention: segment ", s, "'s own mask must be empty or (n, n) bool");
+  }
+  const at::Tensor qs = (q[0].to(at::kFloat) * (scale * LOG2E)).contiguous();     // (Hq, N, D)
+  at::Tensor out = at::zeros({N, Hq, DV}, q.options().dtype(at::kFloat));
+  const auto go = [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    switch (D) {
+      case 32: return ragged_run<T, 32>(qs, ks, vs, starts, ends, owns, out);
+      case 64: return ragged_run<T, 64>(qs, ks, vs, starts, ends, owns, out);
+      case 128: return ragged_run<T, 128>(qs, ks, vs, starts, ends, owns, out);
+      default: return ragged_run<T, 0>(qs, ks, vs, starts, ends, owns, out);
+    }
+  };
+  if (dtype == at::kFloat) go(Tag<float>()); else go(Tag<c10::BFloat16>());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefix_attention", &prefix_attention, "unmasked attention of all rows over the cached prefix (out, lse)");
+  m.def("ragged_attention", &ragged_attention,
+        "a ragged batch's verify attention: every segment's rows over its prefix and its own new keys, (N, Hq, Dv)");
 }

@@ -60,6 +60,13 @@ def _host_args(kernel: VerifyFn) -> tuple[str, ...]:
     return tuple(name for name in ("max_keys", "prefix_len") if name in params)
 
 
+@functools.lru_cache(maxsize=None)
+def _one_call(kernel: VerifyFn) -> Callable | None:
+    """The kernel's module's form that takes every request of a layer in one call
+    (`verify_attention_ragged(query, views, bounds, trees)`, None where it does not apply), if any."""
+    return getattr(importlib.import_module(kernel.__module__), "verify_attention_ragged", None)
+
+
 @dataclass(slots=True)
 class RaggedSegment:
     cache: Cache          # the request's own cache (PreallocatedLayers over its arena slot)
@@ -79,6 +86,7 @@ class RaggedBatch(Cache):
         # device read back).
         self._prefix: list[torch.Tensor] | None = None
         self._host = _host_args(kernel) if kernel is not None else ()
+        self._one_call = _one_call(kernel) if kernel is not None else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: (1, Hkv, N_total, D). Each request's rows go to its own cache."""
@@ -97,6 +105,11 @@ class RaggedBatch(Cache):
         kernel = self.kernel
         if kernel is not None and scaling is not None and abs(scaling * query.shape[-1] ** 0.5 - 1) > 1e-6:
             kernel = None              # the kernels' contract is softmax scale 1/sqrt(D)
+        if kernel is not None and self._one_call is not None:
+            out = self._one_call(query, views, [(seg.start, seg.end) for seg in self.segments],
+                                 [seg.tree_mask for seg in self.segments])
+            if out is not None:
+                return out
         if kernel is None:
             out = [ragged_attention(query[:, :, seg.start:seg.end], k, v, scaling, seg.tree_mask)
                    for seg, (k, v) in zip(self.segments, views)]
