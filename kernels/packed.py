@@ -31,6 +31,8 @@ prefix): reference.py.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -50,8 +52,9 @@ KERNEL_DENSE_PREFIX = 2048
 # A ragged batch on a CPU: every request of a layer in one call of the compiled kernel
 # (verify_attention_ragged) where it is built. At 8 requests over 0.5k keys a 5-token step's
 # attention is 172 us a layer against 314 us for one call a request (one thread; at 25k keys the
-# same, 0.72 ms either way); off: one call a request (verify_attention_packed's paths).
-ONE_CALL = True
+# same, 0.72 ms either way); off (or SPARROW_VERIFY_ONE_CALL=0): one call a request
+# (verify_attention_packed's paths).
+ONE_CALL = os.environ.get("SPARROW_VERIFY_ONE_CALL", "1").strip() != "0"
 # A step calls the attention once per layer with the same new-token mask: what is made from it
 # is kept for the next call. A tree is matched by value (a copy is kept); a dense mask by its
 # bias's identity, which the entry holds, so a freed tensor's reused id cannot match. Entries are

@@ -58,6 +58,7 @@ step's, and now and then so that a change of load is noticed.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Protocol, Sequence
@@ -73,6 +74,11 @@ PAIR_GAP = 1.0         # seconds between two steps' ends within which their diff
 PAIR_OCTAVES = 0.1     # ... and how far apart their mean cached lengths may be (the same batch, a few tokens on)
 RECENT_HALF_LIFE = 16  # samples over which a sample's weight in the fixed costs (a, e) halves
 ROBUST_PASSES = 8      # reweighted passes of the least-deviations fit of the pairs
+# Past FRESH samples the fits are redone every REFIT_EVERY samples (pairs, draft steps), not after every step:
+# the policy reads them each step, and at batch 8 refitting after every step was ~8% of a 0.5k
+# step's time (profiled). With recency's half-life of 16 samples a fit 3 samples old differs little.
+FRESH = 16
+REFIT_EVERY = 4
 
 # a sample: rows, ctx / 1000, rows x ctx / 1000, drafting requests, log2 of the mean cached length, requests, s
 ROWS, KILO, ATTENTION, DRAFTING, OCTAVES, REQUESTS, SECONDS = range(7)
@@ -119,12 +125,13 @@ class MeasuredCosts:
         self.pairs: deque[tuple[float, ...]] = deque(maxlen=window)
         self.draft_samples: deque[tuple[float, float, float]] = deque(maxlen=window)    # (depth, requests, s)
         self.resample_every = resample_every
-        self._verify: dict[int, np.ndarray] = {}      # half-octave of cached length -> (a, b, e, c, j), lazily
+        self._verify: dict[int, tuple[float, ...]] = {}   # half-octave of cached length -> (a, b, e, c, j), lazily
         self._steps: dict[int, np.ndarray] = {}       # ... -> (b, c, j): refitted when a pair comes
         self._draft: tuple[float, float, float] | None = None
         self._seen_rows: set[tuple[int, int]] = set()   # (rows in all, octave of cached length) run once (warm)
         self._seen_depths: set[int] = set()
         self._last: tuple[tuple[float, ...], float] | None = None     # the last sample, and when it was recorded
+        self._new_samples = self._new_pairs = self._new_drafts = 0     # since the fits were last redone (REFIT_EVERY)
 
     def ready(self, contexts: Sequence[int] | None = None) -> bool:
         """A row's cost and the step's are apart: near this length two consecutive drafting
@@ -144,7 +151,15 @@ class MeasuredCosts:
     def verify_s(self, rows: Sequence[int], contexts: Sequence[int]) -> float:
         a, b, e, c, j = self._fit_verify(_octaves(contexts))
         drafting = sum(r > 1 for r in rows)
-        return float(a + b * sum(rows) + e * sum(contexts) / 1000.0 + c * _attention(rows, contexts) + j * drafting)
+        return a + b * sum(rows) + e * sum(contexts) / 1000.0 + c * _attention(rows, contexts) + j * drafting
+
+    def marginal(self, context: int) -> tuple[float, float, float]:
+        """For one request of this cached length: (one more verified row, a verify step over a
+        decode step before its rows, a decode step alone): verify_s's differences at 1, 2 and 3
+        rows, read off the fit in one call (the policy asks for each request every step)."""
+        a, b, e, c, j = self._fit_verify(_octaves((context,)))
+        row = b + c * context / 1000.0
+        return row, j, a + e * context / 1000.0 + row
 
     def draft_s(self, depth: int, requests: int = 1) -> float:
         """A draft step `depth` deep for `requests` drafting requests."""
@@ -167,10 +182,16 @@ class MeasuredCosts:
                 diff = tuple(s - t for s, t in zip(sample, last))
                 if diff[ROWS] != 0:
                     self.pairs.append(diff[:OCTAVES] + ((sample[OCTAVES] + last[OCTAVES]) / 2,) + diff[REQUESTS:])
-                    self._steps.clear()
+                    self._new_pairs += 1
+                    if len(self.pairs) <= FRESH or self._new_pairs >= REFIT_EVERY:
+                        self._steps.clear()
+                        self._new_pairs = 0
             self.verify_samples.append(sample)
             self._last = (sample, now)
-            self._verify.clear()
+            self._new_samples += 1
+            if len(self.verify_samples) <= FRESH or self._new_samples >= REFIT_EVERY or not self._steps:
+                self._verify.clear()
+                self._new_samples = 0
         else:
             self._last = None          # a step that is no sample breaks the run of consecutive ones
         self._seen_rows.add(size)
@@ -181,12 +202,16 @@ class MeasuredCosts:
             usual = max(verify_s, self.draft_s(depth, drafting) if self.draft_samples else 0.0)
             if depth in self._seen_depths and draft_s <= OUTLIER * usual:
                 self.draft_samples.append((float(depth), float(drafting), float(draft_s)))
-                self._draft = None
+                self._new_drafts += 1
+                if len(self.draft_samples) <= FRESH or self._new_drafts >= REFIT_EVERY:
+                    self._draft = None
+                    self._new_drafts = 0
             self._seen_depths.add(depth)
 
-    def _fit_verify(self, octaves: float) -> np.ndarray:
+    def _fit_verify(self, octaves: float) -> tuple[float, ...]:
         """(a, b, e, c, j) weighted towards samples near `octaves` (log2 of the step's mean
-        cached length). Kept per half-octave; callers check `ready` first."""
+        cached length). Kept per half-octave (as Python floats: the policy reads it ~25 times a
+        step); callers check `ready` first."""
         key = round(2 * octaves)
         if key not in self._verify:
             at = key / 2
@@ -200,7 +225,7 @@ class MeasuredCosts:
             weight = np.sqrt(_locality(data[:, OCTAVES], at) * 0.5 ** (np.arange(len(data))[::-1] / RECENT_HALF_LIFE))
             rest = data[:, SECONDS] - data[:, STEP] @ step
             a, e = _nonnegative_lstsq(np.column_stack([np.ones(len(data)), data[:, KILO]]) * weight[:, None], rest * weight)
-            self._verify[key] = np.array([a, b, e, c, j])
+            self._verify[key] = (float(a), float(b), float(e), float(c), float(j))
         return self._verify[key]
 
     def _fit_draft(self) -> tuple[float, float, float]:
@@ -240,7 +265,7 @@ def _locality(octaves: np.ndarray, at: float) -> np.ndarray:
 
 def _octaves(contexts: Sequence[int]) -> float:
     """log2 of a step's mean cached length (where its verify cost is fitted)."""
-    return float(np.log2(max(1.0, sum(contexts) / max(1, len(contexts)))))
+    return math.log2(max(1.0, sum(contexts) / max(1, len(contexts))))
 
 
 def _attention(rows: Sequence[int], contexts: Sequence[int]) -> float:

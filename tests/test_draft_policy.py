@@ -149,6 +149,34 @@ def test_measured_costs_recover_a_known_cost_and_stay_nonnegative():
     assert flat.verify_s([5], [1000]) >= flat.verify_s([1], [1000]) >= 0
 
 
+def test_a_requests_marginal_costs_are_the_fits_differences():
+    """MeasuredCosts.marginal (what the policy reads for each request every step) is what three
+    verify_s calls at 1, 2 and 3 rows give: a row's cost, the jump, a decode step."""
+    costs = MeasuredCosts()
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        rows = list(rng.integers(1, 6, size=2))
+        ctx = list(rng.integers(100, 25_000, size=2))
+        costs.record(rows, ctx, 0.004 + 0.0005 * sum(rows) + 0.002 * sum(r > 1 for r in rows)
+                     + 0.0003 * sum(r * x for r, x in zip(rows, ctx)) / 1000, max(rows) - 1, 0.001)
+    for ctx in (36, 520, 8_000, 25_056):
+        one, two, three = (costs.verify_s([r], [ctx]) for r in (1, 2, 3))
+        assert costs.marginal(ctx) == pytest.approx((three - two, two - one - (three - two), one), rel=1e-9, abs=1e-12)
+
+
+def test_requests_whose_drafts_cannot_pay_are_left_out_of_the_search(monkeypatch):
+    """A request whose draft is worth less than what it costs at the all-decode rate (its rows,
+    its jump, one more request's share of the draft step) is decided as k = 0 before the search;
+    a batch of such requests is answered without it, and a good one among them still drafts."""
+    policy = DraftPolicy(K, adaptive=True, costs=StubCosts(a=0.004, b=0.0001, d=0.0003, batch_power=1.0))
+    calls = []
+    real = policy._hopeless
+    monkeypatch.setattr(policy, "_hopeless", lambda *a: calls.append(real(*a)) or calls[-1])
+    assert policy.choose([request(0.05, 500)] * 8) == [0] * 8 and calls[-1] == set(range(8))
+    ks = policy.choose([request(0.05, 500)] * 7 + [request(0.95, 500)])
+    assert calls[-1] == set(range(7)) and ks[:7] == [0] * 7 and ks[7] > 0
+
+
 def test_verify_costs_are_fitted_near_the_steps_cached_length_and_one_offs_are_not_samples():
     """Two regimes no single line holds (short caches: rows nearly free; 25k: each row ~1 ms on
     top of a 10 ms step): each length's prediction follows its own samples. A step 5x slower
