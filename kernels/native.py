@@ -36,6 +36,29 @@ def cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+# A build takes ~30-60 s; a build directory's lock older than this was left by a process killed
+# mid-build (a server stopped during its startup build). torch waits on such a lock forever: every
+# later process would never get the extension, and hang at exit on its build thread.
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove `build_dir`'s build lock if it is older than max_age_s (logged). True if removed."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age <= max_age_s:
+        return False
+    try:
+        lock.unlink()
+    except OSError:
+        return False
+    log.warning("removed a build lock %.0f s old in %s (a build killed midway)", age, build_dir)
+    return True
+
+
 class NativeExtension:
     """One extension: `name` (the build's name, before the CPU tag), `source` (a .cpp file),
     extra compiler flags; `what` names it in the log ("the CPU prefix attention kernel")."""
@@ -56,7 +79,8 @@ class NativeExtension:
             if self.module is None and not self.failed:
                 t0 = time.perf_counter()
                 try:
-                    from torch.utils.cpp_extension import load as load_ext
+                    from torch.utils.cpp_extension import _get_build_directory, load as load_ext
+                    clear_stale_lock(Path(_get_build_directory(f"{self.name}_{cpu_tag()}", False)))
                     self.module = load_ext(name=f"{self.name}_{cpu_tag()}", sources=[str(self.source)],
                                            extra_cflags=["-O3", "-march=native", *self.cflags], verbose=False)
                     self.build_seconds = time.perf_counter() - t0

@@ -10,6 +10,7 @@ a cached build loads in well under a second).
 """
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -277,3 +278,18 @@ def test_one_call_declines_where_it_does_not_apply(kernel, monkeypatch):
     monkeypatch.setattr(packed, "ONE_CALL", True)
     half = [(k.half(), v.half()) for k, v in views]                   # a dtype the kernel does not read
     assert packed.verify_attention_ragged(q, half, bounds, trees) is None
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared(tmp_path, caplog):
+    """A process killed mid-build (a server stopped during its startup build) leaves torch's
+    build lock behind; torch would wait on it forever. One older than a build can take is
+    removed before the next build, one in use is kept."""
+    lock = tmp_path / "lock"
+    assert not native.clear_stale_lock(tmp_path)                       # no lock: nothing to do
+    lock.touch()
+    assert not native.clear_stale_lock(tmp_path) and lock.exists()    # a build in progress
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.clear_stale_lock(tmp_path)
+    assert not lock.exists() and "killed midway" in caplog.text
