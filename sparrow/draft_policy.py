@@ -137,14 +137,9 @@ class DraftPolicy:
         # decode step); requests at one length share the three calls
         by_length: dict[int, tuple[float, float, float]] = {}
         prices: dict[int, tuple[float, float, float]] = {}        # request -> (row, jump, the fitted jump)
-        marginal = getattr(self.costs, "marginal", None)          # the three calls' answer in one, where known
         for i in free:
             if ctx[i] not in by_length:
-                if marginal is not None:
-                    row, jump, one = marginal(ctx[i])
-                else:
-                    one, two, three = (self.costs.verify_s([r], [ctx[i]]) for r in (1, 2, 3))
-                    row, jump = three - two, two - one - (three - two)
+                row, jump, one = self.costs.marginal(ctx[i])
                 by_length[ctx[i]] = (row, max(jump, one) if dear_jump else jump, jump)
             prices[i] = by_length[ctx[i]]
         draft = {}                                                # (depth, drafting requests) -> seconds

@@ -101,6 +101,28 @@ class CostModel(Protocol):
     def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
                draft_s: float) -> None: ...
 
+    def marginal(self, context: int) -> tuple[float, float, float]:
+        """For one request of this cached length: (one more verified row, a verify step over a
+        decode step before its rows, a decode step alone), from verify_s at 1, 2 and 3 rows (the
+        policy asks for each request every step; a model may read them off its fit in one call)."""
+        one, two, three = (self.verify_s([r], [context]) for r in (1, 2, 3))
+        return three - two, two - one - (three - two), one
+
+
+class _Refits:
+    """When a fit over a window of samples is redone: after each of the first FRESH samples, then
+    every REFIT_EVERY (or at once, when `now`)."""
+
+    def __init__(self):
+        self.since = 0
+
+    def due(self, samples: int, now: bool = False) -> bool:
+        self.since += 1
+        if now or samples <= FRESH or self.since >= REFIT_EVERY:
+            self.since = 0
+            return True
+        return False
+
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: a coefficient the fit would make negative is
@@ -116,7 +138,7 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-class MeasuredCosts:
+class MeasuredCosts(CostModel):
     """The default CostModel: fitted from the steps this engine ran."""
 
     def __init__(self, window: int = WINDOW, resample_every: int = RESAMPLE_EVERY):
@@ -126,12 +148,12 @@ class MeasuredCosts:
         self.draft_samples: deque[tuple[float, float, float]] = deque(maxlen=window)    # (depth, requests, s)
         self.resample_every = resample_every
         self._verify: dict[int, tuple[float, ...]] = {}   # half-octave of cached length -> (a, b, e, c, j), lazily
-        self._steps: dict[int, np.ndarray] = {}       # ... -> (b, c, j): refitted when a pair comes
+        self._steps: dict[int, np.ndarray] = {}       # ... -> (b, c, j), lazily; cleared when the pairs' fit is due
         self._draft: tuple[float, float, float] | None = None
         self._seen_rows: set[tuple[int, int]] = set()   # (rows in all, octave of cached length) run once (warm)
         self._seen_depths: set[int] = set()
         self._last: tuple[tuple[float, ...], float] | None = None     # the last sample, and when it was recorded
-        self._new_samples = self._new_pairs = self._new_drafts = 0     # since the fits were last redone (REFIT_EVERY)
+        self._refit_samples, self._refit_pairs, self._refit_drafts = _Refits(), _Refits(), _Refits()
 
     def ready(self, contexts: Sequence[int] | None = None) -> bool:
         """A row's cost and the step's are apart: near this length two consecutive drafting
@@ -154,9 +176,7 @@ class MeasuredCosts:
         return a + b * sum(rows) + e * sum(contexts) / 1000.0 + c * _attention(rows, contexts) + j * drafting
 
     def marginal(self, context: int) -> tuple[float, float, float]:
-        """For one request of this cached length: (one more verified row, a verify step over a
-        decode step before its rows, a decode step alone): verify_s's differences at 1, 2 and 3
-        rows, read off the fit in one call (the policy asks for each request every step)."""
+        """CostModel.marginal read off the fit in one call."""
         a, b, e, c, j = self._fit_verify(_octaves((context,)))
         row = b + c * context / 1000.0
         return row, j, a + e * context / 1000.0 + row
@@ -182,16 +202,12 @@ class MeasuredCosts:
                 diff = tuple(s - t for s, t in zip(sample, last))
                 if diff[ROWS] != 0:
                     self.pairs.append(diff[:OCTAVES] + ((sample[OCTAVES] + last[OCTAVES]) / 2,) + diff[REQUESTS:])
-                    self._new_pairs += 1
-                    if len(self.pairs) <= FRESH or self._new_pairs >= REFIT_EVERY:
+                    if self._refit_pairs.due(len(self.pairs)):
                         self._steps.clear()
-                        self._new_pairs = 0
             self.verify_samples.append(sample)
             self._last = (sample, now)
-            self._new_samples += 1
-            if len(self.verify_samples) <= FRESH or self._new_samples >= REFIT_EVERY or not self._steps:
+            if self._refit_samples.due(len(self.verify_samples), now=not self._steps):
                 self._verify.clear()
-                self._new_samples = 0
         else:
             self._last = None          # a step that is no sample breaks the run of consecutive ones
         self._seen_rows.add(size)
@@ -202,10 +218,8 @@ class MeasuredCosts:
             usual = max(verify_s, self.draft_s(depth, drafting) if self.draft_samples else 0.0)
             if depth in self._seen_depths and draft_s <= OUTLIER * usual:
                 self.draft_samples.append((float(depth), float(drafting), float(draft_s)))
-                self._new_drafts += 1
-                if len(self.draft_samples) <= FRESH or self._new_drafts >= REFIT_EVERY:
+                if self._refit_drafts.due(len(self.draft_samples)):
                     self._draft = None
-                    self._new_drafts = 0
             self._seen_depths.add(depth)
 
     def _fit_verify(self, octaves: float) -> tuple[float, ...]:

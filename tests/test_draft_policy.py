@@ -11,13 +11,13 @@ import pytest
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.draft_policy import DraftPolicy, TreeTrim
-from sparrow.step_costs import MeasuredCosts
+from sparrow.step_costs import CostModel, MeasuredCosts
 from sparrow.tiny import tiny_draft
 
 K = 4
 
 
-class StubCosts:
+class StubCosts(CostModel):
     """verify = a + sum over rows of (b + c * ctx / 1000); draft = d * depth (x the drafting
     requests ** batch_power). Always ready, never asks for a sample, records what it is told."""
 
