@@ -70,7 +70,7 @@ def _costs_at(model, draft, device, dtype, shape, context, k, reps, sizes, tree,
     with torch.inference_mode():
         for start in range(0, context, 2048):
             ids = torch.randint(0, shape["vocab"], (batch, min(2048, context - start)), generator=gen).to(device)
-            model(input_ids=ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids, cache=kv, use_cache=True, logits_to_keep=1)
 
         def timed(fn) -> float:
             fn()                                      # warm-up
@@ -86,7 +86,7 @@ def _costs_at(model, draft, device, dtype, shape, context, k, reps, sizes, tree,
         def target_step(n):
             def run():
                 model(input_ids=torch.randint(0, shape["vocab"], (batch, n), generator=gen).to(device),
-                      past_key_values=kv, use_cache=True)
+                      cache=kv, use_cache=True)
                 kv.crop(-n)
             return run
 

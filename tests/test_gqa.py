@@ -20,7 +20,7 @@ def _verify_logits(target, video, n: int, ragged: bool = True):
     st = pre.state
     position_ids = target.family.step_positions(st.length, n, st.rope_delta)
     with torch.inference_mode():
-        return target.hf(input_ids=tokens.view(1, n), position_ids=position_ids, past_key_values=st.kv,
+        return target.hf(input_ids=tokens.view(1, n), position_ids=position_ids, cache=st.kv,
                          use_cache=True).logits[0].float()
 
 

@@ -111,11 +111,11 @@ def _exact_distribution(target, engine, video, sampling, n: int) -> dict[tuple[i
                 dist[answer] = prob * float(p[x])
                 continue
             with torch.inference_mode():
-                step = target.hf(input_ids=torch.tensor([[x]]), past_key_values=copy.deepcopy(cache), use_cache=True,
+                step = target.hf(input_ids=torch.tensor([[x]]), cache=copy.deepcopy(cache), use_cache=True,
                                  position_ids=target.family.step_positions(prompt_len + len(prefix), 1, delta))
-            expand(answer, prob * float(p[x]), step.logits[0, -1], step.past_key_values)
+            expand(answer, prob * float(p[x]), step.logits[0, -1], step.cache)
 
-    expand((), 1.0, out.logits[0, -1], out.past_key_values)
+    expand((), 1.0, out.logits[0, -1], out.cache)
     return dist
 
 

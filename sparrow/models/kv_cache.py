@@ -7,7 +7,7 @@ owns one buffer sized for the whole request (prompt + max new tokens + draft tok
 rollback after a rejected draft is moving the length back (`crop`).
 
 It is a `transformers.Cache` made of `CacheLayerMixin` layers, handed to the HF model only
-through the public `past_key_values` argument.
+through the public `cache` argument.
 """
 
 from __future__ import annotations

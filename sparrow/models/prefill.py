@@ -214,7 +214,7 @@ class PrefillJob:
         target = self.target
         a, b = self._span(max_tokens)
         out = target.hf(inputs_embeds=self._embeds[:, a - self.start: b - self.start],
-                        position_ids=self.position_ids[..., a:b].to(target.device), past_key_values=self.kv,
+                        position_ids=self.position_ids[..., a:b].to(target.device), cache=self.kv,
                         use_cache=True, output_hidden_states=self.needs.hidden, logits_to_keep=1)
         return self._took(b, out.hidden_states, out.logits[0, -1])
 
@@ -295,7 +295,7 @@ def finish_together(jobs: list[PrefillJob]) -> None:
     hidden = any(job.needs.hidden for job in jobs)
     batch = RaggedBatch(segments, target.step_kernel())
     last = torch.tensor([seg.end - 1 for seg in segments], device=target.device)
-    out = target.hf(inputs_embeds=embeds, position_ids=positions.to(target.device), past_key_values=batch,
+    out = target.hf(inputs_embeds=embeds, position_ids=positions.to(target.device), cache=batch,
                     attention_mask=batch.as_mask(), use_cache=True, output_hidden_states=hidden, logits_to_keep=last)
     for i, (job, seg, (_, b)) in enumerate(zip(jobs, segments, spans)):
         rows = tuple(h[:, seg.start:seg.end] for h in out.hidden_states) if job.needs.hidden else None

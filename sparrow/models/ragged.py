@@ -11,7 +11,7 @@ the KV arena (views, no copy), causal within the request's new tokens:
     request r:  rows [start_r, end_r) of the packed queries
                 keys = its cache's filled part + its own new tokens (written in place)
 
-`RaggedBatch` is handed to the HF model through public arguments only: as `past_key_values`
+`RaggedBatch` is handed to the HF model through public arguments only: as `cache`
 (its `update` writes each request's keys into that request's cache) and as the attention
 mask (`{"full_attention": batch}`, which transformers passes through untouched), which the
 `sparrow_sdpa` attention function (gqa.py) recognises and answers with `attend`.

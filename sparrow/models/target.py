@@ -5,7 +5,7 @@
     step(state, tokens)    -> logits (and features) for a few tokens on top of the cache
 
 The HF model is used only through public arguments (input_ids, position_ids,
-past_key_values, output_hidden_states, logits_to_keep); no modeling file is forked and no
+cache, output_hidden_states, logits_to_keep); no modeling file is forked and no
 per-request state is left on the model, so one TargetModel serves many requests at once.
 """
 
@@ -219,7 +219,7 @@ class TargetModel:
         the position just before these tokens (the t-1 row of the first)."""
         ids = torch.full((embeds.shape[0],), self.video_token_id, device=self.device)
         rows = FeatureCollector(ids, self.video_token_id, needs, before=before)
-        out = self.hf(inputs_embeds=embeds[None], position_ids=position_ids.to(self.device), past_key_values=kv,
+        out = self.hf(inputs_embeds=embeds[None], position_ids=position_ids.to(self.device), cache=kv,
                       use_cache=True, output_hidden_states=needs.hidden, logits_to_keep=1)
         if needs.hidden:
             rows.add(out.hidden_states, 0)
@@ -263,7 +263,7 @@ class TargetModel:
         batch = RaggedBatch(segments, self.step_kernel())
         ids = torch.cat([t.view(-1) for t in tokens]).view(1, row).to(self.device)
         out = self.hf(input_ids=ids, position_ids=torch.cat(positions, dim=-1).to(self.device),
-                      past_key_values=batch, attention_mask=batch.as_mask(), use_cache=True,
+                      cache=batch, attention_mask=batch.as_mask(), use_cache=True,
                       output_hidden_states=bool(feature_layers))
         logits = out.logits[0].float()                                              # (N, V)
         feats = (torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)

@@ -185,7 +185,7 @@ class SpecVLMProposer:
         length = embeds.shape[1]
         cache = new_kv_cache("static", small.num_layers, length + room)
         small.hf(inputs_embeds=embeds, position_ids=position_ids[..., keep_mask.to(position_ids.device)].to(dev),
-                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+                 cache=cache, use_cache=True, logits_to_keep=1)
         return SpecVLMState(cache=cache, next_index=ids.shape[0], rope_delta=rope_delta, pending=[int(first_token)],
                             num_visual=n_vis, kept_visual=kept.cpu(), prompt_entries=length, max_visible=length)
 
@@ -293,7 +293,7 @@ class SpecVLMProposer:
         position_ids = small.family.step_positions(state.next_index, n, state.rope_delta).to(small.device)
         state.reserve(n)
         out = small.hf(input_ids=torch.tensor([ids], device=small.device), position_ids=position_ids,
-                       past_key_values=state.cache, use_cache=True, logits_to_keep=1)
+                       cache=state.cache, use_cache=True, logits_to_keep=1)
         state.next_index += n
         state.max_visible = max(state.max_visible, state.cached)
         return out.logits[0, -1].float()
