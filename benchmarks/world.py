@@ -80,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {machine()}. {args.videos} fresh videos per length, {time.perf_counter() - t0:.0f} s in all.",
         "", table(report), "",
         "QA: one question of each kind per video (two for `present`: a colour in the video and one not), "
-        "single-turn, greedy, exact match. The target trains on 84 and 168 px videos of 8-32 frames and "
-        "84 px videos of 64-512 frames (at most 2,304 visual tokens; see models/world/MODEL_CARD.md); every "
-        "video spans at most 8 temporal rope positions, so the longer rows are the same positions with "
-        "more frame pairs on each."])
+        "single-turn, greedy, exact match. The target trains on 84 and 168 px videos of 8-32 frames, "
+        "84 px videos of 64-512 frames and, in its last stage, 168 px videos of 128-512 frames (at most "
+        "9,216 visual tokens; see models/world/MODEL_CARD.md); every video spans at most 8 temporal rope "
+        "positions, so the longer rows are the same positions with more frame pairs on each. tau: "
+        "`tau_rows`, k = 4 on every step (no policy), the trained draft against an untrained one of its shape."])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     if args.out:
