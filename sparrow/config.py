@@ -122,6 +122,12 @@ class SpecConfig:
     # attention; anything else runs the reference.
     draft_step: str = "static"
 
+    @classmethod
+    def as_trained(cls, trained_with: Mapping[str, Any], k: int, **fields: Any) -> "SpecConfig":
+        """A spec at draft depth k (and the named `fields`) with the rest of a draft's trained
+        geometry: how the tools that measure a draft at a fixed k run it."""
+        return cls(num_draft_tokens=k, **fields).with_geometry(trained_with, ("num_draft_tokens", *fields))
+
     def with_geometry(self, trained_with: Mapping[str, Any], given: Collection[str] = ()) -> "SpecConfig":
         """This spec with a draft's trained geometry (SparrowDraft.trained_with: window, anchors,
         glimpse, num_draft_tokens, draft_context) in every field not named in `given` (the

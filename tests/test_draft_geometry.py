@@ -5,6 +5,7 @@ field is set explicitly."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -68,3 +69,25 @@ def test_a_default_server_runs_the_world_draft_as_trained():
     with_k = app_settings(build_parser().parse_args(["serve", "--k", "2"]))
     assert with_k.spec_given == {"num_draft_tokens"} and "k=2" in models_line(with_k)
     assert build_engine(with_k)[0].spec.num_draft_tokens == 2
+
+
+def test_the_tools_that_measure_a_draft_at_a_fixed_k_run_its_geometry(monkeypatch):
+    """`world eval` / `benchmarks.world` (tau_rows), `world compare-drafts`, `make demo` and the long
+    demo build their spec with SpecConfig.as_trained: the draft's window, anchors and glimpse at
+    the k asked for (tau_rows once ran the world draft without the glimpse it was trained with)."""
+    from sparrow.training import world_data
+
+    trained = {"window": 12, "anchors": 5, "glimpse": 8, "num_draft_tokens": 3}
+    spec = SpecConfig.as_trained(trained, 4, adaptive_k=False)
+    assert (spec.window, spec.anchors, spec.glimpse, spec.num_draft_tokens, spec.adaptive_k) == (12, 5, 8, 4, False)
+    seen = []
+
+    def held_out_tau(target, draft, samples, spec, *args, **kwargs):     # what tau_rows runs, recorded
+        seen.append(spec)
+        return SimpleNamespace(mean_acceptance_length=1.0, accepted_per_step=0.0, acceptance_rate_per_position=[])
+
+    monkeypatch.setattr(world_data, "held_out_tau", held_out_tau)
+    monkeypatch.setattr(world_data, "caption_samples", lambda world, seeds: [])
+    monkeypatch.setattr(world_data, "untrained_like", lambda draft, target: draft)
+    world_data.tau_rows(None, SimpleNamespace(trained_with=trained), SimpleNamespace(options=lambda: None), [], k=4)
+    assert [(s.glimpse, s.window, s.anchors, s.num_draft_tokens) for s in seen] == [(8, 12, 5, 4)] * 2

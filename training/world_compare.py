@@ -37,8 +37,8 @@ def compare_drafts(target_dir: str | Path, drafts: dict[str, str | Path], videos
     engines = {}
     for name, path in drafts.items():
         draft = SparrowDraft.from_pretrained(path, target)
-        spec = SpecConfig(num_draft_tokens=k, adaptive_k=False).with_geometry(draft.trained_with, ("num_draft_tokens",))
-        engines[name] = Engine(target, draft, spec, prefix_cache=cache)
+        engines[name] = Engine(target, draft, SpecConfig.as_trained(draft.trained_with, k, adaptive_k=False),
+                               prefix_cache=cache)
     report = {}
     for size, frames in videos_at:
         world = WorldVideo(num_frames=frames, size=size, fps=WORLD_FPS)

@@ -136,8 +136,11 @@ def untrained_like(draft: SparrowDraft, target: TargetModel, seed: int = 12345) 
 
 
 def tau_rows(target: TargetModel, draft: SparrowDraft, world: WorldVideo, seeds: list[int], k: int,
-             window: int = 16, anchors: int = 32, on_video: Callable[[], None] | None = None) -> dict:
-    spec = SpecConfig(num_draft_tokens=k, window=window, anchors=anchors, adaptive_k=False)   # tau at k
+             on_video: Callable[[], None] | None = None) -> dict:
+    """Greedy tau at k on every step (no policy) of the draft, run with the geometry it was
+    trained with (window, anchors, glimpse: SparrowDraft.trained_with), and of an untrained
+    draft of its shape run the same way."""
+    spec = SpecConfig.as_trained(draft.trained_with, k, adaptive_k=False)
     samples = caption_samples(world, seeds)
     untrained = untrained_like(draft, target)
     trained = held_out_tau(target, draft, samples, spec, 96, world.options(), on_sample=on_video)

@@ -47,7 +47,7 @@ def run_world_demo(seed: int | None = None, models: str | Path = DEFAULT_MODELS,
     seed = random.SystemRandom().randrange(10**6, 10**9) if seed is None else seed
     target = TargetModel.from_pretrained(models / "target", dtype=dtype, device=device)
     draft = SparrowDraft.from_pretrained(models / "draft", target)        # on the target's device, in its dtype
-    spec = SpecConfig(num_draft_tokens=k, window=16, anchors=32)
+    spec = SpecConfig.as_trained(draft.trained_with, k)
     fast, plain = Engine(target, draft, spec), Engine(target, spec=SpecConfig(method="none"))
     world = WorldVideo(num_frames=num_frames, size=size)
     with tempfile.TemporaryDirectory() as tmp:

@@ -147,8 +147,7 @@ def _engines(target: TargetModel, cfg: LongDemoConfig) -> dict[str, Engine]:
             "eagle-style": Engine(target, eagle_draft, SpecConfig(method="eagle-style", **spec),
                                   prefix_cache=PrefixCache(max_entries=1)),
             "sparrow": Engine(target, sparrow_draft,
-                              SpecConfig(method="sparrow", num_draft_tokens=cfg.k).with_geometry(
-                                  sparrow_draft.trained_with, given={"num_draft_tokens"}),
+                              SpecConfig.as_trained(sparrow_draft.trained_with, cfg.k, method="sparrow"),
                               prefix_cache=PrefixCache(max_entries=1))}
 
 
