@@ -59,6 +59,16 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
+def _clear_stale_build_lock(name: str) -> None:
+    """clear_stale_lock in torch's build directory for `name`. Best effort: where torch is found
+    through a private helper that a torch release no longer has, the build goes on without it."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:
+        return
+    clear_stale_lock(Path(_get_build_directory(name, False)))
+
+
 class NativeExtension:
     """One extension: `name` (the build's name, before the CPU tag), `source` (a .cpp file),
     extra compiler flags; `what` names it in the log ("the CPU prefix attention kernel")."""
@@ -79,8 +89,8 @@ class NativeExtension:
             if self.module is None and not self.failed:
                 t0 = time.perf_counter()
                 try:
-                    from torch.utils.cpp_extension import _get_build_directory, load as load_ext
-                    clear_stale_lock(Path(_get_build_directory(f"{self.name}_{cpu_tag()}", False)))
+                    from torch.utils.cpp_extension import load as load_ext
+                    _clear_stale_build_lock(f"{self.name}_{cpu_tag()}")
                     self.module = load_ext(name=f"{self.name}_{cpu_tag()}", sources=[str(self.source)],
                                            extra_cflags=["-O3", "-march=native", *self.cflags], verbose=False)
                     self.build_seconds = time.perf_counter() - t0
