@@ -64,7 +64,7 @@ def _known(name: str, modules: set[str]) -> str | None:
 def imports_of(module: str, path: Path, source: str, modules: set[str]) -> set[str]:
     """Every module of ours `module` imports, wherever the import sits (module level, inside a
     function, or as a string given to importlib: a literal naming one of our modules, alone or
-    as "module:function", in a file that calls importlib)."""
+    as "module:function", in a file that calls importlib; "namespace::op" names a torch op)."""
     tree = ast.parse(source)
     names: set[str] = set()
     dynamic = "importlib" in source
@@ -76,7 +76,7 @@ def imports_of(module: str, path: Path, source: str, modules: set[str]) -> set[s
             for alias in node.names:         # `from . import gqa` imports gqa, not the package again
                 sub = f"{base}.{alias.name}"
                 names.add(sub if sub in modules else base)
-        elif dynamic and isinstance(node, ast.Constant) and isinstance(node.value, str):
+        elif dynamic and isinstance(node, ast.Constant) and isinstance(node.value, str) and "::" not in node.value:
             text = node.value.split(":")[0]
             if re.fullmatch(r"[A-Za-z_][\w.]*", text) and text in modules:
                 names.add(text)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-import types
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -40,6 +39,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..speculative.sampling import gumbel_noise
 from ..window import PAD_POS, window_mask
 from .attention import get_backend
+from .compiling import CPU_OPTIONS, compiled
 from .draft import DraftKV, SparrowDraft, apply_rope, rope_frequencies, rope_tables
 
 log = logging.getLogger(__name__)
@@ -251,30 +251,8 @@ def chain_pick(logits: torch.Tensor, seeded: Seeded | None, j: int) -> tuple[tor
     return token, logp
 
 
-# Compiled levels, kept for the process: one per shape (bucket, rows, slots, dims, dtype,
-# device), compiled on its first call. Dynamo keeps graphs, and counts recompiles against its
-# limit, per code object: each shape compiles its own copy of draft_level, so shapes never
-# evict one another, and runners (proposers) of one shape share it.
-_COMPILED: dict[tuple, Callable] = {}
-COMPILE_SECONDS: dict[tuple, float] = {}      # shape -> seconds its first (compiling) call took
-
-
-# Inductor on a CPU: the level is ~10 kernels of microseconds, so the generated wrapper's own
-# cost is a large share of a call: its shape checks go (shapes are fixed per compiled copy).
-# The wrapper in C++ (cpp_wrapper) rather than Python: ~25% of a k = 4 propose at batch 1.
-CPU_OPTIONS = {"cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
-
-
-def compiled(fn: Callable, shape: tuple, device: torch.device, options: dict | None = None) -> Callable:
-    """fn (draft_level or greedy_chain) compiled for one shape: its key (function name, bucket,
-    rows, slots, then everything else that fixes the shapes)."""
-    compiled_fn = _COMPILED.get(shape)
-    if compiled_fn is None:
-        code = fn.__code__.replace(co_name=f"{fn.__name__}_b{shape[1]}_r{shape[2]}_c{shape[3]}")
-        copy = types.FunctionType(code, fn.__globals__, code.co_name)
-        how = {"mode": "reduce-overhead"} if device.type == "cuda" else {"options": options or CPU_OPTIONS}
-        compiled_fn = _COMPILED[shape] = torch.compile(copy, fullgraph=True, dynamic=False, **how)
-    return compiled_fn
+# Seconds each compiled level's first (compiling) call took, by its shape.
+COMPILE_SECONDS: dict[tuple, float] = {}
 
 
 @dataclass(slots=True)
@@ -495,7 +473,7 @@ class DraftRunner:
         emitted = self.emitted_rows if fn is greedy_chain and batch.emitted is not None else 0
         shape = (fn.__name__, batch.bucket, self.rows, self.capacity, levels, self.dims, self.draft.config, dtype,
                  str(device), tuple(sorted(options.items())), emitted)
-        run = compiled(fn, shape, device, options)
+        run = compiled(fn, shape, f"b{batch.bucket}_r{self.rows}_c{self.capacity}", device, options)
         cuda = device.type == "cuda"
         if cuda:
             torch.compiler.cudagraph_mark_step_begin()

@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .ragged import RaggedBatch
+from .ragged import RaggedBatch, RaggedStep, ragged_attend
 
 NAME = "sparrow_sdpa"
 
@@ -34,7 +34,9 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  **kwargs) -> tuple[torch.Tensor, None]:
     if isinstance(attention_mask, RaggedBatch):       # several requests in one forward (ragged.py)
-        return attention_mask.attend(module, query, scaling), None
+        return attention_mask.attend(module.layer_idx, query, scaling), None
+    if isinstance(attention_mask, RaggedStep):        # the same, inside a compiled step (ragged.py)
+        return ragged_attend(query, key, value, module.layer_idx, scaling), None
     groups = getattr(module, "num_key_value_groups", 1)
     n = query.shape[2]
     packable = (groups > 1 and n > 1 and attention_mask is not None and attention_mask.dim() == 4

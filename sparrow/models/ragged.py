@@ -19,9 +19,11 @@ mask (`{"full_attention": batch}`, which transformers passes through untouched),
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -99,9 +101,14 @@ class RaggedBatch(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    @property
+    def rows(self) -> int:
+        """The packed rows the requests' tokens fill (a compiled step pads past them)."""
+        return self.segments[-1].end if self.segments else 0
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """query (1, Hq, N_total, D) -> (1, N_total, Hq, Dv): each request's rows over its keys."""
-        views = self._views.pop(module.layer_idx)
+        views = self._views.pop(layer_idx)
         kernel = self.kernel
         if kernel is not None and scaling is not None and abs(scaling * query.shape[-1] ** 0.5 - 1) > 1e-6:
             kernel = None              # the kernels' contract is softmax scale 1/sqrt(D)
@@ -152,3 +159,66 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     qg = q.reshape(1, hkv, groups * n, d)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)   # (1, Hkv, G*n, Dv)
     return out.reshape(1, hq, n, v.shape[-1])
+
+
+# ----- a ragged batch inside a compiled step (step_graph.py) --------------------------------
+# A compiled step cannot trace a RaggedBatch: its segments are host facts that change every
+# step. So the compiled forward is handed `RaggedStep`, a cache whose update leaves the keys
+# alone and a mask that gqa.grouped_sdpa answers with the opaque op `sparrow::ragged_attend`;
+# the op writes the layer's new keys into each request's cache and attends, through the
+# step's RaggedBatch, made current around the compiled call (`current_batch`). The graph
+# sees only tensors of the step's padded token count, so one graph serves any batch whose
+# tokens fit its bucket.
+_CURRENT = threading.local()
+
+
+@contextlib.contextmanager
+def current_batch(batch: RaggedBatch):
+    """The RaggedBatch `ragged_attend` works through while a compiled step runs (per thread)."""
+    before = getattr(_CURRENT, "batch", None)
+    _CURRENT.batch = batch
+    try:
+        yield batch
+    finally:
+        _CURRENT.batch = before
+
+
+@torch.library.custom_op("sparrow::ragged_attend", mutates_args=())
+def ragged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                  scaling: float | None) -> torch.Tensor:
+    """query (1, Hq, N, D), key/value (1, Hkv, N, D) of a padded step: the current batch's rows
+    [0, rows) written to their caches and attended as `RaggedBatch.attend`; the padding rows'
+    output is zero. -> (1, N, Hq, Dv)."""
+    batch: RaggedBatch | None = getattr(_CURRENT, "batch", None)
+    if batch is None:
+        raise RuntimeError("sparrow::ragged_attend runs only inside current_batch(...)")
+    n = batch.rows
+    if n == 0:                          # a graph's first run, on an empty batch (step_graph.py)
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
+    batch.update(key[:, :, :n], value[:, :, :n], layer_idx)
+    out = batch.attend(layer_idx, query[:, :, :n], scaling)
+    if n < query.shape[2]:
+        out = torch.cat([out, out.new_zeros(1, query.shape[2] - n, *out.shape[2:])], dim=1)
+    return out
+
+
+@ragged_attend.register_fake
+def _(query, key, value, layer_idx, scaling):
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
+
+
+class RaggedStep(Cache):
+    """What a compiled step's forward gets as its cache and its mask (above): the keys are
+    written, and attended, by `ragged_attend`."""
+
+    def __init__(self):
+        super().__init__(layers=[])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def as_mask(self) -> dict[str, "RaggedStep"]:
+        return {"full_attention": self, "sliding_attention": self}

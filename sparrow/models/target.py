@@ -28,6 +28,7 @@ from .checkpoint import (HF_VIDEO_PROCESSOR_FILE, SPARROW_ONLY_FIELDS, VIDEO_PRO
 from .families import FAMILIES, Family
 from .kv_cache import new_kv_cache
 from .ragged import RaggedBatch, RaggedSegment, VerifyFn, verify_kernel
+from .step_graph import TARGET_STEPS, StepGraph
 from .placement import check_device_map, parse_device, parse_dtype
 from .prefill import FeatureCollector, FeatureNeeds, PrefillJob, PrefillOutput, TargetState, VideoPrefix
 
@@ -49,6 +50,7 @@ class TargetModel:
         self.eos_token_ids = _eos_ids(hf, tokenizer)
         self._verify_attention, self._verify_kernel = "auto", None
         self._auto_kernel: tuple[str, VerifyFn | None] | None = None     # (device, kernel) "auto" chose
+        self.step_graph: StepGraph | None = None       # target_step "compiled"
 
     @property
     def verify_attention(self) -> str:
@@ -67,6 +69,23 @@ class TargetModel:
     def verify_attention(self, name: str) -> None:
         self._verify_kernel = None if name == "auto" else verify_kernel(name)
         self._verify_attention = name
+
+    @property
+    def target_step(self) -> str:
+        """How decode/verify steps run: "eager" (the default, and the reference) or "compiled"
+        (the HF forward through torch.compile, padded to token buckets, each bucket compiled
+        on a background thread the first time a step needs it, eager until then:
+        step_graph.py)."""
+        return "eager" if self.step_graph is None else "compiled"
+
+    @target_step.setter
+    def target_step(self, name: str) -> None:
+        if name not in TARGET_STEPS:
+            raise ValueError(f"unknown target step {name!r}; choose from {TARGET_STEPS}")
+        if name == "eager":
+            self.step_graph = None
+        elif self.step_graph is None:
+            self.step_graph = StepGraph(self)
 
     def step_kernel(self) -> VerifyFn | None:
         """The kernel decode/verify steps use now (None: ragged SDPA); "auto" decides per device."""
@@ -262,12 +281,16 @@ class TargetModel:
             row += n
         batch = RaggedBatch(segments, self.step_kernel())
         ids = torch.cat([t.view(-1) for t in tokens]).view(1, row).to(self.device)
-        out = self.hf(input_ids=ids, position_ids=torch.cat(positions, dim=-1).to(self.device),
-                      cache=batch, attention_mask=batch.as_mask(), use_cache=True,
-                      output_hidden_states=bool(feature_layers))
-        logits = out.logits[0].float()                                              # (N, V)
-        feats = (torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)
-                 if feature_layers else None)                                       # (N, F*H)
+        position_ids = torch.cat(positions, dim=-1).to(self.device)
+        graph = self.step_graph.forward(batch, ids, position_ids, feature_layers) if self.step_graph else None
+        if graph is not None:
+            logits, feats = graph
+        else:
+            out = self.hf(input_ids=ids, position_ids=position_ids, cache=batch, attention_mask=batch.as_mask(),
+                          use_cache=True, output_hidden_states=bool(feature_layers))
+            logits = out.logits[0].float()                                              # (N, V)
+            feats = (torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)
+                     if feature_layers else None)                                       # (N, F*H)
         result_logits, result_feats = [], []
         for state, seg in zip(states, segments):
             state.length += seg.end - seg.start

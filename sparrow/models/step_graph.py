@@ -1,0 +1,157 @@
+"""The target's decode/verify step, compiled: TargetModel.target_step "compiled".
+
+A step's forward is the HF model over the batch's packed tokens (ragged.py). Eager, a small
+model's step is mostly per-op overhead: on the 2-core CPU a 0.5k decode step of the world
+target costs ~1.3 ms eager, ~0.6 ms compiled (BENCHMARKS.md, "Compiled target steps").
+
+What is compiled is the HF model's own forward (no modeling code of ours), fullgraph, over
+a step padded to a token bucket: every shape in the graph is the bucket's. Attention is the
+one part left out: it is the opaque op `sparrow::ragged_attend` (ragged.py), which writes each
+request's keys into its own cache and attends through the step's RaggedBatch, so the batch's
+make-up (how many requests, their cache lengths, chains or trees) never reaches the graph
+and one graph serves every step whose tokens fit its bucket. The padding rows attend to
+nothing and their outputs are dropped.
+
+Compiling a bucket takes seconds (~10 s on the CPU), so no step waits for it: the first step
+of a bucket starts its compile on a background thread and runs eagerly, as do the steps
+after it until the graph is ready (the time logged at INFO). Eager stays the reference the
+compiled step is tested equal to (tests/test_step_graph.py); a bucket whose compile fails
+stays eager (logged). On CUDA the graph is inductor's kernels without CUDA graphs: the
+attention op reads the step's batch from the host, which a captured graph cannot replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from .compiling import compiled
+from .ragged import RaggedBatch, RaggedStep, current_batch
+
+log = logging.getLogger(__name__)
+
+TARGET_STEPS = ("eager", "compiled")
+# Token counts a step is padded to (a decode step of one request: 1; k = 4 verify: 8; eight
+# such requests: 64). A step with more tokens runs eagerly.
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+_STEP = RaggedStep()
+
+
+def _step_forward(hf, ids: torch.Tensor, positions: torch.Tensor, feature_layers: tuple[int, ...]):
+    """The forward a compiled step runs: logits (N, V) float and the feature layers' hidden
+    states (N, F*H) (None without layers), for ids (1, N) at positions (P, 1, N)."""
+    out = hf(input_ids=ids, position_ids=positions, cache=_STEP, attention_mask=_STEP.as_mask(), use_cache=True,
+             output_hidden_states=bool(feature_layers))
+    feats = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1) if feature_layers else None
+    return out.logits[0].float(), feats
+
+
+class StepGraph:
+    """A target's compiled steps, one graph per (token bucket, feature layers), each compiled
+    on a background thread the first time a step needs it. `forward` returns None where the
+    step runs eagerly (no bucket fits, or its graph is not ready). `target`: the TargetModel
+    (its hf model, device and family)."""
+
+    def __init__(self, target, buckets: tuple[int, ...] = TOKEN_BUCKETS, background: bool = True):
+        self.target, self.buckets, self.background = target, tuple(sorted(buckets)), background
+        self._ready: dict[tuple, object] = {}       # (bucket, layers) -> the compiled forward
+        self._asked: set[tuple] = set()             # compiling, compiled or failed
+        self.compile_seconds: dict[tuple, float] = {}
+        self.failed: dict[tuple, str] = {}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def bucket(self, tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    def forward(self, batch: RaggedBatch, ids: torch.Tensor, positions: torch.Tensor,
+                feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """ids (1, N) at positions (P, 1, N), the batch's N packed tokens, through a compiled
+        graph: (logits (N, V), features (N, F*H) or None); None: run it eagerly."""
+        n = ids.shape[1]
+        bucket = self.bucket(n)
+        if bucket is None:
+            return None
+        key = (bucket, tuple(feature_layers))
+        run = self._ready.get(key)
+        if run is None:
+            run, key = self._wider(bucket, key[1])     # a graph with more feature layers serves too
+        if run is None:
+            self._ask((bucket, tuple(feature_layers)))
+            return None
+        pad = bucket - n
+        if pad:
+            ids = torch.cat([ids, ids.new_zeros(1, pad)], dim=1)
+            positions = torch.cat([positions, positions.new_zeros(*positions.shape[:-1], pad)], dim=-1)
+        with current_batch(batch):
+            logits, feats = run(self.target.hf, ids, positions, key[1])
+        if feats is not None and key[1] != tuple(feature_layers):
+            h = feats.shape[-1] // len(key[1])
+            feats = torch.cat([feats[:, key[1].index(i) * h:(key[1].index(i) + 1) * h] for i in feature_layers],
+                              dim=-1) if feature_layers else None
+        return logits[:n], (feats[:n] if feats is not None else None)
+
+    def warm(self, tokens: tuple[int, ...], feature_layers: tuple[int, ...] = ()) -> float:
+        """Compile the buckets of these token counts now, on this thread (a server before it
+        serves; tests): the seconds it took."""
+        t0 = time.perf_counter()
+        for key in sorted({(self.bucket(n), tuple(feature_layers)) for n in tokens if self.bucket(n) is not None}):
+            with self._lock:
+                if key in self._asked:
+                    continue
+                self._asked.add(key)
+            self._compile(key)
+        return time.perf_counter() - t0
+
+    def _wider(self, bucket: int, layers: tuple[int, ...]) -> tuple[object, tuple]:
+        for key, run in list(self._ready.items()):
+            if key[0] == bucket and set(layers) <= set(key[1]):
+                return run, key
+        return None, (bucket, layers)
+
+    def _ask(self, key: tuple) -> None:
+        with self._lock:
+            if key in self._asked:
+                return
+            self._asked.add(key)
+        if not self.background:
+            self._compile(key)
+            return
+        self._jobs.put(key)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="sparrow-step-compile", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            self._compile(self._jobs.get())
+
+    @torch.inference_mode()
+    def _compile(self, key: tuple) -> None:
+        """Compile one graph and run it once on an empty batch (inductor builds its kernels on
+        the first call), so the step that first uses it pays nothing."""
+        bucket, layers = key
+        target = self.target
+        t0 = time.perf_counter()
+        try:
+            run = compiled(_step_forward, (id(target.hf), bucket, layers, str(target.device), target.hf.dtype),
+                           f"t{bucket}_f{len(layers)}_{id(target.hf):x}", target.device, cuda_graphs=False)
+            ids = torch.zeros(1, bucket, dtype=torch.long, device=target.device)
+            positions = target.family.step_positions(0, bucket, 0).to(target.device)
+            with current_batch(RaggedBatch([])):
+                run(target.hf, ids, positions, layers)
+        except Exception as e:          # a graph that cannot be built: that bucket stays eager
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            log.warning("the target step for %d tokens could not be compiled, it stays eager: %s", bucket,
+                        self.failed[key])
+            return
+        self.compile_seconds[key] = time.perf_counter() - t0
+        self._ready[key] = run
+        log.info("target step compiled for %d tokens (%d feature layers, %s %s) in %.1f s", bucket, len(layers),
+                 target.device.type, target.hf.dtype, self.compile_seconds[key])
