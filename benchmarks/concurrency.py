@@ -77,7 +77,7 @@ from benchmarks.concurrency_prefill import prefill_scenario  # noqa: E402
 from benchmarks.concurrency_report import merge, report, summarize, summarize_scenario  # noqa: E402
 from benchmarks.concurrency_streams import Trace, engine_call, grpc_call, run_configuration  # noqa: E402
 from benchmarks.concurrency_videos import Video, cache_prefills, make_videos  # noqa: E402
-from benchmarks.engines import BenchConfig, Models, build_engine  # noqa: E402
+from benchmarks.engines import BenchConfig, Models, build_engine, compile_target_steps  # noqa: E402
 from benchmarks.identity import first_difference  # noqa: E402
 from benchmarks.machine import describe_target, machine as describe_machine  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
@@ -111,6 +111,8 @@ def run_benchmark(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) ->
     shared = new_cache() if cfg.share_prefill else None
     engines = {m: build_engine(m, models, spec_cfg, shared if shared is not None and m != "specvlm" else new_cache(),
                                keyed_videos=entries) for m in cfg.methods}
+    if cfg.target_step == "compiled":       # a step of every stream's k + 1 tokens, or its tree
+        compile_target_steps(models.target, engines, cfg.streams[-1] * max(cfg.k + 1, 1 + cfg.tree[2]), log)
     result = {"runs": [], "prefill_scenario": [], "mismatches": []}
     with contextlib.ExitStack() as stack:
         clients = {}
@@ -238,7 +240,7 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
         streams=_ints(args.streams) if args.streams else (1, 2) if tiny else (1, 2, 4, 8) if quick else defaults.streams,
         tokens=args.tokens or (8 if tiny else 32 if quick else defaults.tokens), reps=reps,
         temperatures=tuple(float(x) for x in args.temperatures.split(",")), share_prefill=args.share_prefill,
-        stop_at_eos=args.stop_at_eos,
+        stop_at_eos=args.stop_at_eos, target_step=args.target_step,
         methods=_names(args.methods), paths=_names(args.paths), k=args.k, seed=args.seed,
         tree=tuple(int(x) for x in args.tree.split(",")),
         prefill_video=prefill, prefill_streams=args.prefill_streams or (2 if tiny else defaults.prefill_streams),
@@ -283,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                          "runs --tokens, past the answer's end")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="torch intra-op threads (default: every core, as a server would run)")
+    ap.add_argument("--target-step", choices=("eager", "compiled"), default="eager",
+                    help="the target's decode/verify steps (TargetModel.target_step); compiled: built before timing")
     ap.add_argument("--out", help="write the --section section of this markdown file")
     ap.add_argument("--section", default="concurrency", help="its marker key (default concurrency)")
     ap.add_argument("--title", default="Concurrent streams (world models): batched plain vs batched Sparrow")

@@ -39,6 +39,7 @@ class ConcurrencyConfig:
     # A stream ends at the answer's end-of-turn (or `tokens`), as a user's does; False: every
     # stream runs `tokens` (past the answer's end: text the draft was never trained on)
     stop_at_eos: bool = False
+    target_step: str = "eager"           # TargetModel.target_step; "compiled": every bucket built before timing
 
     def __post_init__(self) -> None:
         if not self.streams or list(self.streams) != sorted(set(self.streams)) or self.streams[0] < 1:

@@ -65,6 +65,7 @@ class BenchConfig:
     methods: tuple[str, ...] = tuple(m for m in METHODS if m not in ("sparrow-fixed", "sparrow-tree-auto", "sparrow-text"))
     seed: int = BENCH_SEED
     warmup_tokens: int = 8           # one untimed request per method first (0: none)
+    target_step: str = "eager"       # TargetModel.target_step; "compiled": every bucket built before timing
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -162,3 +163,16 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
         return Engine(target, models.draft(f"bench/ablation/{kind}"), _spec(cfg, draft_context=ABLATIONS[kind]),
                       prefix_cache=cache)
     raise ValueError(name)
+
+
+def compile_target_steps(target: TargetModel, engines: dict[str, Engine], max_tokens: int, log=print) -> None:
+    """The target's steps compiled (TargetModel.target_step "compiled"), every graph a run of
+    up to `max_tokens` a step can use built now, so compile time stays out of the figures: one
+    per token bucket, without features (plain decoding) and with each drafting engine's."""
+    target.target_step = "compiled"
+    layers = {()} | {e.proposer.needs.feature_layers for e in engines.values()
+                     if e.proposer is not None and e.target is target}
+    tokens = tuple(range(1, max_tokens + 1))
+    seconds = sum(target.step_graph.warm(tokens, tuple(lay)) for lay in sorted(layers))
+    log(f"target steps compiled: {len(target.step_graph.compile_seconds)} graphs in {seconds:.0f} s"
+        + (f" ({len(target.step_graph.failed)} failed, eager)" if target.step_graph.failed else ""))

@@ -51,7 +51,7 @@ import torch  # noqa: E402
 
 from benchmarks.cli import parse_videos, run_timed  # noqa: E402
 from benchmarks.engines import (BENCH_SEED, METHODS, QUICK_LADDER, BenchConfig, Models, Skip,  # noqa: E402
-                               build_engine)
+                               build_engine, compile_target_steps)
 from benchmarks.identity import first_difference  # noqa: E402
 from benchmarks.machine import describe_target, machine  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
@@ -95,6 +95,8 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
         except Skip as e:
             skipped[name] = str(e)
             log(f"skip {name}: {e}")
+    if cfg.target_step == "compiled":
+        compile_target_steps(target, engines, max(cfg.k + 1, 1 + cfg.tree[2]), log)
     runs, videos, mismatches = [], [], []
     warmup = cfg.warmup_tokens
     for rep in range(cfg.reps):
@@ -244,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the 'speculative' section of this markdown file")
     ap.add_argument("--plot", default="benchmarks/speculative.png", help="PNG written with --out")
     ap.add_argument("--json", default=None, help="raw results")
+    ap.add_argument("--target-step", choices=("eager", "compiled"), default="eager",
+                    help="the target's decode/verify steps (TargetModel.target_step); compiled: built before timing")
     ap.add_argument("--gpu", action="store_true", help="also time a 7B-shaped target on CUDA (projection)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -256,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         reps=args.reps or (2 if q else 5), max_new_tokens=args.max_new_tokens or (48 if q else 96),
         k=args.k, glimpse=args.glimpse, window=args.window, anchors=args.anchors,
         tree=tuple(int(x) for x in args.tree.split(",")),
-        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), seed=args.seed)
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), seed=args.seed,
+        target_step=args.target_step)
     result = run_timed(lambda: run_benchmark(cfg))
     if result is None:
         return 2

@@ -13,7 +13,9 @@ within each repetition (a shared machine's load moves all of them alike). --cloc
 the CPU time of the calling thread (with one torch thread a step runs on it alone), which
 leaves out time that other processes take on a loaded machine. --prefix runs each path once per
 CPU prefix implementation of the packed path (kernels/cpu_prefix.py: "kernel", the compiled
-kernel; "torch", torch's CPU flash-attention op), labelled path:prefix, interleaved the same way.
+kernel; "torch", torch's CPU flash-attention op), labelled path:prefix, interleaved the same way;
+--target-step eager,compiled each path once per target step (TargetModel.target_step), labelled
+path@step.
 
 The ratio verify / decode bounds any draft's speedup: with tau tokens emitted per step, a
 perfect-draft speedup is at most tau * decode / (verify + draft). It is what the tree's node
@@ -60,15 +62,18 @@ def prefills(target: TargetModel, videos_at: list[tuple[int, int]], new_tokens: 
 
 
 def step_times(target: TargetModel, state, paths: list[str], sizes: list[int], reps: int, tree: bool,
-               clock) -> dict[tuple[str, int], float]:
+               clock, graph=None) -> dict[tuple[str, int], float]:
     """Median ms of one step per (path, tokens), paths and sizes interleaved in every repetition
-    (the first two repetitions are warm-up)."""
+    (the first two repetitions are warm-up); a path@compiled runs through `graph` (a StepGraph)."""
     token = int(target.tokenizer.convert_tokens_to_ids("the"))
     times: dict[tuple[str, int], list[float]] = {(p, n): [] for p in paths for n in sizes}
     for _ in range(reps + 2):
         for path in paths:
-            attention, _, prefix = path.partition(":")
+            path_prefix, _, step = path.partition("@")
+            attention, _, prefix = path_prefix.partition(":")
             target.verify_attention = attention
+            if graph is not None:
+                target.step_graph = graph if step == "compiled" else None
             cpu_prefix.IMPL = prefix or cpu_prefix.IMPL
             for n in sizes:
                 shape = [binary_tree(n - 1)] if tree and n > 2 else None
@@ -91,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     ap.add_argument("--prefix", help="comma list of CPU prefix implementations for the packed path "
                                      "(kernel, torch), each run with every --attention path")
+    ap.add_argument("--target-step", default="eager",
+                    help="comma list of target steps (eager, compiled: TargetModel.target_step), each run with "
+                         "every path, labelled path@step; compiled graphs are built before timing")
     ap.add_argument("--out", help="BENCHMARKS.md to write the section into")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -103,13 +111,23 @@ def main(argv: list[str] | None = None) -> None:
         paths = [f"{p}:{x.strip()}" for p in paths for x in args.prefix.split(",") if x.strip()]
         if "kernel" in args.prefix and cpu_prefix.load() is not None:   # built before any timing
             print(f"CPU prefix kernel ready in {cpu_prefix.EXTENSION.build_seconds:.1f} s", flush=True)
+    steps = [x.strip() for x in args.target_step.split(",") if x.strip()]
+    if set(steps) - {"eager", "compiled"}:
+        ap.error(f"--target-step: eager or compiled, not {args.target_step!r}")
+    if steps != ["eager"]:
+        paths = [f"{p}@{step}" for p in paths for step in steps]
+    graph = None
+    if "compiled" in steps:
+        target.target_step = "compiled"
+        graph = target.step_graph
+        print(f"target steps compiled in {graph.warm(tuple(sizes)):.0f} s", flush=True)
     videos_at = [tuple(int(x) for x in part.split("x")) for part in args.videos_at.split(",")]
     rows = ["| visual tokens | draft | attention | " + " | ".join(f"{n} tokens" for n in sizes) + " |",
             "|---|---|---|" + "---|" * len(sizes)]
     for video, pre in prefills(target, videos_at, max(sizes) + 8):
         for tree in (False, True):
             kind = "tree" if tree else "chain"
-            ms = step_times(target, pre.state, paths, sizes, args.reps, tree, CLOCKS[args.clock])
+            ms = step_times(target, pre.state, paths, sizes, args.reps, tree, CLOCKS[args.clock], graph)
             base = ms[(paths[0], sizes[0])]
             for path in paths:
                 cells = [f"{ms[(path, n)]:.2f} ms ({ms[(path, n)] / base:.2f}x)" for n in sizes]
