@@ -38,7 +38,8 @@ def app_settings(args: argparse.Namespace):
         SpecConfig(num_draft_tokens=args.k, draft_step=args.draft_step),
         spec_given=frozenset() if args.k is None else frozenset({"num_draft_tokens"}),
         service=service, target_deployment=deployments.get("target", {}), draft_deployment=deployments.get("draft", {}),
-        dtype=args.dtype, device=args.device, device_map=args.device_map, verify_attention=args.verify_attention)
+        dtype=args.dtype, device=args.device, device_map=args.device_map, verify_attention=args.verify_attention,
+        target_step=args.target_step)
 
 
 def _target_spec(args: argparse.Namespace) -> str:
@@ -68,6 +69,7 @@ def _draft_spec(args: argparse.Namespace) -> str | None:
 def models_line(settings) -> str:
     """What a server says at startup about the models it serves."""
     target = settings.target + (" (RANDOM WEIGHTS: answers are noise)" if settings.target.startswith("tiny:") else "")
+    target += f", {settings.target_step} target steps"
     if settings.draft is None:
         return f"sparrow: models: target {target}; no draft (plain decoding)"
     draft = settings.draft + (" (random)" if settings.draft.startswith("tiny") else "")
@@ -180,8 +182,13 @@ def add_command(sub, common) -> None:
     add_placement_arguments(p, device_map=True)
     from sparrow.models.ragged import VERIFY_KERNELS
     p.add_argument("--verify-attention", choices=("auto", "sdpa", *VERIFY_KERNELS), default="auto",
-                   help="decode/verify attention over the cache: auto (Triton split-KV on CUDA, ragged SDPA on "
-                        "CPU), sdpa, split or triton")
+                   help="decode/verify attention over the cache: auto (Triton split-KV on CUDA, packed on a CPU), "
+                        "packed, sdpa, split or triton")
+    from sparrow.models.step_graph import TARGET_STEPS
+    p.add_argument("--target-step", choices=TARGET_STEPS, default="eager",
+                   help="how the target's decode/verify steps run: eager (default) or compiled (torch.compile, one "
+                        "graph per token bucket, each compiled on a background thread the first time a step needs "
+                        "it, ~5-10 s on a CPU, logged; eager until then)")
     p.add_argument("--cache", default="memory", help="state cache: memory or redis://host:port/db")
     p.add_argument("--media-root", help="directory the server may read video paths from (default: no paths)")
     p.add_argument("--allow-url-scheme", action="append", default=[], help="http, https or rtsp (repeat)")

@@ -14,6 +14,7 @@ from sparrow.models.placement import check_placement
 from sparrow.kernels import cpu_prefix
 from sparrow.kernels import draft_chain
 from sparrow.models.ragged import VERIFY_KERNELS
+from sparrow.models.step_graph import TARGET_STEPS
 from sparrow.prefix_cache import PrefixCache
 from sparrow.speculative.sparrow_proposer import SparrowProposer
 from sparrow.state_cache import StateCache, open_cache
@@ -66,10 +67,15 @@ class AppSettings:
     # Decode/verify attention over the cache (TargetModel.verify_attention): auto (the Triton
     # split-KV kernel on CUDA, "packed" on CPU), packed, sdpa, split or triton.
     verify_attention: str = "auto"
+    # How decode/verify steps run (TargetModel.target_step): eager, or compiled (each token
+    # bucket compiled on a background thread the first time a step needs it; eager until then).
+    target_step: str = "eager"
 
     def __post_init__(self) -> None:
         if self.verify_attention not in VERIFY_ATTENTION:
             raise ValueError(f"verify_attention must be one of {VERIFY_ATTENTION}, got {self.verify_attention!r}")
+        if self.target_step not in TARGET_STEPS:
+            raise ValueError(f"target_step must be one of {TARGET_STEPS}, got {self.target_step!r}")
         if self.draft_placement not in PLACEMENTS:
             raise ValueError(f"draft_placement must be one of {PLACEMENTS}, got {self.draft_placement!r}")
         check_placement(self.dtype, self.device, self.device_map)
@@ -106,6 +112,7 @@ def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, Stat
 
     target = load_target(settings.target, settings.dtype, settings.device, settings.device_map)
     target.verify_attention = settings.verify_attention
+    target.target_step = settings.target_step
     if settings.draft is not None and target.device.type == "cpu" and settings.verify_attention in ("auto", "packed"):
         cpu_prefix.start_loading()       # the verify kernel builds while the server starts (kernels/cpu_prefix.py)
     if settings.draft is not None and target.device.type == "cpu":

@@ -67,6 +67,10 @@ def test_serve_flags_become_settings():
     compiled = app_settings(build_parser().parse_args(["serve", "--draft-step", "compiled", "--k", "3"]))
     assert (compiled.spec.draft_step, compiled.spec.num_draft_tokens) == ("compiled", 3)
     assert "compiled draft steps" in models_line(compiled)
+    assert defaults.target_step == "eager"
+    assert app_settings(build_parser().parse_args(["serve", "--target-step", "compiled"])).target_step == "compiled"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--target-step", "fast"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--verify-attention", "flash"])
     with pytest.raises(SystemExit):
@@ -77,7 +81,7 @@ def test_serve_flags_become_settings():
 
 
 @pytest.mark.parametrize("bad", [dict(dtype="float8"), dict(device="gpu0"), dict(device_map="everywhere"),
-                                 dict(verify_attention="flash")])
+                                 dict(verify_attention="flash"), dict(target_step="fast")])
 def test_bad_placement_settings_are_refused(bad):
     with pytest.raises((InvalidRequest, ValueError)):
         AppSettings(target="tiny:qwen2_5_vl", **bad)

@@ -21,7 +21,7 @@ import sparrow.models.step_graph as step_graph
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models.step_graph import StepGraph
 from sparrow.speculative.tree import DraftTree
-from sparrow.tiny import tiny_draft
+from sparrow.tiny import tiny_draft, tiny_target
 
 PROMPT = "What happens in the video?"
 BUCKETS = (1, 8, 16)          # a decode step, a k <= 7 chain or a small tree, the ragged batch below
@@ -68,6 +68,15 @@ def test_a_ragged_batch_through_the_graph_is_the_eager_step(eager_after, small_v
     assert runs and runs[-1] is not None                 # the compiled graph ran, padded 11 -> 16
     for g, w in zip(got[0] + got[1], want[0] + want[1]):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_a_fresh_model_compiles_with_features_before_any_eager_step():
+    """A model's first forward that asks for hidden states installs transformers' hooks (under a
+    lock dynamo cannot trace): a graph with feature layers built before any eager step."""
+    target = tiny_target("qwen2_5_vl", seed=5)
+    graph = _graph(target)
+    graph.warm((1,), LAYERS)
+    assert (1, LAYERS) in graph.compile_seconds, graph.failed
 
 
 def test_greedy_through_compiled_steps_is_hf_greedy(eager_after, small_video):

@@ -140,11 +140,14 @@ class StepGraph:
         target = self.target
         t0 = time.perf_counter()
         try:
-            run = compiled(_step_forward, (id(target.hf), bucket, layers, str(target.device), target.hf.dtype),
-                           f"t{bucket}_f{len(layers)}_{id(target.hf):x}", target.device, cuda_graphs=False)
             ids = torch.zeros(1, bucket, dtype=torch.long, device=target.device)
             positions = target.family.step_positions(0, bucket, 0).to(target.device)
             with current_batch(RaggedBatch([])):
+                # Eagerly first: transformers installs its hidden-state hooks on a model's first
+                # forward that asks for them, under a lock that dynamo cannot trace.
+                _step_forward(target.hf, ids, positions, layers)
+                run = compiled(_step_forward, (id(target.hf), bucket, layers, str(target.device), target.hf.dtype),
+                               f"t{bucket}_f{len(layers)}_{id(target.hf):x}", target.device, cuda_graphs=False)
                 run(target.hf, ids, positions, layers)
         except Exception as e:          # a graph that cannot be built: that bucket stays eager
             self.failed[key] = f"{type(e).__name__}: {e}"
