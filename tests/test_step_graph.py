@@ -11,6 +11,7 @@ what it does not know.
 """
 
 import logging
+import threading
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from helpers import OracleProposer
 
 import sparrow.models.step_graph as step_graph
 from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.models.compiling import COMPILE_LOCK
 from sparrow.models.step_graph import StepGraph
 from sparrow.speculative.tree import DraftTree
 from sparrow.tiny import tiny_draft, tiny_target
@@ -99,6 +101,7 @@ def test_greedy_through_compiled_steps_is_hf_greedy(eager_after, small_video):
     out = Engine(target, tiny_draft(target, seed=1), tree).generate(small_video, PROMPT, sampling)
     assert out.token_ids == reference and out.metrics.draft_tokens > 0
     assert set(graph.compile_seconds) == {(1, LAYERS), (8, LAYERS)} and not graph.failed
+    assert not graph.guard_misses           # the engine's steps fit the graphs warm() built: none ran eagerly
 
 
 def test_a_seeded_sample_through_compiled_steps_is_the_eager_engines(qwen_target, small_video):
@@ -141,6 +144,52 @@ def test_steps_run_eagerly_until_the_background_compile_is_ready(qwen_target, sm
             assert calls[-1] is None and graph.bucket(3) is None
         assert "target step compiled for 2 tokens" in caplog.text
     finally:
+        target.target_step = "eager"
+
+
+def test_a_step_runs_eagerly_while_a_graph_compiles_or_when_its_guards_fail(qwen_target, small_video, caplog):
+    """No step compiles in line: while another thread compiles (it holds COMPILE_LOCK) and when
+    the model changed under a graph (train mode: dynamo's guards fail), the step runs eagerly;
+    back as it was, the graph runs again."""
+    target = qwen_target
+    engine = Engine(target, spec=SpecConfig(method="none"))
+    inputs = engine.prepare(small_video, PROMPT)
+    state = target.prefill(inputs, inputs["input_ids"].shape[1] + 8).state
+    graph = _graph(target)
+    graph.warm((1,))
+    calls = []
+    real = graph.forward
+    graph.forward = lambda *a: calls.append(real(*a)) or calls[-1]
+
+    def step():
+        target.verify([state], [torch.tensor([3])])
+        target.rollback(state, 1)
+    try:
+        step()
+        assert calls[-1] is not None
+        held, done = threading.Event(), threading.Event()
+
+        def compiling():
+            with COMPILE_LOCK:
+                held.set()
+                done.wait(30)
+        other = threading.Thread(target=compiling)
+        other.start()
+        held.wait(30)
+        step()
+        done.set()
+        other.join()
+        assert calls[-1] is None
+        target.hf.train()
+        with caplog.at_level(logging.WARNING, logger=step_graph.__name__):
+            step()
+        assert calls[-1] is None and graph.guard_misses == {(1, ()): 1}
+        assert "runs eagerly (no recompile in line)" in caplog.text
+        target.hf.eval()
+        step()
+        assert calls[-1] is not None
+    finally:
+        target.hf.eval()
         target.target_step = "eager"
 
 

@@ -8,12 +8,19 @@ shape share its graph.
 
 from __future__ import annotations
 
+import threading
 import types
 from typing import Callable
 
 import torch
 
 _COMPILED: dict[tuple, Callable] = {}
+
+# Held while a graph compiles (its first call), by whoever compiles. A compiled target step
+# runs under dynamo's process-wide "fail_on_recompile" stance, and only while it holds this
+# lock (step_graph.py): so no compile elsewhere fails for its stance, and a step whose inputs
+# fail its graph's guards runs eagerly instead of recompiling in line.
+COMPILE_LOCK = threading.RLock()
 
 # Inductor on a CPU: a small model's step is kernels of microseconds, so the generated
 # wrapper's own cost is a large share of a call: its shape checks go (shapes are fixed per

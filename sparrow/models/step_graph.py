@@ -12,11 +12,14 @@ make-up (how many requests, their cache lengths, chains or trees) never reaches 
 and one graph serves every step whose tokens fit its bucket. The padding rows attend to
 nothing and their outputs are dropped.
 
-Compiling a bucket takes seconds (~10 s on the CPU), so no step waits for it: the first step
+Compiling a bucket takes seconds (~5-10 s on the CPU), so no step waits for it: the first step
 of a bucket starts its compile on a background thread and runs eagerly, as do the steps
-after it until the graph is ready (the time logged at INFO). Eager stays the reference the
-compiled step is tested equal to (tests/test_step_graph.py); a bucket whose compile fails
-stays eager (logged). On CUDA the graph is inductor's kernels without CUDA graphs: the
+after it until the graph is ready (the time logged at INFO). A graph runs under dynamo's
+"fail_on_recompile" stance, so a step whose inputs fail its guards (a model changed under it)
+runs eagerly instead of recompiling in line (logged once); that stance is process-wide, so
+steps run eagerly while any graph compiles (compiling.COMPILE_LOCK). Eager stays the
+reference the compiled step is tested equal to (tests/test_step_graph.py); a bucket whose
+compile fails stays eager (logged). On CUDA the graph is inductor's kernels without CUDA graphs: the
 attention op reads the step's batch from the host, which a captured graph cannot replay.
 """
 
@@ -29,7 +32,7 @@ import time
 
 import torch
 
-from .compiling import compiled
+from .compiling import COMPILE_LOCK, compiled
 from .ragged import RaggedBatch, RaggedStep, current_batch
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ class StepGraph:
         self._asked: set[tuple] = set()             # compiling, compiled or failed
         self.compile_seconds: dict[tuple, float] = {}
         self.failed: dict[tuple, str] = {}
+        self.guard_misses: dict[tuple, int] = {}    # steps a graph's guards refused (they ran eagerly)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -89,8 +93,21 @@ class StepGraph:
         if pad:
             ids = torch.cat([ids, ids.new_zeros(1, pad)], dim=1)
             positions = torch.cat([positions, positions.new_zeros(*positions.shape[:-1], pad)], dim=-1)
-        with current_batch(batch):
-            logits, feats = run(self.target.hf, ids, positions, key[1])
+        if not COMPILE_LOCK.acquire(blocking=False):
+            return None                                 # a graph is compiling: this step runs eagerly
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"), current_batch(batch):
+                logits, feats = run(self.target.hf, ids.contiguous(), positions.contiguous(), key[1])
+        except RuntimeError as e:
+            if "fail_on_recompile" not in str(e):
+                raise
+            if key not in self.guard_misses:            # its guards failed before it ran: nothing written
+                log.warning("the compiled target step for %d tokens does not fit this step's inputs, so the step "
+                            "runs eagerly (no recompile in line): %s", bucket, str(e).splitlines()[-1].strip())
+            self.guard_misses[key] = self.guard_misses.get(key, 0) + 1
+            return None
+        finally:
+            COMPILE_LOCK.release()
         if feats is not None and key[1] != tuple(feature_layers):
             h = feats.shape[-1] // len(key[1])
             feats = torch.cat([feats[:, key[1].index(i) * h:(key[1].index(i) + 1) * h] for i in feature_layers],
@@ -141,8 +158,8 @@ class StepGraph:
         t0 = time.perf_counter()
         try:
             ids = torch.zeros(1, bucket, dtype=torch.long, device=target.device)
-            positions = target.family.step_positions(0, bucket, 0).to(target.device)
-            with current_batch(RaggedBatch([])):
+            positions = target.family.step_positions(0, bucket, 0).to(target.device).contiguous()   # as forward's
+            with COMPILE_LOCK, current_batch(RaggedBatch([])):
                 # Eagerly first: transformers installs its hidden-state hooks on a model's first
                 # forward that asks for them, under a lock that dynamo cannot trace.
                 _step_forward(target.hf, ids, positions, layers)

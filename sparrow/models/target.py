@@ -40,6 +40,7 @@ class TargetModel:
             raise InvalidRequest(f"unsupported target model type {hf.config.model_type!r}; "
                                  f"supported: {sorted(FAMILIES)}")
         self.hf = hf.eval()
+        self._first_param = next(hf.parameters())
         if getattr(hf.config.get_text_config(), "_attn_implementation", None) == "sdpa":
             hf.set_attn_implementation({"text_config": gqa.NAME})   # verify steps without K/V copies (gqa.py)
         self.tokenizer = tokenizer
@@ -157,7 +158,10 @@ class TargetModel:
 
     @property
     def device(self) -> torch.device:
-        return self.hf.device
+        """Where the model's first parameter is (transformers' `device` walks every parameter,
+        ~20 us, and steps ask several times; `Module.to` moves parameters in place, so this one
+        follows the model)."""
+        return self._first_param.device
 
     def embed_tokens(self) -> torch.nn.Module:
         return self.hf.get_input_embeddings()
