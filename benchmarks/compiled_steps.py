@@ -79,7 +79,7 @@ def run_benchmark(videos, reps: int, seed: int, max_new_tokens: int, models_dir:
 def report(result: dict) -> str:
     def spread(xs):
         return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
-    lines = [f"Machine: {result['machine']}, load average {result['load'][0]:.1f} at the end. World pair, one torch "
+    lines = [f"Machine: {result['machine']}; load average {result['load'][0]:.1f} at the end. World pair, one torch "
              "thread, T = 0, answers to their end of turn; per length min / median / max over the videos. "
              "Every run's tokens equal eager plain decoding's." if not result["mismatches"] else "MISMATCHES", "",
              "| visual tokens | run | decode ms/token | speedup over eager plain | Sparrow / plain, same steps |",

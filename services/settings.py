@@ -69,6 +69,7 @@ class AppSettings:
     verify_attention: str = "auto"
     # How decode/verify steps run (TargetModel.target_step): eager, or compiled (each token
     # bucket compiled on a background thread the first time a step needs it; eager until then).
+    # `sparrow serve` passes compiled (a long-lived server); built in code, eager unless asked.
     target_step: str = "eager"
 
     def __post_init__(self) -> None:

@@ -67,8 +67,8 @@ def test_serve_flags_become_settings():
     compiled = app_settings(build_parser().parse_args(["serve", "--draft-step", "compiled", "--k", "3"]))
     assert (compiled.spec.draft_step, compiled.spec.num_draft_tokens) == ("compiled", 3)
     assert "compiled draft steps" in models_line(compiled)
-    assert defaults.target_step == "eager"
-    assert app_settings(build_parser().parse_args(["serve", "--target-step", "compiled"])).target_step == "compiled"
+    assert defaults.target_step == "compiled"            # a server compiles its steps; --target-step eager does not
+    assert app_settings(build_parser().parse_args(["serve", "--target-step", "eager"])).target_step == "eager"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--target-step", "fast"])
     with pytest.raises(SystemExit):
