@@ -149,8 +149,8 @@ def test_steps_run_eagerly_until_the_background_compile_is_ready(qwen_target, sm
 
 def test_a_step_runs_eagerly_while_a_graph_compiles_or_when_its_guards_fail(qwen_target, small_video, caplog):
     """No step compiles in line: while another thread compiles (it holds COMPILE_LOCK) and when
-    the model changed under a graph (train mode: dynamo's guards fail), the step runs eagerly;
-    back as it was, the graph runs again."""
+    the model changed under a graph (train mode), the step runs eagerly; back as it was, the
+    graph runs again."""
     target = qwen_target
     engine = Engine(target, spec=SpecConfig(method="none"))
     inputs = engine.prepare(small_video, PROMPT)

@@ -24,6 +24,9 @@ class PreallocatedLayer(DynamicLayer):
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        # (arena keys, arena values, first position) when the buffers are a KVArena slot's views:
+        # a ragged step writes every request's new rows of a layer in one copy (ragged.py)
+        self.arena: tuple[torch.Tensor, torch.Tensor, int] | None = None
         if k_buf is not None:
             self.k_buf, self.v_buf = k_buf, v_buf
             self.dtype, self.device = k_buf.dtype, k_buf.device
@@ -40,14 +43,24 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
+        end = self.room(n)
+        self.k_buf[:, :, self.length:end].copy_(key_states)
+        self.v_buf[:, :, self.length:end].copy_(value_states)
+        return self.advance(n)
+
+    def room(self, n: int) -> int:
+        """Where n more rows would end; an error past the capacity (nothing written)."""
         end = self.length + n
         if end > self.capacity:
             raise RuntimeError(f"KV cache capacity {self.capacity} exceeded (need {end})")
-        self.k_buf[:, :, self.length:end].copy_(key_states)
-        self.v_buf[:, :, self.length:end].copy_(value_states)
-        self.length = end
-        self.keys = self.k_buf[:, :, :end]      # views, no copy
-        self.values = self.v_buf[:, :, :end]
+        return end
+
+    def advance(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The n rows after the fill length are written (by `update`, or in place by a ragged
+        step's one copy): they join the cache; its keys and values, as views."""
+        self.length += n
+        self.keys = self.k_buf[:, :, :self.length]      # views, no copy
+        self.values = self.v_buf[:, :, :self.length]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -141,6 +154,8 @@ class KVSlot:
         end = start + capacity
         self.cache = Cache(layers=[PreallocatedLayer(capacity, k[:, :, start:end], v[:, :, start:end])
                                    for k, v in zip(arena.keys, arena.values)])
+        for layer, k, v in zip(self.cache.layers, arena.keys, arena.values):
+            layer.arena = (k, v, start)
         self.released = False
 
     def release(self) -> None:

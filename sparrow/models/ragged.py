@@ -89,13 +89,23 @@ class RaggedBatch(Cache):
         self._prefix: list[torch.Tensor] | None = None
         self._host = _host_args(kernel) if kernel is not None else ()
         self._one_call = _one_call(kernel) if kernel is not None else None
+        self._slots: torch.Tensor | bool | None = None      # _arena_positions, once a step
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states: (1, Hkv, N_total, D). Each request's rows go to its own cache."""
-        self._views[layer_idx] = [
-            seg.cache.layers[layer_idx].update(key_states[:, :, seg.start:seg.end],
-                                               value_states[:, :, seg.start:seg.end])
-            for seg in self.segments]
+        """key/value_states: (1, Hkv, N_total, D). Each request's rows go to its own cache: where
+        every cache is a slot of one KV arena, in one copy into the arena per layer."""
+        layers = [seg.cache.layers[layer_idx] for seg in self.segments]
+        if self._slots is None:
+            self._slots = _arena_positions(layers, self.segments, key_states)
+        if self._slots is False:
+            self._views[layer_idx] = [layer.update(key_states[:, :, seg.start:seg.end], value_states[:, :, seg.start:seg.end])
+                                      for layer, seg in zip(layers, self.segments)]
+        else:
+            keys, values, _ = layers[0].arena
+            n = self._slots.shape[0]
+            keys.index_copy_(2, self._slots, key_states[:, :, :n])
+            values.index_copy_(2, self._slots, value_states[:, :, :n])
+            self._views[layer_idx] = [layer.advance(seg.end - seg.start) for layer, seg in zip(layers, self.segments)]
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -136,6 +146,24 @@ class RaggedBatch(Cache):
     def as_mask(self) -> dict[str, "RaggedBatch"]:
         """The `attention_mask` argument: transformers uses a dict as prepared masks, per layer type."""
         return {"full_attention": self, "sliding_attention": self}
+
+
+def _arena_positions(layers: list, segments: list[RaggedSegment], new: torch.Tensor) -> torch.Tensor | bool:
+    """The arena positions a step's packed rows go to (every layer alike: a request's layers
+    have one fill length), when every cache is a slot of one arena and the rows follow one
+    another from 0, in the arena's dtype (`new`: the first layer's new keys); False otherwise
+    (each cache writes its own rows). Checks every request's room first: nothing is written
+    past a slot."""
+    homes = [getattr(layer, "arena", None) for layer in layers]
+    if not layers or any(h is None or h[0] is not homes[0][0] for h in homes) or segments[0].start != 0 or any(
+            a.end != b.start for a, b in zip(segments, segments[1:])) or homes[0][0].dtype != new.dtype:
+        return False
+    positions = []
+    for layer, seg, (_, _, first) in zip(layers, segments, homes):
+        layer.room(seg.end - seg.start)
+        at = first + layer.length
+        positions.append(torch.arange(at, at + seg.end - seg.start))
+    return torch.cat(positions).to(new.device)
 
 
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None,

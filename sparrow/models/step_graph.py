@@ -15,9 +15,11 @@ nothing and their outputs are dropped.
 Compiling a bucket takes seconds (~5-10 s on the CPU), so no step waits for it: the first step
 of a bucket starts its compile on a background thread and runs eagerly, as do the steps
 after it until the graph is ready (the time logged at INFO). A graph runs under dynamo's
-"fail_on_recompile" stance, so a step whose inputs fail its guards (a model changed under it)
-runs eagerly instead of recompiling in line (logged once); that stance is process-wide, so
-steps run eagerly while any graph compiles (compiling.COMPILE_LOCK). Eager stays the
+"fail_on_recompile" stance without evaluating dynamo's guards (they cost a quarter of a decode
+step): its inputs are made as its compile's were, and a model changed under it (train mode,
+dtype, device, replaced weights) is checked by hand; such a step runs eagerly instead of
+recompiling in line (logged once). The stance is process-wide, so steps run eagerly while any
+graph compiles (compiling.COMPILE_LOCK). Eager stays the
 reference the compiled step is tested equal to (tests/test_step_graph.py); a bucket whose
 compile fails stays eager (logged). On CUDA the graph is inductor's kernels without CUDA graphs: the
 attention op reads the step's batch from the host, which a captured graph cannot replay.
@@ -66,7 +68,8 @@ class StepGraph:
         self._asked: set[tuple] = set()             # compiling, compiled or failed
         self.compile_seconds: dict[tuple, float] = {}
         self.failed: dict[tuple, str] = {}
-        self.guard_misses: dict[tuple, int] = {}    # steps a graph's guards refused (they ran eagerly)
+        self.guard_misses: dict[tuple, int] = {}    # steps a graph did not fit (they ran eagerly)
+        self._states: dict[tuple, tuple] = {}       # key -> _model_state() when it was compiled
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -93,19 +96,21 @@ class StepGraph:
         if pad:
             ids = torch.cat([ids, ids.new_zeros(1, pad)], dim=1)
             positions = torch.cat([positions, positions.new_zeros(*positions.shape[:-1], pad)], dim=-1)
+        if self._model_state() != self._states[key]:
+            return self._miss(key, "the model changed since its graph was compiled (train mode, dtype, device or "
+                                   "weights replaced)")
         if not COMPILE_LOCK.acquire(blocking=False):
             return None                                 # a graph is compiling: this step runs eagerly
         try:
-            with torch.compiler.set_stance("fail_on_recompile"), current_batch(batch):
+            # Dynamo's guards (~0.2 ms a call, a quarter of a decode step) are not evaluated: a
+            # graph's copy has one entry, its inputs are made as its compile's were, and what
+            # they would catch of the model is checked above (_model_state).
+            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True), current_batch(batch):
                 logits, feats = run(self.target.hf, ids.contiguous(), positions.contiguous(), key[1])
         except RuntimeError as e:
             if "fail_on_recompile" not in str(e):
                 raise
-            if key not in self.guard_misses:            # its guards failed before it ran: nothing written
-                log.warning("the compiled target step for %d tokens does not fit this step's inputs, so the step "
-                            "runs eagerly (no recompile in line): %s", bucket, str(e).splitlines()[-1].strip())
-            self.guard_misses[key] = self.guard_misses.get(key, 0) + 1
-            return None
+            return self._miss(key, str(e).splitlines()[-1].strip())    # refused before it ran: nothing written
         finally:
             COMPILE_LOCK.release()
         if feats is not None and key[1] != tuple(feature_layers):
@@ -125,6 +130,20 @@ class StepGraph:
                 self._asked.add(key)
             self._compile(key)
         return time.perf_counter() - t0
+
+    def _model_state(self) -> tuple:
+        """What a graph assumes of the model beyond its inputs: eval mode, and its weights' dtype,
+        device and storage (the first parameter's)."""
+        first = self.target._first_param
+        return self.target.hf.training, first.dtype, first.device, first.data_ptr()
+
+    def _miss(self, key: tuple, why: str) -> None:
+        """A step its graph does not fit runs eagerly (never a recompile in line); logged once a graph."""
+        if key not in self.guard_misses:
+            log.warning("the compiled target step for %d tokens does not fit this step, so the step runs eagerly "
+                        "(no recompile in line): %s", key[0], why)
+        self.guard_misses[key] = self.guard_misses.get(key, 0) + 1
+        return None
 
     def _wider(self, bucket: int, layers: tuple[int, ...]) -> tuple[object, tuple]:
         for key, run in list(self._ready.items()):
@@ -172,6 +191,7 @@ class StepGraph:
                         self.failed[key])
             return
         self.compile_seconds[key] = time.perf_counter() - t0
+        self._states[key] = self._model_state()
         self._ready[key] = run
         log.info("target step compiled for %d tokens (%d feature layers, %s %s) in %.1f s", bucket, len(layers),
                  target.device.type, target.hf.dtype, self.compile_seconds[key])
