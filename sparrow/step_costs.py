@@ -163,9 +163,11 @@ class MeasuredCosts(CostModel):
 
     def knows_jump(self, contexts: Sequence[int]) -> bool:
         """What drafting costs over a decode step (j) is measured near this length: a drafting
-        step followed a decode step there or preceded one (until then j is fitted as 0)."""
-        near = _octaves(contexts)
-        return any(p[DRAFTING] != 0 and abs(p[OCTAVES] - near) <= NEAR for p in self.pairs)
+        step followed a decode step there or preceded one (until then j is taken as 0)."""
+        return self._jump_near(_octaves(contexts))
+
+    def _jump_near(self, octaves: float) -> bool:
+        return any(p[DRAFTING] != 0 and abs(p[OCTAVES] - octaves) <= NEAR for p in self.pairs)
 
     def wants_sample(self, step: int, contexts: Sequence[int] | None = None) -> bool:
         return not self.ready(contexts) or step % self.resample_every == self.resample_every - 1
@@ -234,6 +236,12 @@ class MeasuredCosts(CostModel):
                 w = np.sqrt(_locality(pairs[:, OCTAVES], at))
                 self._steps[key] = _least_deviations(pairs[:, STEP] * w[:, None], pairs[:, SECONDS] * w)
             step = self._steps[key]
+            if not self._jump_near(at):
+                # what drafting costs over a decode step is known only where a drafting step ran
+                # beside a decode one (knows_jump); elsewhere it is 0 until measured, not borrowed
+                # from far lengths (25k's, priced into a 0.5k step, stopped a draft there for good:
+                # it never drafted again to measure it)
+                step = np.array([step[0], step[1], 0.0])
             b, c, j = step
             data = np.array(self.verify_samples)
             weight = np.sqrt(_locality(data[:, OCTAVES], at) * 0.5 ** (np.arange(len(data))[::-1] / RECENT_HALF_LIFE))

@@ -240,6 +240,27 @@ def test_until_the_costs_are_known_it_samples_two_depths_in_turn_at_each_length(
     assert policy.costs.verify_s([2], [25_000]) - policy.costs.verify_s([1], [25_000]) == pytest.approx(0.00275, rel=0.1)   # a 2 ms jump and a row
 
 
+def test_the_jump_is_not_borrowed_from_a_far_length():
+    """What drafting costs over a decode step, measured at 25k (2 ms), says nothing of 0.5k, where
+    a draft that only ever drafted has not measured it: taken from 25k it priced a 0.5k drafting
+    step at more than a decode step's cost, and a middling draft stopped there for good (never
+    drafting again, it never measured it). Until measured near its length it is 0, and the policy
+    drafts (or takes the decode step that measures it)."""
+    costs = MeasuredCosts()
+    for rep in range(8):
+        for rows in (1, 5, 1, 3):                               # 25k: decode and drafting steps in turn
+            costs.record([rows], [25_000], 0.009 + 0.002 * (rows > 1) + 0.001 * rows, rows - 1, 0.0004)
+    for rep in range(8):
+        for rows in (5, 3):                                     # 0.5k: drafting steps only
+            costs.record([rows], [500], 0.0007 + 0.0001 * rows, rows - 1, 0.0003)
+    assert costs.knows_jump([25_000]) and not costs.knows_jump([500])
+    assert costs.marginal(25_000)[1] == pytest.approx(0.002, rel=0.1)
+    assert costs.marginal(500)[1] == 0.0
+    policy = DraftPolicy(K, adaptive=True, costs=costs)
+    middling = [request(0.74, 500)]
+    assert policy.choose(middling) != [0] or policy.choose(middling) != [0]    # drafts, or probes then drafts
+
+
 def test_a_rows_cost_is_fitted_from_consecutive_steps_so_a_drifting_box_does_not_hide_it():
     """A box whose speed drifts: the small steps came in a slow stretch (+9 ms), the 5-row ones
     in a fast one. Least squares over the raw samples finds rows free (a slope < 0); the
