@@ -82,19 +82,21 @@ def report(result: dict) -> str:
     lines = [f"Machine: {result['machine']}; load average {result['load'][0]:.1f} at the end. World pair, one torch "
              "thread, T = 0, answers to their end of turn; per length min / median / max over the videos. "
              "Every run's tokens equal eager plain decoding's." if not result["mismatches"] else "MISMATCHES", "",
-             "| visual tokens | run | decode ms/token | speedup over eager plain | Sparrow / plain, same steps |",
-             "|---|---|---|---|---|"]
+             "| visual tokens | run | decode ms/token | speedup over eager plain | Sparrow / plain, same steps | tau |",
+             "|---|---|---|---|---|---|"]
     rows = result["rows"]
     for n in sorted({r["visual_tokens"] for r in rows}):
         at = [r for r in rows if r["visual_tokens"] == n]
         by = {(r["rep"], r["method"], r["step"]): r["ms_per_token"] for r in at}
+        taus = {(r["rep"], r["method"], r["step"]): r["tau"] for r in at}
         reps = sorted({r["rep"] for r in at})
         for name, step in RUNS:
             ms = [by[(rep, name, step)] for rep in reps]
             speed = [by[(rep, "plain", "eager")] / by[(rep, name, step)] for rep in reps]
             within = [by[(rep, "plain", step)] / by[(rep, name, step)] for rep in reps] if name == "sparrow" else None
             lines.append(f"| {n:,} | {name}, {step} steps | {spread(ms)} | {spread(speed)}x | "
-                         + (f"{spread(within)}x |" if within else "- |"))
+                         + (f"{spread(within)}x |" if within else "- |")
+                         + f" {spread([taus[(rep, name, step)] for rep in reps])} |")
     return "\n".join(lines)
 
 
