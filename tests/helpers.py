@@ -18,6 +18,7 @@ from sparrow.models.prefill import FeatureNeeds
 from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer
 from sparrow.speculative.proposer import DraftState, Proposal
 from sparrow.speculative.sampling import new_generator
+from sparrow.speculative.tree import DraftTree
 from sparrow.training.unroll import unroll
 
 
@@ -142,3 +143,20 @@ def check_seeded_sampling(engine: Engine, video, prompt: str):
                                                                   seed=seed)).token_ids) for seed in range(4)}
     assert len(others) > 1, "different seeds should give different samples"
     return a
+
+
+RAGGED_PROMPTS = ("Why?", "What happens in the video?", "Which shape moves first, and where does it go?")
+
+
+def ragged_step_inputs(target, video):
+    """A ragged step's parts: a decode, a chain and a tree (tokens, trees), each on its own cache
+    (states), the caches of different lengths (different prompts)."""
+    engine = Engine(target, spec=SpecConfig(method="none"))
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.zeros(4, 1), parents=torch.tensor([-1, -1, 0, 1]))
+    tokens = [torch.tensor(t) for t in ([3], [3, 4, 5, 6, 7], [3, 5, 6, 7, 8])]
+    states = []
+    for prompt in RAGGED_PROMPTS:
+        inputs = engine.prepare(video, prompt)
+        states.append(target.prefill(inputs, inputs["input_ids"].shape[1] + 8).state)
+    assert len({s.length for s in states}) == 3
+    return states, tokens, [None, None, tree]

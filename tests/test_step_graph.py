@@ -16,13 +16,12 @@ import time
 
 import pytest
 import torch
-from helpers import OracleProposer
+from helpers import OracleProposer, ragged_step_inputs
 
 import sparrow.models.step_graph as step_graph
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models.compiling import COMPILE_LOCK
 from sparrow.models.step_graph import StepGraph
-from sparrow.speculative.tree import DraftTree
 from sparrow.tiny import tiny_draft, tiny_target
 
 PROMPT = "What happens in the video?"
@@ -46,16 +45,8 @@ def eager_after(any_target):
 
 def _ragged_step(target, video) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One forward over a decode, a chain and a tree, each on its own cache of its own length."""
-    engine = Engine(target, spec=SpecConfig(method="none"))
-    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.zeros(4, 1), parents=torch.tensor([-1, -1, 0, 1]))
-    tokens = [torch.tensor(t) for t in ([3], [3, 4, 5, 6, 7], [3, 5, 6, 7, 8])]
-    states = []
-    for prompt in ("Why?", PROMPT, "Which shape moves first, and where does it go?"):
-        inputs = engine.prepare(video, prompt)
-        states.append(target.prefill(inputs, inputs["input_ids"].shape[1] + 8).state)
-    assert len({s.length for s in states}) == 3
-    logits, feats = target.verify(states, tokens, LAYERS, trees=[None, None, tree])
-    return logits, feats
+    states, tokens, trees = ragged_step_inputs(target, video)
+    return target.verify(states, tokens, LAYERS, trees=trees)
 
 
 def test_a_ragged_batch_through_the_graph_is_the_eager_step(eager_after, small_video):

@@ -11,7 +11,7 @@ the engine's greedy output through "packed" is HF's, chains and trees, both fami
 
 import pytest
 import torch
-from helpers import OracleProposer
+from helpers import OracleProposer, ragged_step_inputs
 from test_kernels import FP32, HAS_TRITON, random_tree, verify_case
 
 import sparrow.kernels.packed as packed
@@ -20,7 +20,6 @@ from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.kernels.packed import verify_attention_packed
 from sparrow.kernels.reference import verify_attention_ref
 from sparrow.models.ragged import ragged_attention
-from sparrow.speculative.tree import DraftTree
 from sparrow.tiny import tiny_draft, tiny_target
 
 PROMPT = "What happens in the video?"
@@ -157,18 +156,11 @@ def _paths() -> list[str]:
 def _ragged_step_logits(target, video, path: str) -> list[torch.Tensor]:
     """One forward over a decode, a chain and a tree, each on its own cache; the caches have
     different lengths (different prompts)."""
-    engine = Engine(target, spec=SpecConfig(method="none"))
-    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.zeros(4, 1), parents=torch.tensor([-1, -1, 0, 1]))
-    tokens = [torch.tensor(t) for t in ([3], [3, 4, 5, 6, 7], [3, 5, 6, 7, 8])]
-    states = []
-    for prompt in ("Why?", PROMPT, "Which shape moves first, and where does it go?"):
-        inputs = engine.prepare(video, prompt)
-        states.append(target.prefill(inputs, inputs["input_ids"].shape[1] + 8).state)
-    assert len({s.length for s in states}) == 3
+    states, tokens, trees = ragged_step_inputs(target, video)
     before = target.verify_attention
     try:
         target.verify_attention = path
-        return target.verify(states, tokens, trees=[None, None, tree])[0]
+        return target.verify(states, tokens, trees=trees)[0]
     finally:
         target.verify_attention = before
 
