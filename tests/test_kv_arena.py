@@ -5,18 +5,16 @@ rows, and nothing past a slot (a neighbour's keys are never touched).
 
 import pytest
 import torch
+from helpers import RAGGED_PROMPTS
 
 from sparrow import Engine, SpecConfig
 from sparrow.models.kv_cache import KVArena
 from sparrow.models.prefill import FeatureNeeds, PrefillJob
 
-PROMPTS = ("Why?", "What happens in the video?", "Which shape moves first, and where does it go?")
-
-
 def _prefilled(target, video, arena: KVArena | None, room: int):
     engine = Engine(target, spec=SpecConfig(method="none"))
     states = []
-    for prompt in PROMPTS:
+    for prompt in RAGGED_PROMPTS:
         inputs = engine.prepare(video, prompt)
         capacity = inputs["input_ids"].shape[1] + room
         if arena is not None:
