@@ -187,7 +187,7 @@ def add_command(sub, common) -> None:
     from sparrow.models.step_graph import TARGET_STEPS
     p.add_argument("--target-step", choices=TARGET_STEPS, default="compiled",
                    help="how the target's decode/verify steps run: compiled (default: torch.compile, one graph per "
-                        "token bucket, each compiled on a background thread the first time a step needs it, ~5-10 s "
+                        "token bucket, each compiled on a background thread the first time a step needs it, 1-8 s "
                         "on a CPU, logged; eager until then) or eager")
     p.add_argument("--cache", default="memory", help="state cache: memory or redis://host:port/db")
     p.add_argument("--media-root", help="directory the server may read video paths from (default: no paths)")

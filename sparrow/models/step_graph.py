@@ -12,7 +12,7 @@ make-up (how many requests, their cache lengths, chains or trees) never reaches 
 and one graph serves every step whose tokens fit its bucket. The padding rows attend to
 nothing and their outputs are dropped.
 
-Compiling a bucket takes seconds (~5-10 s on the CPU), so no step waits for it: the first step
+Compiling a bucket takes seconds (1-8 s on the 2-core CPU), so no step waits for it: the first step
 of a bucket starts its compile on a background thread and runs eagerly, as do the steps
 after it until the graph is ready (the time logged at INFO). A graph runs under dynamo's
 "fail_on_recompile" stance without evaluating dynamo's guards (they cost a quarter of a decode
