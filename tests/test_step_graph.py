@@ -63,6 +63,23 @@ def test_a_ragged_batch_through_the_graph_is_the_eager_step(eager_after, small_v
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
+def test_a_graph_with_more_feature_layers_serves_a_step_asking_for_fewer(qwen_target, small_video):
+    """Features of a subset of the graph's layers, in the order asked, are the eager step's."""
+    target = qwen_target
+    states, tokens, trees = ragged_step_inputs(target, small_video)
+    want = target.verify(states, tokens, (3, 1), trees=trees)[1]
+    try:
+        graph = _graph(target)
+        graph.warm((11,), LAYERS)
+        states, tokens, trees = ragged_step_inputs(target, small_video)
+        got = target.verify(states, tokens, (3, 1), trees=trees)[1]
+        assert set(graph.compile_seconds) == {(16, LAYERS)} and not graph.guard_misses    # the wider graph ran
+    finally:
+        target.target_step = "eager"
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 def test_a_fresh_model_compiles_with_features_before_any_eager_step():
     """A model's first forward that asks for hidden states installs transformers' hooks (under a
     lock dynamo cannot trace): a graph with feature layers built before any eager step."""

@@ -116,9 +116,8 @@ class StepGraph:
         finally:
             COMPILE_LOCK.release()
         if feats is not None and key[1] != tuple(feature_layers):
-            h = feats.shape[-1] // len(key[1])
-            feats = torch.cat([feats[:, key[1].index(i) * h:(key[1].index(i) + 1) * h] for i in feature_layers],
-                              dim=-1) if feature_layers else None
+            parts = feats.chunk(len(key[1]), dim=-1)         # one per layer the graph returns
+            feats = torch.cat([parts[key[1].index(i)] for i in feature_layers], dim=-1) if feature_layers else None
         return logits[:n], (feats[:n] if feats is not None else None)
 
     def warm(self, tokens: tuple[int, ...], feature_layers: tuple[int, ...] = ()) -> float:
@@ -126,17 +125,14 @@ class StepGraph:
         serves; tests): the seconds it took."""
         t0 = time.perf_counter()
         for key in sorted({(self.bucket(n), tuple(feature_layers)) for n in tokens if self.bucket(n) is not None}):
-            with self._lock:
-                if key in self._asked:
-                    continue
-                self._asked.add(key)
-            self._compile(key)
+            if self._claim(key):
+                self._compile(key)
         return time.perf_counter() - t0
 
     def _model_state(self) -> tuple:
         """What a graph assumes of the model beyond its inputs: eval mode, and its weights' dtype,
         device and storage (the first parameter's)."""
-        first = self.target._first_param
+        first = next(self.target.hf.parameters())
         return self.target.hf.training, first.dtype, first.device, first.data_ptr()
 
     def _miss(self, key: tuple, why: str) -> None:
@@ -153,18 +149,25 @@ class StepGraph:
                 return run, key
         return None, (bucket, layers)
 
-    def _ask(self, key: tuple) -> None:
+    def _claim(self, key: tuple) -> bool:
+        """Whether this caller compiles `key` (no one asked for it before)."""
         with self._lock:
             if key in self._asked:
-                return
+                return False
             self._asked.add(key)
+            return True
+
+    def _ask(self, key: tuple) -> None:
+        if not self._claim(key):
+            return
         if not self.background:
             self._compile(key)
             return
         self._jobs.put(key)
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._work, name="sparrow-step-compile", daemon=True)
-            self._worker.start()
+        with self._lock:                                    # engines sharing a target ask from their own threads
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="sparrow-step-compile", daemon=True)
+                self._worker.start()
 
     def _work(self) -> None:
         while True:
