@@ -11,7 +11,7 @@ over its own prefix (as above) and its own new keys (causal or its tree's mask),
 log-sum-exp. A batch of short caches otherwise pays a handful of torch calls a request a layer
 (~70 us each at 0.5k keys, most of it per-call overhead, not arithmetic).
 
-It is built on first use (kernels/native.py: cached per CPU, built on a thread of its own, a failed
+It is built on first use (kernels/native.py: cached per build key, built in a process of its own, a failed
 build logged once): until it is ready, and where it cannot be built, `prefix_attention` returns
 None and the caller uses torch's op, so no request fails or waits on a build.
 
@@ -39,7 +39,7 @@ def load():
 
 
 def start_loading() -> None:
-    """Build (or load) the kernel on a thread of its own, now: a server calls this at startup, so
+    """Build (or load) the kernel in a process of its own, now: a server calls this at startup, so
     its first long verify neither pays the build nor waits on it (until it is ready, verify uses
     torch's op)."""
     if IMPL == "kernel":
@@ -65,7 +65,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     module = EXTENSION.module
     if not usable(q, k, v) or module is None:
         if module is None and usable(q, k, v):
-            start_loading()          # never built on a step (~30 s): torch's op until it is ready
+            start_loading()          # never built on a step (~60 s): torch's op until it is ready
         return None
     out, lse = module.prefix_attention(q, k, v, float(scale))
     return out, lse

@@ -5,7 +5,7 @@ instead of ~80 tiny torch ops a level (whose dispatch, not arithmetic, is a draf
 a CPU). Equal to draft_compile's within float tolerance (tests/test_draft_native.py).
 
 The core reaches it by name (sparrow.models.draft_compile.draft_kernel), as it does the verify
-kernels. It is built on a thread of its own when a static runner is made (kernels/native.py);
+kernels. It is built in a process of its own when a static runner is made (kernels/native.py);
 until it is ready, and for a draft it does not take (`usable`), the runner computes the levels
 in torch.
 
@@ -41,13 +41,13 @@ def usable(w, dims) -> bool:
 
 
 def start_loading() -> None:
-    """Build (or load) the kernel on a thread of its own, now (a server, at startup)."""
+    """Build (or load) the kernel in a process of its own, now (a server, at startup)."""
     if IMPL == "kernel":
         EXTENSION.start_loading()
 
 
 def ready() -> bool:
-    """Built and switched on; else the build starts (on its own thread) and the caller uses torch."""
+    """Built and switched on; else the build starts (in its own process) and the caller uses torch."""
     if IMPL != "kernel":
         return False
     if EXTENSION.module is None:

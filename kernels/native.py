@@ -1,18 +1,40 @@
 """The C++ extensions in csrc/, built on first use with torch.utils.cpp_extension (ninja and a C++
-compiler; -O3 -march=native) and cached in torch's extension directory (TORCH_EXTENSIONS_DIR)
-under a name keyed by this CPU's features, so a later process loads one in well under a second.
+compiler; -O3 -march=native) and cached in torch's extension directory (TORCH_EXTENSIONS_DIR), so
+a later process loads one in well under a second.
 
-A build is never paid on a serving step: `start_loading` builds on a thread of its own (a server
-calls it at startup; the first call that could use an extension calls it too) and, until it is
-ready, callers compute the same thing in torch. A failed build is logged once and never retried
-in the process: the torch path serves, and no request fails.
+A build can never hang or hold up a process:
+
+- It runs in a **process of its own** (`python -c ...build_main`), in a session of its own, never
+  on a thread of the caller: the caller only waits on it, for at most `BUILD_TIMEOUT_S`, and then
+  uses torch's path (one log line). Nothing joins the wait at exit: a script that used the engine
+  ends when its last line does; the builder dies with it (Linux: the parent-death signal; and an
+  exit hook), and takes its compiler processes with it (it kills its whole session).
+- **The lock records its owner**: a builder holds an flock on `owner.lock` in the build directory
+  (the pid written inside), which the kernel releases the moment its holder dies, however it died.
+  Only the holder builds, so torch's own `lock` file, if present, was left by a dead builder and is
+  removed at once (torch waits on such a file forever).
+- **The build directory is named by everything that changes the binary**: the source, the flags,
+  torch's version and headers, Python's, and this CPU's instruction set; two environments on one
+  machine never rebuild (or load) each other's.
+
+A failed build is logged once and never retried in the process: the torch path serves, no request
+fails. `start_loading` (a server calls it at startup; the first call that could use an extension
+does too) starts the build in the background; `load` waits for it, bounded.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
+import os
 import platform
+import signal
+import subprocess
+import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -20,11 +42,16 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
+# A build takes ~30-90 s on a 2-core machine; one still running after this is killed and the torch
+# path serves (a wait on another process's build counts too).
+BUILD_TIMEOUT_S = float(os.environ.get("SPARROW_BUILD_TIMEOUT_S", "300"))
+OK_MARKER = "built.ok"         # written after the module is complete: its presence means "load it"
+OWNER_LOCK = "owner.lock"      # flock held by the one live builder; holds its pid
 
 
 def cpu_tag() -> str:
-    """Names a build by this CPU's instruction set (-march=native): a cache directory shared by
-    machines of other CPUs never loads a binary built for another one."""
+    """This CPU's instruction set (-march=native), hashed: a cache shared by machines of other CPUs
+    never loads a binary built for another one."""
     flags = platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -36,41 +63,62 @@ def cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-# A build takes ~30-60 s; a build directory's lock older than this was left by a process killed
-# mid-build (a server stopped during its startup build). torch waits on such a lock forever: every
-# later process would never get the extension, and hang at exit on its build thread.
-STALE_LOCK_S = 600.0
+def build_key(source: Path, cflags: list[str]) -> str:
+    """A digest of everything that changes an extension's binary: its source, flags, the torch
+    build (version, the path of its headers) and the Python (version, ABI, include directory), and
+    this CPU's instruction set."""
+    import torch
+    from torch.utils import cpp_extension
+    parts = [source.read_bytes(), repr(cflags).encode(), torch.__version__.encode(),
+             repr(cpp_extension.include_paths()).encode(), sys.version.encode(),
+             str(sysconfig.get_config_var("SOABI")).encode(), str(sysconfig.get_paths()["include"]).encode(),
+             cpu_tag().encode()]
+    digest = hashlib.sha1()
+    for part in parts:
+        digest.update(hashlib.sha1(part).digest())
+    return digest.hexdigest()[:16]
 
 
-def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove `build_dir`'s build lock if it is older than max_age_s (logged). True if removed."""
-    lock = build_dir / "lock"
+def extensions_root() -> Path:
+    """torch's extension directory (TORCH_EXTENSIONS_DIR, else its default under the cache)."""
+    from torch.utils.cpp_extension import get_default_build_root
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def _import(name: str, build_dir: Path):
+    """The built module `name` from build_dir (torch must be imported first: it links to libtorch)."""
+    path = build_dir / f"{name}.so"
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+_children: set[subprocess.Popen] = set()          # live builders of this process, killed at exit
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill a builder and its session (ninja and the compilers it started)."""
     try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return False
-    if age <= max_age_s:
-        return False
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     try:
-        lock.unlink()
-    except OSError:
-        return False
-    log.warning("removed a build lock %.0f s old in %s (a build killed midway)", age, build_dir)
-    return True
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    _children.discard(proc)
 
 
-def _clear_stale_build_lock(name: str) -> None:
-    """clear_stale_lock in torch's build directory for `name`. Best effort: where torch is found
-    through a private helper that a torch release no longer has, the build goes on without it."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-    except ImportError:
-        return
-    clear_stale_lock(Path(_get_build_directory(name, False)))
+@atexit.register
+def _kill_children() -> None:
+    for proc in list(_children):
+        _kill(proc)
 
 
 class NativeExtension:
-    """One extension: `name` (the build's name, before the CPU tag), `source` (a .cpp file),
+    """One extension: `name` (the build's name, before the build key), `source` (a .cpp file),
     extra compiler flags; `what` names it in the log ("the CPU prefix attention kernel")."""
 
     def __init__(self, name: str, source: Path, cflags: list[str], what: str):
@@ -78,47 +126,156 @@ class NativeExtension:
         self.module = None               # the loaded extension, once built
         self.failed = False              # a build failed in this process: never tried again
         self.build_seconds: float | None = None     # how long the first load took (a build, or a cached load)
-        self.background = threading.Event()          # start_loading's build is running
+        self.background = threading.Event()          # a build (or a wait on one) is under way
+        self._done = threading.Event()               # the module is loaded or failed
         self._lock = threading.Lock()
+        self._builder: subprocess.Popen | None = None
+        self._key: str | None = None
 
-    def load(self):
-        """The extension (building it the first time), or None where it cannot be built."""
-        if self.module is not None or self.failed:
-            return self.module
-        with self._lock:
-            if self.module is None and not self.failed:
-                t0 = time.perf_counter()
-                try:
-                    from torch.utils.cpp_extension import load as load_ext
-                    _clear_stale_build_lock(f"{self.name}_{cpu_tag()}")
-                    self.module = load_ext(name=f"{self.name}_{cpu_tag()}", sources=[str(self.source)],
-                                           extra_cflags=["-O3", "-march=native", *self.cflags], verbose=False)
-                    self.build_seconds = time.perf_counter() - t0
-                    log.info("%s loaded in %.1f s", self.what, self.build_seconds)
-                except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a build error: all mean the fallback
-                    self.failed = True
-                    last = (str(exc).strip().splitlines() or [""])[-1]
-                    log.warning("%s not built (%s: %s); torch computes it instead", self.what,
-                                type(exc).__name__, last)
+    @property
+    def build_name(self) -> str:
+        if self._key is None:
+            self._key = build_key(self.source, self.cflags)
+        return f"{self.name}_{self._key}"
+
+    @property
+    def build_dir(self) -> Path:
+        return extensions_root() / self.build_name
+
+    def load(self, timeout: float | None = None):
+        """The extension (building it the first time, waiting at most `timeout`, default
+        BUILD_TIMEOUT_S), or None where it cannot be built in time."""
+        if self.module is None and not self.failed:
+            self.start_loading()
+            self.wait(BUILD_TIMEOUT_S + 10 if timeout is None else timeout)
         return self.module
 
     def start_loading(self) -> None:
-        """Build (or load) on a thread of its own, now; callers use torch until it is ready. Not a
-        daemon: interpreter exit waits for a build in progress rather than kill it holding the
-        build directory's lock."""
-        if self.module is not None or self.failed or self.background.is_set():
-            return
-        self.background.set()
-
-        def build() -> None:
+        """Load it now if built, else start its build in a process of its own; callers use torch
+        until it is ready. Never blocks for longer than an import."""
+        with self._lock:
+            if self.module is not None or self.failed or self.background.is_set():
+                return
+            self.background.set()
+            t0 = time.perf_counter()
             try:
-                self.load()
-            finally:
-                self.background.clear()
-        threading.Thread(target=build, name=f"sparrow-build-{self.name}").start()
+                if (self.build_dir / OK_MARKER).exists():
+                    self._loaded(_import(self.build_name, self.build_dir), t0)
+                    return
+                proc = self._spawn()
+            except Exception as exc:  # noqa: BLE001 - anything here means the torch path
+                self._failed(f"{type(exc).__name__}: {exc}")
+                return
+        threading.Thread(target=self._await_build, args=(proc, t0), name=f"sparrow-await-{self.name}",
+                         daemon=True).start()   # only waits on the builder: nothing to join at exit
 
-    def wait(self, timeout: float = 600.0) -> None:
-        """Wait for a build start_loading began (tests, benchmarks: before anything is timed)."""
-        deadline = time.monotonic() + timeout
-        while self.background.is_set() and time.monotonic() < deadline:
-            time.sleep(0.01)
+    def wait(self, timeout: float = BUILD_TIMEOUT_S + 10) -> None:
+        """Wait (bounded) for a build start_loading began (tests, benchmarks: before anything is timed)."""
+        if self.background.is_set():
+            self._done.wait(timeout)
+
+    def stop(self) -> None:
+        """Kill a build under way (the process ends; the next one builds again)."""
+        proc = self._builder
+        if proc is not None:
+            _kill(proc)
+
+    def _spawn(self) -> subprocess.Popen:
+        self.build_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-c", "import sys; from sparrow.kernels.native import build_main; "
+               "sys.exit(build_main(sys.argv[1:]))", str(os.getpid()), self.build_name, str(self.source),
+               str(self.build_dir), *self.cflags]
+        with open(self.build_dir / f"build.{os.getpid()}.log", "wb") as out:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=os.environ.copy())
+        _children.add(proc)
+        self._builder = proc
+        log.info("building %s in %s (a process of its own, pid %d)", self.what, self.build_dir, proc.pid)
+        return proc
+
+    def _await_build(self, proc: subprocess.Popen, t0: float) -> None:
+        logfile = self.build_dir / f"build.{os.getpid()}.log"
+        try:
+            try:
+                code = proc.wait(timeout=BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                _kill(proc)
+                self._failed(f"still building after {BUILD_TIMEOUT_S:.0f} s (killed)")
+                return
+            _children.discard(proc)
+            if code != 0 or not (self.build_dir / OK_MARKER).exists():
+                tail = ""
+                try:
+                    tail = (logfile.read_text(errors="replace").strip().splitlines() or [""])[-1]
+                except OSError:
+                    pass
+                self._failed(f"builder exited {code}: {tail}")
+                return
+            self._loaded(_import(self.build_name, self.build_dir), t0)
+        except Exception as exc:  # noqa: BLE001 - a broken build means the torch path, never a crash
+            self._failed(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._builder = None
+            try:
+                logfile.unlink()
+            except OSError:
+                pass
+
+    def _loaded(self, module, t0: float) -> None:
+        self.module = module
+        self.build_seconds = time.perf_counter() - t0
+        log.info("%s loaded in %.1f s", self.what, self.build_seconds)
+        self._finish()
+
+    def _failed(self, why: str) -> None:
+        self.failed = True
+        log.warning("%s not built (%s); torch computes it instead", self.what, why)
+        self._finish()
+
+    def _finish(self) -> None:
+        self._done.set()
+        self.background.clear()
+
+
+def _die_with_parent(parent: int) -> None:
+    """The builder's session goes when its parent does (Linux: a parent-death signal, then a kill
+    of the whole session from the handler); elsewhere the parent's exit hook kills it."""
+    def end_session(*_):
+        os.killpg(0, signal.SIGKILL)
+    signal.signal(signal.SIGTERM, end_session)
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)          # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:                               # the parent died before the signal was set
+        end_session()
+
+
+def build_main(argv: list[str]) -> int:
+    """The builder process: parent pid, build name, source, build directory, extra flags. Takes
+    the owner lock (waiting while another live process builds), then builds unless that one did."""
+    import fcntl
+    parent, name, source, build_dir, cflags = int(argv[0]), argv[1], argv[2], Path(argv[3]), argv[4:]
+    _die_with_parent(parent)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / OWNER_LOCK, "a+") as owner:
+        fcntl.flock(owner, fcntl.LOCK_EX)        # released by the kernel when this process dies
+        owner.seek(0)
+        owner.truncate()
+        owner.write(f"{os.getpid()}\n")
+        owner.flush()
+        if (build_dir / OK_MARKER).exists():
+            return 0                             # another process built it while this one waited
+        stale = build_dir / "lock"               # torch's lock: its builder is dead (this one holds ours)
+        if stale.exists():
+            stale.unlink()
+            print(f"removed a build lock left by a dead builder in {build_dir}", flush=True)
+        from torch.utils.cpp_extension import load
+        load(name=name, sources=[source], extra_cflags=["-O3", "-march=native", *cflags],
+             build_directory=str(build_dir), verbose=False)
+        tmp = build_dir / f"{OK_MARKER}.{os.getpid()}"
+        tmp.write_text(f"{name}\n")
+        tmp.rename(build_dir / OK_MARKER)
+    return 0

@@ -258,7 +258,7 @@ def test_what_the_kernel_does_not_take_stays_in_torch(draft, qwen_target, calls,
 
 
 def test_a_failed_build_leaves_the_levels_to_torch(draft, monkeypatch, tmp_path, caplog):
-    """A source that does not compile: the first runner starts the build on its own thread, its
+    """A source that does not compile: the first runner starts the build in its own process, its
     proposals never wait on it and equal the reference's; the failure is logged once."""
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
