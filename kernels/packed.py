@@ -36,7 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import cpu_prefix
+from . import autotune, cpu_prefix
 from .reference import chain_tree
 
 _NEG_INF = float("-inf")
@@ -54,6 +54,7 @@ KERNEL_DENSE_PREFIX = 2048
 # attention is 172 us a layer against 314 us for one call a request (one thread; at 25k keys the
 # same, 0.72 ms either way); off (or SPARROW_VERIFY_ONE_CALL=0): one call a request
 # (verify_attention_packed's paths).
+FORCED_PATH = autotune.FORCED
 ONE_CALL = os.environ.get("SPARROW_VERIFY_ONE_CALL", "1").strip() != "0"
 # A step calls the attention once per layer with the same new-token mask: what is made from it
 # is kept for the next call. A tree is matched by value (a copy is kept); a dense mask by its
@@ -99,11 +100,11 @@ except (AttributeError, RuntimeError):
 
 
 def prefix_partial(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention of every row over all of k/v: outputs (B, Hkv, R, Dv) in q's dtype or
     fp32 and log-sum-exps (B, Hkv, R) fp32. qg (B, Hkv, R, D); k, v (B, Hkv, P >= 1, D). On a CPU
-    the compiled kernel (cpu_prefix.py; torch's flash op where it is off or not built)."""
-    if qg.device.type == "cpu":
+    the compiled kernel (cpu_prefix.py; torch's flash op where it is off or not built, or not `kernel`)."""
+    if qg.device.type == "cpu" and kernel:
         done = cpu_prefix.prefix_attention(qg, k, v, scale)
         if done is not None:
             return done
@@ -118,23 +119,82 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
                      bias: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """q (B, H, nq, D), the new tokens; k, v (B, Hkv, >= prefix_len + nq, D), the cache with the
     new tokens' keys at rows prefix_len .. prefix_len + nq - 1 (rows after them are ignored);
-    every batch row has this prefix_len. bias: own_bias(...) (None: a chain). -> (B, H, nq, Dv)."""
+    every batch row has this prefix_len. bias: own_bias(...) (None: a chain). -> (B, H, nq, Dv).
+    On a CPU the path (PATHS) is the one measured fastest for this shape on this machine
+    (kernels/autotune.py), today's rule until it is measured."""
+    nq, group = q.shape[2], q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    bias = own_bias(None, nq, group, q.device) if bias is None and nq > 1 else bias
+    path = cpu_path(q, k, prefix_len) if q.device.type == "cpu" else None
+    return run_path(path or default_path(q, prefix_len), q, k, v, prefix_len, bias, scale)
+
+
+# The CPU's paths: "dense" one SDPA call (with the float mask made once a step when nq > 1);
+# "flash" the split with the prefix by torch's CPU flash op; "kernel" the split with the prefix by
+# the compiled kernel (cpu_prefix.py). A decode step (nq = 1) needs no split: the one call's op.
+PATHS = ("dense", "flash", "kernel")
+TUNER = autotune.tuner("verify attention", lambda: autotune.store_path(cpu_prefix.EXTENSION.build_name))
+
+
+def cpu_paths() -> tuple[str, ...]:
+    """The paths that can serve on this CPU now (the kernel once it is built; the first ask starts
+    its build, in a process of its own)."""
+    if not cpu_prefix.ready():
+        cpu_prefix.start_loading()
+    return tuple(p for p in PATHS if (p != "flash" or _FLASH_CPU is not None) and (p != "kernel" or cpu_prefix.ready()))
+
+
+def shape_key(q: torch.Tensor, k: torch.Tensor, prefix_len: int) -> tuple:
+    """(dtype, head dim, kv heads, group, batch, rows bucket, keys bucket): what a path's speed depends on."""
+    return (str(q.dtype), q.shape[-1], k.shape[1], q.shape[1] // k.shape[1], q.shape[0],
+            autotune.rows_bucket(q.shape[2]), autotune.keys_bucket(prefix_len + q.shape[2]))
+
+
+def cpu_path(q: torch.Tensor, k: torch.Tensor, prefix_len: int) -> str | None:
+    """The measured (or forced) path for this shape; None until measured (the worker times it)."""
+    nq, group, dtype = q.shape[2], q.shape[1] // k.shape[1], q.dtype
+
+    def bench():                                  # inputs of this shape, then each path over them
+        g = torch.Generator().manual_seed(0)
+        qq = torch.randn(q.shape, generator=g).to(dtype)
+        kk = torch.randn(k.shape[0], k.shape[1], prefix_len + nq, k.shape[-1], generator=g).to(dtype)
+        vv = torch.randn(kk.shape, generator=g).to(dtype)
+        b = own_bias(None, nq, group, q.device) if nq > 1 else None
+        scale = q.shape[-1] ** -0.5
+        return lambda name: (lambda: run_path(name, qq, kk, vv, prefix_len, b, scale))
+    return TUNER.choice(shape_key(q, k, prefix_len), cpu_paths(), bench)
+
+
+def default_path(q: torch.Tensor, prefix_len: int) -> str:
+    """Today's rule where nothing is measured: the kernel where it is built past a few thousand keys
+    (every decode step), the one dense call over short caches, torch's flash op past DENSE_PREFIX."""
+    kernel = q.device.type == "cpu" and cpu_prefix.ready()
+    if q.shape[2] == 1:
+        return "kernel" if kernel else "dense"
+    dense = min(DENSE_PREFIX, KERNEL_DENSE_PREFIX) if kernel else DENSE_PREFIX
+    if prefix_len <= dense:
+        return "dense"
+    return "kernel" if kernel else "flash"
+
+
+def run_path(path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+             bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """packed_attention by one path (PATHS); a path that does not apply here falls to the next one
+    that does (kernel -> flash -> matmuls)."""
     bsz, heads, nq, dim = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
-    group = heads // hkv
-    rows = group * nq
-    scale = dim ** -0.5 if scale is None else scale
+    rows = heads // hkv * nq
     qg = q.reshape(bsz, hkv, rows, dim)                 # heads of one kv head are adjacent rows
     if nq == 1:                  # a decode step sees every key: no mask, no split, no log-sum-exp
         end = prefix_len + 1
         k_all, v_all = k.narrow(2, 0, end), v.narrow(2, 0, end)
-        done = cpu_prefix.prefix_attention(qg, k_all, v_all, scale) if q.device.type == "cpu" else None
-        if done is not None:     # the CPU kernel: 0.73 ms a layer at 25k keys where SDPA takes 1.04
+        done = cpu_prefix.prefix_attention(qg, k_all, v_all, scale) if path == "kernel" else None
+        if done is not None:     # the CPU kernel: 0.73 ms a layer at 25k keys where SDPA takes 1.04 (EPYC)
             return done[0].to(q.dtype).view(bsz, heads, 1, dv)
+        if path == "flash" and _FLASH_CPU is not None and q.device.type == "cpu":
+            return _FLASH_CPU(qg, k_all, v_all, scale=scale)[0].to(q.dtype).view(bsz, heads, 1, dv)
         return F.scaled_dot_product_attention(qg, k_all, v_all, scale=scale).view(bsz, heads, 1, dv)
-    bias = own_bias(None, nq, group, q.device) if bias is None else bias
-    dense = min(DENSE_PREFIX, KERNEL_DENSE_PREFIX) if q.device.type == "cpu" and cpu_prefix.ready() else DENSE_PREFIX
-    if prefix_len <= dense:
+    if path == "dense":
         end = prefix_len + nq
         mask = dense_mask(bias, prefix_len).to(q.dtype)
         return F.scaled_dot_product_attention(qg, k.narrow(2, 0, end), v.narrow(2, 0, end), attn_mask=mask,
@@ -144,7 +204,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     scores = torch.baddbmm(bias, qg.reshape(bsz * hkv, rows, dim).float(), k_own.transpose(1, 2), alpha=scale)
     if prefix_len == 0:                                 # nothing cached (torch's CPU op fails on 0 keys)
         return torch.bmm(torch.softmax(scores, dim=-1), v_own).to(q.dtype).view(bsz, heads, nq, dv)
-    o_p, lse_p = prefix_partial(qg, k.narrow(2, 0, prefix_len), v.narrow(2, 0, prefix_len), scale)
+    o_p, lse_p = prefix_partial(qg, k.narrow(2, 0, prefix_len), v.narrow(2, 0, prefix_len), scale,
+                                kernel=path == "kernel")
     # softmax over [the prefix as one entry of weight exp(lse_p), the own keys]: (B*Hkv, rows, 1 + nq)
     w_p, w_o = torch.softmax(torch.cat([lse_p.reshape(bsz * hkv, rows, 1), scores], dim=-1), dim=-1).split([1, nq], -1)
     out = torch.baddbmm(o_p.reshape(bsz * hkv, rows, dv).float() * w_p, w_o, v_own)          # (B*Hkv, rows, Dv)
@@ -159,6 +220,12 @@ def verify_attention_ragged(query: torch.Tensor, views: list[tuple[torch.Tensor,
     in q's dtype; None where no one-call kernel applies (off the CPU, or cpu_prefix not built)."""
     if not ONE_CALL or query.device.type != "cpu":
         return None
+    if FORCED_PATH not in (None, "kernel"):
+        return None
+    longest = max(range(len(views)), key=lambda s: views[s][0].shape[2])
+    (start, end), k = bounds[longest], views[longest][0]
+    if cpu_path(query[:, :, start:end], k, k.shape[2] - (end - start)) == "flash":
+        return None          # where torch's op was measured faster than the kernel: one call a request
     out = cpu_prefix.ragged_attention(query, [k for k, _ in views], [v for _, v in views], [b[0] for b in bounds],
                                       [b[1] for b in bounds], trees, query.shape[-1] ** -0.5)
     return None if out is None else out.to(query.dtype).unsqueeze(0)

@@ -1,5 +1,7 @@
 import os
 
+os.environ.setdefault("SPARROW_AUTOTUNE", "0")     # tests choose attention paths by rule; autotune tests switch it on
+
 import pytest
 import torch
 

@@ -1,0 +1,229 @@
+"""Attention paths chosen by measuring them on the machine they run on.
+
+A kernel tuned on one CPU is a guess on another (the C++ prefix kernel, tuned on an AMD EPYC, is
+1.5-2.9x slower than torch's flash op on an Intel Xeon with AMX). So every path that can serve a
+shape is timed once, off the serving path, per
+
+    (device, dtype, head dim, kv heads, group, query-rows bucket, keys bucket)
+
+and the fastest serves from then on. A shape first seen is served by the caller's default (what
+it would do without measurements) while a worker thread times the candidates on tensors of that
+shape; the choice is kept for the process and in a file beside the extension builds, named by the
+CPU, torch and the kernels' build keys, so the next process starts with it. cuBLAS, oneDNN and
+Triton's autotuner all work this way.
+
+    SPARROW_ATTENTION_PATH=kernel|flash|dense   force one path wherever it can serve (no timing)
+    SPARROW_AUTOTUNE=0                          no timing: the callers' defaults serve
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import queue
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Hashable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORCED = os.environ.get("SPARROW_ATTENTION_PATH", "").strip().lower() or None
+ENABLED = os.environ.get("SPARROW_AUTOTUNE", "1").strip() != "0"
+# Per candidate: at least MIN_REPS timed runs after one warm-up, more while under BUDGET_S.
+MIN_REPS, MAX_REPS, BUDGET_S = 5, 40, 0.25
+
+
+def rows_bucket(n: int) -> int:
+    """Query rows (tokens a step scores) by bucket: every count to 4, then steps of about 1.5x."""
+    if n <= 4:
+        return n
+    return int(round(1.5 ** math.ceil(math.log(n, 1.5))))
+
+
+def keys_bucket(p: int) -> int:
+    """Cached keys by bucket: half powers of two (512, 724, 1024, 1448, ...)."""
+    if p <= 64:
+        return 64
+    return int(round(2 ** (math.ceil(2 * math.log2(p)) / 2)))
+
+
+Key = tuple[Hashable, ...]
+# A measurement: the candidates' names, and a function that makes inputs of the shape and returns,
+# for a candidate's name, a zero-argument callable running that path once on them.
+Bench = Callable[[], Callable[[str], Callable[[], object]]]
+
+
+class PathTuner:
+    """Chooses among named paths per key by timing them; `choice` never waits on a measurement."""
+
+    def __init__(self, name: str, store: Callable[[], Path | None]):
+        self.name, self._store = name, store
+        self._chosen: dict[Key, str] = {}
+        self._times: dict[Key, dict[str, float]] = {}
+        self._pending: set[Key] = set()
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._loaded = False
+
+    def choice(self, key: Key, candidates: tuple[str, ...], bench: Bench) -> str | None:
+        """The fastest of `candidates` for `key`, if measured; else None (the caller's default
+        serves) and the measurement is queued. A forced path wins where it is a candidate."""
+        if FORCED is not None:
+            return FORCED if FORCED in candidates else None
+        if len(candidates) < 2:
+            return candidates[0] if candidates else None
+        full = (*key, candidates)
+        chosen = self._chosen.get(full)
+        if chosen is not None or not ENABLED:
+            return chosen
+        if not self._loaded:
+            self._load()
+            chosen = self._chosen.get(full)
+            if chosen is not None:
+                return chosen
+        with self._lock:
+            if full in self._pending or self._stop.is_set():
+                return None
+            self._pending.add(full)
+            self._queue.put((full, candidates, bench))
+            if self._worker is None or not self._worker.is_alive():
+                # A daemon only waits and times small ops; it holds no file or lock, and an exit
+                # hook stops it between two timings.
+                self._worker = threading.Thread(target=self._work, name=f"sparrow-tune-{self.name}", daemon=True)
+                self._worker.start()
+        return None
+
+    def times(self, key: Key, candidates: tuple[str, ...]) -> dict[str, float] | None:
+        """The measured ms of each candidate for key (None: not measured in this process)."""
+        return self._times.get((*key, candidates))
+
+    def measure(self, key: Key, candidates: tuple[str, ...], bench: Bench) -> str:
+        """Time the candidates now, on this thread; the choice is kept and returned."""
+        full = (*key, candidates)
+        make = bench()
+        ms: dict[str, float] = {}
+        for name in candidates:
+            ms[name] = _time(make(name))
+        best = min(ms, key=ms.get)
+        self._chosen[full], self._times[full] = best, ms
+        log.info("%s %s: %s (%s)", self.name, key, best, ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()))
+        self._save()
+        return best
+
+    def wait(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued measurement is done (tests, benchmarks); True if it was."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def forget(self) -> None:
+        """Drop every choice (tests)."""
+        with self._lock:
+            self._chosen.clear()
+            self._times.clear()
+            self._loaded = True
+
+    def stop(self) -> None:
+        self._stop.set()
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout=1.0)
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                full, candidates, bench = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                return                  # idle: the thread ends; the next queued shape starts another
+            try:
+                self.measure(full[:-1], candidates, bench)
+            except Exception as exc:  # noqa: BLE001 - a failed measurement leaves the default serving
+                log.warning("%s: could not time %s (%s: %s); the default serves", self.name, full,
+                            type(exc).__name__, exc)
+                self._chosen[full] = candidates[0]
+            finally:
+                with self._lock:
+                    self._pending.discard(full)
+
+    def _load(self) -> None:
+        self._loaded = True
+        path = self._store()
+        if path is None or not path.exists():
+            return
+        try:
+            for entry in json.loads(path.read_text()):
+                self._chosen.setdefault(_untuple(entry["key"]), entry["choice"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring %s (%s)", path, exc)
+
+    def _save(self) -> None:
+        path = self._store()
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            entries = [{"key": list(_listed(k)), "choice": c} for k, c in list(self._chosen.items())]
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(json.dumps(entries))
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("could not keep the measured choices in %s (%s)", path, exc)
+
+
+def _listed(key):
+    return [list(k) if isinstance(k, tuple) else k for k in key]
+
+
+def _untuple(key):
+    return tuple(tuple(k) if isinstance(k, list) else k for k in key)
+
+
+def _time(run: Callable[[], object]) -> float:
+    """Median ms of run() after a warm-up, MIN_REPS..MAX_REPS times within about BUDGET_S."""
+    run()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < MIN_REPS or (len(times) < MAX_REPS and time.perf_counter() - start < BUDGET_S):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def store_path(*parts: str) -> Path | None:
+    """A file beside the extension builds, named by the CPU, torch and `parts` (build keys)."""
+    try:
+        from .native import cpu_tag, extensions_root
+        tag = "_".join([cpu_tag(), torch.__version__.replace("+", "-"), *parts])
+        return extensions_root() / "sparrow_tuned" / f"attention_{tag}.json"
+    except Exception:  # noqa: BLE001 - no place to keep them: measured again next process
+        return None
+
+
+def _stop_all() -> None:
+    for tuner in list(TUNERS):
+        tuner.stop()
+
+
+TUNERS: list[PathTuner] = []
+atexit.register(_stop_all)
+
+
+def tuner(name: str, store: Callable[[], Path | None]) -> PathTuner:
+    """A registered PathTuner (stopped at exit)."""
+    made = PathTuner(name, store)
+    TUNERS.append(made)
+    return made
