@@ -1,7 +1,7 @@
 """A small blocking client for programs (and `sparrow generate`).
 
     client = SparrowClient("127.0.0.1:50051")
-    video_id = client.upload("clip.mp4")                  # content-hashed; free the second time
+    video_id = client.upload("clip.mp4")                  # content-hashed; stored once
     for response in client.stream("What happens?", video_id=video_id, max_new_tokens=64):
         ...                                               # chunks, then one completion
     result = client.generate("What happens?", video_id=video_id)   # all at once
@@ -86,7 +86,8 @@ class SparrowClient:
     # ----- videos ------------------------------------------------------------------------------
     def upload(self, video: str | Path | bytes, chunk_bytes: int = 8 * MiB, timeout: float | None = None) -> str:
         """Upload a file (or its bytes) in chunks; returns its video_id. The first chunk
-        carries the SHA-256, so a video the server already holds is not sent again."""
+        carries the SHA-256, which the server checks the bytes against (every byte is sent,
+        even of a video the server holds: it is stored once)."""
         read = _file_chunks(Path(video), chunk_bytes) if isinstance(video, (str, Path)) else _byte_chunks(video, chunk_bytes)
         digest = hashlib.sha256()
         for part in read():

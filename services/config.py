@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .webhook import WebhookPrefix
+
 MiB = 1 << 20
 
 
@@ -55,7 +57,9 @@ class ServiceConfig:
     # max_live_queued_questions, then a question is refused (RESOURCE_EXHAUSTED; the session goes on).
     max_live_questions: int = 4
     max_live_queued_questions: int = 8
-    # URL prefixes a session's alert webhook (LiveOpen.webhook_url) may start with; none: no webhooks.
+    # URL prefixes a session's alert webhook (LiveOpen.webhook_url) may lie under, as
+    # scheme://host[:port][/path] (services.webhook.WebhookPrefix: scheme, host and port match
+    # exactly, the path segment by segment); none: no webhooks.
     live_webhook_prefixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -75,6 +79,8 @@ class ServiceConfig:
             raise ValueError("max_live_bytes must be >= 1")
         if self.max_live_questions < 1 or self.max_live_queued_questions < 0:
             raise ValueError("need max_live_questions >= 1 and max_live_queued_questions >= 0")
+        for prefix in self.live_webhook_prefixes:
+            WebhookPrefix.parse(prefix)          # InvalidRequest (a ValueError) for a malformed one, now
         for name in ("max_live_session_s", "max_live_window_s", "live_stats_every_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

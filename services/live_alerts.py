@@ -14,12 +14,12 @@ import uuid
 from collections.abc import Callable
 
 from sparrow.alerts import AlertRule, Check, Incident
-from sparrow.errors import InvalidRequest, ResourceExhausted, SourceNotAllowed
+from sparrow.errors import InvalidRequest, ResourceExhausted
 from sparrow.live import LiveSession
 
 from .config import ServiceConfig
 from .protos import pb
-from .webhook import WebhookSink
+from .webhook import WebhookSink, check_webhook_url
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +74,11 @@ def webhook_body(message: pb.AlertIncident) -> dict:
 
 
 def check_webhook(url: str, cfg: ServiceConfig) -> None:
-    """A session's webhook must start with one of the server's allowed prefixes."""
+    """A session's webhook must lie under one of the server's allowed prefixes (WebhookPrefix:
+    the same scheme, host and port, and a path at or below the prefix's)."""
     if len(url) > MAX_WEBHOOK_CHARS:
         raise InvalidRequest(f"the webhook URL is longer than {MAX_WEBHOOK_CHARS} characters")
-    if not url.startswith(("http://", "https://")):
-        raise InvalidRequest(f"a webhook URL must be http or https, got {url[:64]!r}")
-    if not any(url.startswith(prefix) for prefix in cfg.live_webhook_prefixes):
-        raise SourceNotAllowed("this webhook URL is not under the server's allowed webhook prefixes "
-                               "(sparrow serve --allow-webhook)")
+    check_webhook_url(url, cfg.live_webhook_prefixes)
 
 
 class LiveRules:

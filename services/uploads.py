@@ -3,7 +3,9 @@
 Chunks are written to a spool file in the store's directory as they arrive, and hashed on the
 way: an upload holds one chunk in memory, whatever its size. Uploads are admitted under two
 limits (UploadLimit, RESOURCE_EXHAUSTED): how many may be in progress at once, and how many
-bytes those have received together. A complete upload is probed with PyAV (its container
+bytes those have received together. Every upload sends all its bytes, even of a video the
+server holds: its id is its bytes' SHA-256, so a client that only knows a hash learns nothing
+and gets no video (a SHA-256 named on the first chunk is checked against the bytes). A complete upload is probed with PyAV (its container
 opens, it has a video stream, its first frame decodes) before it is stored, so what is not a
 video is refused (INVALID_ARGUMENT) and nothing of it is left behind. Storing is
 services.sources.VideoStore's.
@@ -99,12 +101,10 @@ async def receive_upload(chunks: AsyncIterator[pb.VideoChunk], videos: VideoStor
         try:
             claimed = None
             async for chunk in chunks:
+                # A claimed hash is checked against the bytes, never taken for them: a stored
+                # video is named only to a client that sent all of it.
                 if claimed is None:
                     claimed = chunk.sha256.lower()
-                    # Said stored only once the stored copy was read back whole and hashed; a
-                    # damaged one is deleted there, and this upload then writes it again.
-                    if claimed and await asyncio.to_thread(videos.stored, claimed):
-                        return pb.VideoRef(video_id=claimed, already_stored=True)    # the rest need not come
                 data = chunk.data           # each read of the field is a fresh copy of the chunk
                 if spool.size + len(data) > max_bytes:
                     raise VideoTooLarge(f"upload is over the limit of {max_bytes} bytes")
@@ -113,10 +113,13 @@ async def receive_upload(chunks: AsyncIterator[pb.VideoChunk], videos: VideoStor
                 del data, chunk             # not held while the next chunk arrives
             video_id = await asyncio.to_thread(spool.finish)
             if spool.size == 0:
-                raise InvalidRequest("the upload holds no bytes")
+                raise InvalidRequest("the upload holds no bytes (a SHA-256 alone names no video: send the "
+                                     "video's bytes)")
             if claimed and claimed != video_id:
                 raise InvalidRequest(f"the upload's SHA-256 is {video_id}, not the {claimed[:80]} its first chunk "
                                      "claimed")
+            # Said stored only once the stored copy was read back whole and hashed; a damaged
+            # one is deleted there, and this upload then writes it again.
             stored = await asyncio.to_thread(videos.stored, video_id)
             if not stored:
                 await asyncio.to_thread(_probe, spool.path, probe_options)

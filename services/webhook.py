@@ -7,22 +7,93 @@
 Each body carries an `incident_id` (also sent as the Idempotency-Key header): a body is posted
 until one attempt is answered 2xx-4xx, so a receiver sees it once unless an attempt reached
 it but its answer was lost (then the key tells the copies apart). `close()` sends what is
-queued (within `flush_s`) and stops the thread.
+queued (within `flush_s`) and stops the thread. A redirect (3xx) is never followed: it could
+lead off the allowed prefixes; it is a failed delivery, logged.
+
+Which URLs a session may name: `WebhookPrefix` (the server's --allow-webhook entries), matched
+on the parsed scheme, host and port, and a path-segment prefix of the path.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections import deque
 from dataclasses import dataclass
 
+from sparrow.errors import InvalidRequest, SourceNotAllowed
+from sparrow.video.policy import SplitUrl, split_url
+
 log = logging.getLogger(__name__)
+WEBHOOK_SCHEMES = ("http", "https")
+_SCHEME_STARTS = tuple(f"{scheme}://" for scheme in WEBHOOK_SCHEMES)
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookPrefix:
+    """One allowed webhook prefix ("https://alerts.internal/hooks"): a URL is under it when its
+    scheme, host and port are the same (a port left out is the scheme's default) and its path
+    is the prefix's path or lies below it segment by segment ("/hooks" admits "/hooks/a", not
+    "/hooksevil"; no path admits any)."""
+
+    origin: tuple[str, str, int]        # scheme, host, port
+    path: str                           # "" (any path) or "/hooks/" (always ending in "/")
+
+    @classmethod
+    def parse(cls, entry: str) -> "WebhookPrefix":
+        """InvalidRequest for an entry that is no plain http(s) URL prefix."""
+        if not isinstance(entry, str) or not entry.lower().startswith(_SCHEME_STARTS):
+            raise InvalidRequest(f"webhook prefix {entry!r} must start with http:// or https://")
+        try:
+            parts = split_url(entry)
+        except SourceNotAllowed as exc:
+            raise InvalidRequest(f"webhook prefix {entry!r} is malformed: {exc}") from exc
+        if parts.query or "#" in entry or _dot_segments(parts.path):
+            raise InvalidRequest(f"webhook prefix {entry!r} must be scheme://host[:port][/path], without "
+                                 "'.' or '..' segments, a query or a fragment")
+        path = parts.path if parts.path.endswith("/") else parts.path + "/"
+        return cls((parts.scheme, parts.host, parts.port), "" if path == "/" else path)
+
+    def admits(self, url: SplitUrl) -> bool:
+        if (url.scheme, url.host, url.port) != self.origin:
+            return False
+        return not self.path or url.path == self.path[:-1] or url.path.startswith(self.path)
+
+
+def _dot_segments(path: str) -> bool:
+    """Whether `path` has a "." or ".." segment (percent-encoded too, its slashes included),
+    which a receiver could resolve out of the prefix it was checked under."""
+    return any(segment in (".", "..") for segment in re.split(r"[/\\]", urllib.parse.unquote(path)))
+
+
+def check_webhook_url(url: str, prefixes: tuple[str, ...]) -> None:
+    """InvalidRequest for a URL that is no http(s) URL; SourceNotAllowed for one under none of
+    `prefixes` (or one that two parsers could read apart: user info, a bad port, ...)."""
+    if not url.lower().startswith(_SCHEME_STARTS):
+        raise InvalidRequest(f"a webhook URL must be http or https, got {url[:64]!r}")
+    parts = split_url(url)
+    if not _dot_segments(parts.path) and any(WebhookPrefix.parse(p).admits(parts) for p in prefixes):
+        return
+    raise SourceNotAllowed("this webhook URL is not under the server's allowed webhook prefixes "
+                           "(sparrow serve --allow-webhook): its scheme, host and port must be a prefix's own "
+                           "(a port left out is the scheme's default), and its path at or below the prefix's")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """urllib follows 301/302/303 for a POST by default (as a GET); a 3xx here stays an HTTPError."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +176,14 @@ class WebhookSink:
             request = urllib.request.Request(self.url, data=data, method="POST", headers={
                 "Content-Type": "application/json", "Idempotency-Key": body["incident_id"]})
             try:
-                with urllib.request.urlopen(request, timeout=self.config.timeout_s) as response:
+                with _OPENER.open(request, timeout=self.config.timeout_s) as response:
                     response.read()
                 return True
             except urllib.error.HTTPError as exc:
+                if 300 <= exc.code < 400:     # not followed: the Location could be anywhere
+                    log.warning("webhook %s answered HTTP %d (a redirect, not followed): the incident was not "
+                                "delivered; allow and give the final URL", self.url, exc.code)
+                    return False
                 if exc.code < 500:            # the receiver refused this body: retrying will not help
                     log.warning("webhook %s refused an incident: HTTP %d", self.url, exc.code)
                     return False
@@ -118,4 +193,4 @@ class WebhookSink:
         return False
 
 
-__all__ = ["WebhookConfig", "WebhookSink"]
+__all__ = ["WebhookConfig", "WebhookPrefix", "WebhookSink", "check_webhook_url"]

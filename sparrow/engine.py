@@ -124,8 +124,9 @@ class Engine:
         """Start a request; its events go to `sink` from the engine's threads: TokenDelta
         items, then a GenerationOutput or an exception. `request.abort()` stops it, at any
         stage: a video not yet decoded is never decoded, one being decoded stops at its next
-        packet. `video`: a source, a ProcessedVideo, or a callable taking the request's abort
-        event and returning either (called only when the prefix cache cannot answer).
+        packet. `video`: a source, a ProcessedVideo, or a callable returning either, taking the
+        request's abort event as its one argument or taking none (called on the preparation
+        stage, only when the prefix cache cannot answer; another signature is InvalidRequest).
         prefix: the video already prefilled (a live window's snapshot, sparrow/live.py): the
         request prefills only its own text on a copy of it; `video` is then unused.
         first_token_ids: the output's `first_token_probs` gives the target's probability of each

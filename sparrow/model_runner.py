@@ -17,9 +17,12 @@ the proposer and the KV arena; it knows nothing of queues, admission or threads.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,6 +53,27 @@ class StepTimes:
     verify_s: float = 0.0
 
 
+def call_deferred(video: Callable[..., Any], cancelled: threading.Event | None) -> Any:
+    """Call a deferred video: `video(cancelled)` when it takes a positional argument (the
+    request's abort event, to stop a decode early), `video()` when it takes none (the first
+    form, `lambda: processed`). Any other signature is InvalidRequest, never a TypeError from
+    inside the call; what the callable itself raises reaches the request's reader unchanged."""
+    try:
+        params = list(inspect.signature(video).parameters.values())
+    except (TypeError, ValueError):        # no signature to read (some builtins): the documented form
+        return video(cancelled)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(required) > 1 or (required and required[0] not in positional[:1]):
+        raise InvalidRequest(f"a callable video takes the request's abort event (threading.Event) as its one "
+                             f"argument, or no argument, and returns a source or a ProcessedVideo; "
+                             f"{getattr(video, '__qualname__', type(video).__name__)} takes "
+                             f"({', '.join(p.name for p in required)})")
+    if positional or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return video(cancelled)
+    return video()
+
+
 class ModelRunner:
     def __init__(self, target: TargetModel, proposer: Proposer | None, spec: SpecConfig, config: EngineConfig,
                  prefix_cache: PrefixCache | None):
@@ -70,10 +94,11 @@ class ModelRunner:
     def process_video(self, video, options: VideoOptions | None = None,
                       cancelled: threading.Event | None = None) -> ProcessedVideo:
         """video: a source, a ProcessedVideo, or a deferred one (decoded only when no cached
-        prefill can be used): a callable given `cancelled` that returns either. `cancelled`
-        (a request's abort) stops the decode at its next packet with RequestAborted."""
+        prefill can be used): a callable returning either, taking `cancelled` as its one
+        argument or taking none (call_deferred). `cancelled` (a request's abort) stops the
+        decode at its next packet with RequestAborted."""
         if callable(video):
-            video = video(cancelled)
+            video = call_deferred(video, cancelled)
         if isinstance(video, ProcessedVideo):
             return video
         return prepare_video(video, self.target.processor, options or VideoOptions(), cancelled=cancelled)

@@ -205,7 +205,7 @@ def test_damaged_upload_is_refused_then_healed_by_uploading_again(replicas, redi
     again = upload(replicas.on_b, video)
     assert again.video_id == video_id and not again.already_stored
     tally.answer(by_id(replicas.on_b, video_id), expected(video))
-    assert upload(replicas.on_b, video).already_stored            # now whole: said stored, nothing sent
+    assert upload(replicas.on_b, video).already_stored            # now whole: said stored, not written again
     harm()
     # A replica that has only Redis's copy refuses it (and deletes it); the uploader still
     # answers from its own tier; an upload heals it for everyone.

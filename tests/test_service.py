@@ -224,8 +224,9 @@ def test_upload_is_content_addressed_and_checked(client, clips):
     first = client.upload(video, chunk_bytes=4096)               # several chunks
     again = stub.UploadVideo(iter([pb.VideoChunk(data=video)]))
     assert again.video_id == first and again.already_stored and again.size_bytes == len(video)
-    claimed = stub.UploadVideo(iter([pb.VideoChunk(sha256=first)]))    # the server has it: no bytes needed
-    assert claimed.video_id == first and claimed.already_stored
+    # a hash alone names no video, stored or not: a client gets an id only for bytes it sent
+    assert code_of(lambda: stub.UploadVideo(iter([pb.VideoChunk(sha256=first)]))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.upload(video, chunk_bytes=4096) == first       # the bytes, hash first: still uploads
     assert code_of(lambda: stub.UploadVideo(iter([]))) == grpc.StatusCode.INVALID_ARGUMENT
     wrong = pb.VideoChunk(data=b"abc", sha256="1" * 64)
     assert code_of(lambda: stub.UploadVideo(iter([wrong]))) == grpc.StatusCode.INVALID_ARGUMENT

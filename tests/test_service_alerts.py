@@ -6,6 +6,8 @@ webhook outside the server's allowed prefixes is PERMISSION_DENIED."""
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 import numpy as np
 import pytest
@@ -26,8 +28,17 @@ OPEN = dict(fps=2.0, window_s=60.0, max_lag_s=100.0, min_pixels=28 * 28, max_pix
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dirs):
-    config = ServiceConfig(max_message_bytes=4 * MiB, live_webhook_prefixes=("http://127.0.0.1:",))
+def hook_port() -> int:
+    """The loopback port this module's webhook receivers listen on, one at a time: the server's
+    allowed prefix names it (a prefix matches scheme, host and port exactly)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dirs, hook_port):
+    config = ServiceConfig(max_message_bytes=4 * MiB, live_webhook_prefixes=(f"http://127.0.0.1:{hook_port}/hook",))
     settings = AppSettings(target=str(tiny_model_dirs[0]), draft=str(tiny_model_dirs[1]),
                            spec=SpecConfig(**SPEC_KWARGS), service=config)
     engine, cache = build_engine(settings)
@@ -39,13 +50,14 @@ def _rules(response) -> list[tuple[str, str, float]]:
     return [(r.rule_id, r.question, r.fire_at) for r in response.rules.rules]
 
 
-def test_rules_mid_session_incidents_on_the_stream_and_the_webhook(server):
+def test_rules_mid_session_incidents_on_the_stream_and_the_webhook(server, hook_port):
     frames = synthetic_frames(16, 84, 112, seed=2)
     times = np.arange(16) / 2.0
     # P(yes) of a random tiny target is neither 0 nor 1: fire_at 0.001 fires at the first check,
     # and a replacement asking 0.9999 / clear_at 0.9998 clears at the next.
     low = pb.AlertRule(rule_id="low", question="is a red shape in view ?", every_s=2.0, fire_at=0.001)
-    with Recorder(fail_first=1) as hook, SparrowClient(server.address, max_message_bytes=4 * MiB) as client:
+    with Recorder(fail_first=1, port=hook_port) as hook, \
+            SparrowClient(server.address, max_message_bytes=4 * MiB) as client:
         with client.live(**OPEN, rules=[low], webhook_url=hook.url) as live:
             opened = live.opened()
             assert list(opened.rule_ids) == ["low"]
@@ -90,9 +102,12 @@ def test_rules_mid_session_incidents_on_the_stream_and_the_webhook(server):
         assert hook.accepted[0]["probability"] == pytest.approx(inc.probability)
 
 
-def test_a_webhook_outside_the_allowed_prefixes_is_permission_denied(server):
+def test_a_webhook_outside_the_allowed_prefixes_is_permission_denied(server, hook_port):
     with SparrowClient(server.address, max_message_bytes=4 * MiB) as client:
         for url, code in (("http://10.0.0.1:9/hook", grpc.StatusCode.PERMISSION_DENIED),
+                          (f"http://127.0.0.1:{hook_port + 1}/hook", grpc.StatusCode.PERMISSION_DENIED),
+                          (f"http://127.0.0.1:{hook_port}0/hook", grpc.StatusCode.PERMISSION_DENIED),
+                          (f"http://127.0.0.1:{hook_port}/hookevil", grpc.StatusCode.PERMISSION_DENIED),
                           ("ftp://127.0.0.1:9/hook", grpc.StatusCode.INVALID_ARGUMENT)):
             with client.live(**OPEN, webhook_url=url) as live:
                 with pytest.raises(grpc.RpcError) as err:
@@ -107,13 +122,13 @@ def _next(it, want):
     raise AssertionError("the stream ended first")
 
 
-def test_sparrow_live_rule_prints_incidents_and_posts_them(server, tmp_path, capsys):
+def test_sparrow_live_rule_prints_incidents_and_posts_them(server, hook_port, tmp_path, capsys):
     from sparrow.services import cli
     from sparrow.video import write_synthetic_video
 
     path = tmp_path / "clip.mp4"
     write_synthetic_video(path, num_frames=24, width=112, height=84, fps=4.0, seed=1)       # 6 s
-    with Recorder() as hook:
+    with Recorder(port=hook_port) as hook:
         assert cli.main(["live", "--server", server.address, str(path), "--speed", "20", "--window", "60",
                          "--max-lag", "100", "--min-pixels", str(OPEN["min_pixels"]), "--max-pixels",
                          str(OPEN["max_pixels"]), "--rule", "2:0.001:is a red shape in view ?",

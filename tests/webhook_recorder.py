@@ -1,6 +1,7 @@
 """A loopback HTTP server that records the JSON bodies POSTed to it (a webhook's receiver).
 `fail_first`: that many of the first POSTs are answered 503 (recorded as refused), so a
-sender's retries show. Tests import it as `from webhook_recorder import Recorder`."""
+sender's retries show. `port`: the port to listen on (0: a free one; a server's allowed webhook
+prefix names the port exactly). Tests import it as `from webhook_recorder import Recorder`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Recorder:
-    def __init__(self, fail_first: int = 0):
+    def __init__(self, fail_first: int = 0, port: int = 0):
         self.accepted: list[dict] = []         # bodies answered 200, in arrival order
         self.refused: list[dict] = []          # bodies answered 503
         self.keys: list[str] = []              # Idempotency-Key of every accepted body
@@ -34,7 +35,7 @@ class Recorder:
             def log_message(self, *args):      # quiet
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

@@ -29,6 +29,9 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # we checked the URL FFmpeg fetches.
 _AMBIGUOUS = re.compile(r"[\x00-\x20\x7f\\@]")
 
+# The port a URL without one reaches, per scheme: "https://h/" and "https://h:443/" are one origin.
+DEFAULT_PORTS = {"http": 80, "https": 443, "rtsp": 554}
+
 
 def is_url(source: object) -> bool:
     return isinstance(source, str) and bool(_URL.match(source))
@@ -43,6 +46,52 @@ def shown(text: object, limit: int = 120) -> str:
     return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
+@dataclass(frozen=True, slots=True)
+class SplitUrl:
+    """A URL read once, strictly (split_url): what an allowlist compares and a fetch reaches."""
+
+    scheme: str            # lower case
+    host: str              # lower case; an IPv6 literal without its brackets
+    port: int              # the URL's own, else its scheme's default (DEFAULT_PORTS)
+    explicit_port: bool    # the URL names its port
+    path: str
+    query: str
+
+    @property
+    def netloc(self) -> str:
+        """host[:port], the port as a plain number: the form handed on, so it is the one checked."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}" if self.explicit_port else host
+
+    def geturl(self) -> str:
+        """The canonical URL (no fragment: it never reaches the server)."""
+        return urllib.parse.urlunsplit((self.scheme, self.netloc, self.path, self.query, ""))
+
+
+def split_url(url: str) -> SplitUrl:
+    """`url`'s scheme, host, port and path, or SourceNotAllowed for a URL that two parsers
+    could read apart: spaces, control characters, backslashes, user info ("user:pass@") and
+    non-ASCII characters are refused, as are an empty, non-numeric or out-of-range (not
+    1..65535) port, a missing host, and a scheme with no default port that names none."""
+    if _AMBIGUOUS.search(url) or not url.isascii():
+        raise SourceNotAllowed("URLs with spaces, control characters, backslashes, user info ('@') "
+                               "or non-ASCII characters are not allowed; percent-encode them")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:  # a port that is not a number, or past 65535
+        raise SourceNotAllowed(f"malformed URL: {shown(str(exc))}") from exc
+    scheme = parts.scheme.lower()
+    if not host:
+        raise SourceNotAllowed(f"the URL {shown(url)} names no host")
+    if parts.netloc.endswith(":") or port == 0:  # "host:" (FFmpeg reads port 0) or "host:0"
+        raise SourceNotAllowed(f"the URL {shown(url)} names no usable port (1..65535)")
+    if port is None and scheme not in DEFAULT_PORTS:
+        raise SourceNotAllowed(f"the URL {shown(url)} names no port, and {shown(scheme)} has no default one")
+    return SplitUrl(scheme, host, port if port is not None else DEFAULT_PORTS[scheme], port is not None,
+                    parts.path, parts.query)
+
+
 @dataclass(frozen=True)
 class SourcePolicy:
     """Allowlists for video sources.
@@ -52,9 +101,12 @@ class SourcePolicy:
         link that points out of the root is refused.
     allowed_schemes: URL schemes, a subset of {"http", "https", "rtsp"}.
     allowed_hosts: host names, exact ("cdn.example.com"), with a port ("cdn.example.com:8443"
-        allows only that port), a subdomain wildcard ("*.example.com", not example.com itself),
-        or "*" for any host. URLs with user info ("user@host") are refused, and redirects are
-        never followed (FFmpeg could not check where they lead): give the final URL.
+        allows only that port; a URL naming none reaches its scheme's default), a subdomain wildcard ("*.example.com", not example.com itself),
+        or "*" for any host. URLs with user info ("user@host") are refused, and http(s)
+        redirects are never followed (FFmpeg could not check where they lead): give the final
+        URL. RTSP is the exception: FFmpeg's RTSP demuxer follows a 3xx Location by itself and
+        has no option to stop it, so an allowed RTSP host must be one trusted not to redirect
+        (tests/test_edges.py keeps this as a known gap).
     tls_ca_file: PEM bundle of the CAs that https servers' certificates must chain to (None:
         the system's). Certificates are always verified: FFmpeg's own default is not to.
     """
@@ -131,23 +183,16 @@ class SourcePolicy:
         if scheme not in self.allowed_schemes:
             allowed = ", ".join(sorted(self.allowed_schemes)) or "none"
             raise SourceNotAllowed(f"URL scheme {shown(scheme)} is not allowed (allowed: {allowed})")
-        if _AMBIGUOUS.search(url) or not url.isascii():
-            raise SourceNotAllowed("URLs with spaces, control characters, backslashes, user info ('@') "
-                                   "or non-ASCII characters are not allowed; percent-encode them")
-        try:
-            parts = urllib.parse.urlsplit(url)
-            host, port = parts.hostname, parts.port
-        except ValueError as exc:  # e.g. a port that is not a number
-            raise SourceNotAllowed(f"malformed URL: {shown(str(exc))}") from exc
-        if not host or not self._host_allowed(host, port):
-            raise SourceNotAllowed(f"host {shown(host)} is not in the allowed hosts")
-        return urllib.parse.urlunsplit((scheme, parts.netloc.lower(), parts.path, parts.query, ""))
+        parts = split_url(url)
+        if not self._host_allowed(parts.host, parts.port):
+            raise SourceNotAllowed(f"host {shown(parts.host)} is not in the allowed hosts")
+        return parts.geturl()
 
-    def _host_allowed(self, host: str, port: int | None) -> bool:
+    def _host_allowed(self, host: str, port: int) -> bool:
         for entry in self.allowed_hosts:
             name, entry_port = _host_entry(entry)
             if entry_port is not None and entry_port != port:
-                continue  # a port-restricted entry needs the URL to name that port
+                continue  # a port-restricted entry admits that port only (the scheme's default included)
             if name == "*" or name == host or (name.startswith("*.") and host.endswith(name[1:])):
                 return True
         return False
@@ -157,6 +202,9 @@ def _host_entry(entry: str) -> tuple[str, int | None]:
     """("cdn.example.com", 8443) from "cdn.example.com:8443"; IPv6 literals keep no brackets."""
     parts = urllib.parse.urlsplit("//" + entry)
     try:
-        return (parts.hostname or entry), parts.port
+        port = parts.port
     except ValueError as exc:
         raise InvalidRequest(f"allowed host {entry!r} is malformed: {exc}") from exc
+    if port == 0 or parts.netloc.endswith(":"):
+        raise InvalidRequest(f"allowed host {entry!r} is malformed: its port must be 1..65535")
+    return (parts.hostname or entry), port

@@ -228,7 +228,11 @@ def _url_media(url: str, options: VideoOptions, policy: SourcePolicy) -> Media:
     scheme = url.split(":", 1)[0]
     extra = {
         "protocol_whitelist": _PROTOCOLS[scheme],
-        "max_redirects": "0",  # a redirect could lead anywhere; FFmpeg cannot check it against the policy
+        # A redirect could lead anywhere; FFmpeg cannot check it against the policy. The http
+        # protocol's option: an FFmpeg without it would drop it silently (unknown options are),
+        # so tests/test_edges.py serves a 302 to another port and checks that port gets nothing.
+        # The RTSP demuxer follows a 3xx regardless (SourcePolicy's docstring).
+        "max_redirects": "0",
         # Per-read socket timeout (µs): also bounds reads PyAV's interrupt does not cover (seeks).
         "rw_timeout": str(int(options.read_timeout_s * 1e6)),
         "tls_verify": "1",  # FFmpeg accepts any certificate unless told otherwise
