@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 FORCED = os.environ.get("SPARROW_ATTENTION_PATH", "").strip().lower() or None
 ENABLED = os.environ.get("SPARROW_AUTOTUNE", "1").strip() != "0"
-# Per candidate: at least MIN_REPS timed runs after one warm-up, more while under BUDGET_S.
+# At least MIN_REPS rounds (each candidate once, interleaved) after one warm-up, more while under
+# BUDGET_S a candidate.
 MIN_REPS, MAX_REPS, BUDGET_S = 5, 40, 0.25
 
 
@@ -110,9 +111,7 @@ class PathTuner:
         """Time the candidates now, on this thread; the choice is kept and returned."""
         full = (*key, candidates)
         make = bench()
-        ms: dict[str, float] = {}
-        for name in candidates:
-            ms[name] = _time(make(name))
+        ms = _time({name: make(name) for name in candidates})
         best = min(ms, key=ms.get)
         self._chosen[full], self._times[full] = best, ms
         log.info("%s %s: %s (%s)", self.name, key, best, ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()))
@@ -191,16 +190,22 @@ def _untuple(key):
     return tuple(tuple(k) if isinstance(k, list) else k for k in key)
 
 
-def _time(run: Callable[[], object]) -> float:
-    """Median ms of run() after a warm-up, MIN_REPS..MAX_REPS times within about BUDGET_S."""
-    run()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < MIN_REPS or (len(times) < MAX_REPS and time.perf_counter() - start < BUDGET_S):
-        t0 = time.perf_counter()
+def _time(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Median ms of each run() after a warm-up, the candidates interleaved in every round (a load
+    that comes and goes moves them alike), MIN_REPS..MAX_REPS rounds within about BUDGET_S each."""
+    for run in runs.values():
         run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    start = time.perf_counter()
+    budget = BUDGET_S * len(runs)
+    while True:
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+        done = len(times[next(iter(runs))])
+        if done >= MAX_REPS or (done >= MIN_REPS and time.perf_counter() - start >= budget):
+            return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def store_path(*parts: str) -> Path | None:
