@@ -19,6 +19,7 @@ Triton's autotuner all work this way.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import math
@@ -41,6 +42,7 @@ ENABLED = os.environ.get("SPARROW_AUTOTUNE", "1").strip() != "0"
 MIN_REPS, MAX_REPS, BUDGET_S = 5, 40, 0.25
 
 
+@functools.lru_cache(maxsize=4096)
 def rows_bucket(n: int) -> int:
     """Query rows (tokens a step scores) by bucket: every count to 4, then steps of about 1.5x."""
     if n <= 4:
@@ -49,10 +51,13 @@ def rows_bucket(n: int) -> int:
 
 
 def keys_bucket(p: int) -> int:
-    """Cached keys by bucket: half powers of two (512, 724, 1024, 1448, ...)."""
+    """Cached keys by bucket: half powers of two (512, 724, 1024, 1448, ...), read off the bit
+    length (a call a layer: no logarithms)."""
     if p <= 64:
         return 64
-    return int(round(2 ** (math.ceil(2 * math.log2(p)) / 2)))
+    low = 1 << (p - 1).bit_length() - 1            # the power of two below p (p itself excluded)
+    mid = int(round(low * 1.4142135623730951))
+    return mid if p <= mid else 2 * low
 
 
 Key = tuple[Hashable, ...]

@@ -31,6 +31,7 @@ prefix): reference.py.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -136,33 +137,46 @@ PATHS = ("dense", "flash", "kernel")
 TUNER = autotune.tuner("verify attention", lambda: autotune.store_path(cpu_prefix.EXTENSION.build_name))
 
 
+_WITHOUT_KERNEL = tuple(p for p in PATHS if p != "kernel" and (p != "flash" or _FLASH_CPU is not None))
+_WITH_KERNEL = (*_WITHOUT_KERNEL, "kernel")
+
+
 def cpu_paths() -> tuple[str, ...]:
     """The paths that can serve on this CPU now (the kernel once it is built; the first ask starts
     its build, in a process of its own)."""
-    if not cpu_prefix.ready():
-        cpu_prefix.start_loading()
-    return tuple(p for p in PATHS if (p != "flash" or _FLASH_CPU is not None) and (p != "kernel" or cpu_prefix.ready()))
+    if cpu_prefix.ready():
+        return _WITH_KERNEL
+    cpu_prefix.start_loading()
+    return _WITHOUT_KERNEL
+
+
+_DTYPES: dict[torch.dtype, str] = {}
 
 
 def shape_key(q: torch.Tensor, k: torch.Tensor, prefix_len: int) -> tuple:
     """(dtype, head dim, kv heads, group, batch, rows bucket, keys bucket): what a path's speed depends on."""
-    return (str(q.dtype), q.shape[-1], k.shape[1], q.shape[1] // k.shape[1], q.shape[0],
-            autotune.rows_bucket(q.shape[2]), autotune.keys_bucket(prefix_len + q.shape[2]))
+    bsz, heads, nq, dim = q.shape
+    hkv = k.shape[1]
+    dtype = _DTYPES.get(q.dtype) or _DTYPES.setdefault(q.dtype, str(q.dtype))
+    return (dtype, dim, hkv, heads // hkv, bsz, autotune.rows_bucket(nq), autotune.keys_bucket(prefix_len + nq))
 
 
 def cpu_path(q: torch.Tensor, k: torch.Tensor, prefix_len: int) -> str | None:
     """The measured (or forced) path for this shape; None until measured (the worker times it)."""
-    nq, group, dtype = q.shape[2], q.shape[1] // k.shape[1], q.dtype
+    return TUNER.choice(shape_key(q, k, prefix_len), cpu_paths(), functools.partial(_bench, q, k, prefix_len))
 
-    def bench():                                  # inputs of this shape, then each path over them
-        g = torch.Generator().manual_seed(0)
-        qq = torch.randn(q.shape, generator=g).to(dtype)
-        kk = torch.randn(k.shape[0], k.shape[1], prefix_len + nq, k.shape[-1], generator=g).to(dtype)
-        vv = torch.randn(kk.shape, generator=g).to(dtype)
-        b = own_bias(None, nq, group, q.device) if nq > 1 else None
-        scale = q.shape[-1] ** -0.5
-        return lambda name: (lambda: run_path(name, qq, kk, vv, prefix_len, b, scale))
-    return TUNER.choice(shape_key(q, k, prefix_len), cpu_paths(), bench)
+
+def _bench(q: torch.Tensor, k: torch.Tensor, prefix_len: int):
+    """Inputs of this shape (fresh, so the timing never touches a live cache), then a runner of
+    each path over them."""
+    nq, group, dtype = q.shape[2], q.shape[1] // k.shape[1], q.dtype
+    g = torch.Generator().manual_seed(0)
+    qq = torch.randn(q.shape, generator=g).to(dtype)
+    kk = torch.randn(k.shape[0], k.shape[1], prefix_len + nq, k.shape[-1], generator=g).to(dtype)
+    vv = torch.randn(kk.shape, generator=g).to(dtype)
+    b = own_bias(None, nq, group, q.device) if nq > 1 else None
+    scale = q.shape[-1] ** -0.5
+    return lambda name: (lambda: run_path(name, qq, kk, vv, prefix_len, b, scale))
 
 
 def default_path(q: torch.Tensor, prefix_len: int) -> str:
