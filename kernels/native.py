@@ -112,7 +112,8 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 @atexit.register
-def _kill_children() -> None:
+def kill_builders() -> None:
+    """Kill every build this process started (at exit; a server's forced stop)."""
     for proc in list(_children):
         _kill(proc)
 

@@ -151,6 +151,8 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        from sparrow.services import stopping
+        stopping.arm()          # Serve's shutdown and the cluster's within the grace, whatever runs
         serve.shutdown()
     return 0
 

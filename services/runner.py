@@ -99,4 +99,4 @@ class EngineRunner:
                               num_draft_tokens=num_draft_tokens, deadline=deadline)
 
     def shutdown(self) -> None:
-        self.engine.close()
+        self.engine.shutdown()

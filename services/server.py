@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import prom
+from . import prom, stopping
 from .errors import log_failure
 from .handler import SparrowMethods
 from .protos import SERVICE_NAME, pb_grpc
@@ -111,6 +111,8 @@ async def serve_forever(service: SparrowService, host: str, port: int,
         for signum in stop_on:
             loop.remove_signal_handler(signum)
         waits[1].cancel()       # (not the termination wait: cancelling it cancels grpc's shutdown)
+        if stop.is_set():
+            stopping.arm()      # the stop ends within the grace, whatever is still running
         service.close()
         await server.stop(grace=2)
 

@@ -174,4 +174,10 @@ class Engine:
         return gen.output
 
     def close(self) -> None:
+        """Take no more requests; those it holds run to their end."""
         self.scheduler.close()
+
+    def shutdown(self) -> None:
+        """Take no more requests and abort those it holds (each ends at its next step or prefill
+        slice, its KV memory freed): a server stopping."""
+        self.scheduler.shutdown()
