@@ -115,6 +115,8 @@ def _stop_on_sigterm() -> None:
     the handler suits this path, whose main thread only sleeps; the embedded server's event loop
     takes both signals itself: `serve_forever`.)"""
     def interrupt(signum, frame):
+        from sparrow.services import stopping
+        stopping.arm()          # the shutdown below within the grace, whatever runs
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupt)
 
@@ -152,8 +154,11 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         from sparrow.services import stopping
-        stopping.arm()          # Serve's shutdown and the cluster's within the grace, whatever runs
-        serve.shutdown()
+        if args.ray_address is None:
+            ray.shutdown()      # our own local cluster: its processes (Serve's actors too) go, in ~1 s
+        else:
+            serve.shutdown()    # a cluster joined: take our application off it
+        stopping.exit_now(0)    # nothing left to wait for: no interpreter teardown (Ray's threads)
     return 0
 
 

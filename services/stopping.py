@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -18,11 +19,38 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = float(os.environ.get("SPARROW_STOP_GRACE_S", "3.5"))
 
 
+def descendants(pid: int | None = None) -> list[int]:
+    """Every process below `pid` (default: this one), children first (Linux: read from /proc)."""
+    root = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
 def exit_now(code: int = 0) -> None:
-    """Kill the kernel builders, flush what was written, and end the process now."""
+    """Kill the kernel builders and every process this one started (a local Ray cluster's
+    included: none outlives it), flush what was written, and end the process now."""
     try:
         from sparrow.kernels import native
         native.kill_builders()
+        for pid in descendants():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
     finally:
         for handler in logging.getLogger().handlers:
             try:

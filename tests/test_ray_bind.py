@@ -91,7 +91,8 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray-bind")
     port, http_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
-    env.update(RAY_AUTH_TOKEN_PATH=str(tmp / "token"), OMP_NUM_THREADS="1")
+    # An empty extension directory: the replica's C++ kernels are still building when SIGTERM comes.
+    env.update(RAY_AUTH_TOKEN_PATH=str(tmp / "token"), OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(tmp / "ext"))
     cli = subprocess.Popen([sys.executable, "-m", "sparrow.services.cli", "serve", "--ray", "--host", "127.0.0.1",
                             "--port", str(port), "--http-port", str(http_port), "--target", "tiny:qwen2_5_vl",
                             "--draft", "tiny", "--log-format", "text"],
@@ -107,10 +108,12 @@ def served(tmp_path_factory):
     finally:
         pids = process_tree(cli.pid)
         cli.send_signal(signal.SIGTERM)         # as Kubernetes stops a pod: Serve shuts down, then the cluster
+        sent = time.monotonic()
         try:
             cli.wait(60)
         except subprocess.TimeoutExpired:
             cli.kill()
+        stopped_s = time.monotonic() - sent
         deadline = time.monotonic() + 20
         while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -121,6 +124,7 @@ def served(tmp_path_factory):
                 pass
         assert cli.returncode == 0 and not left, \
             f"SIGTERM: exit {cli.returncode}, still running: {[pids[p][:80] for p in left]}"
+        assert stopped_s < 5.0, f"SIGTERM: exited after {stopped_s:.1f} s (Kubernetes' SIGKILL comes at 30 s)"
 
 
 def alive(pid: int) -> bool:
