@@ -316,16 +316,18 @@ def test_a_client_that_goes_away_frees_the_session_at_once(server, client, recor
         assert gauge(recorder, "live_sessions_active") == 1
         live.ask(QUESTION, question_id="long", max_new_tokens=1500, ignore_eos=True)
         reader.until(lambda r: r.HasField("chunk"))
-        gone = time.monotonic()
-    # Leaving the block before the stream ended cancelled it.
+        steps_at_cancel = server.service.engine.scheduler.stats["steps"]
+    # Leaving the block before the stream ended cancelled it: the session is released at the
+    # next step (counted in steps, not seconds: a loaded machine's steps are slower, not more).
     wait_released(server)
-    assert time.monotonic() - gone < 1.0
+    assert server.service.engine.scheduler.stats["steps"] - steps_at_cancel <= 2
     assert session.closed and session.kv_bytes == 0 and session.running_answers == 0
     scheduler = server.service.engine.scheduler
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + 10.0
     while scheduler.num_running:                          # the long answer was aborted
         assert time.monotonic() < deadline, "the answer kept running after the client left"
         time.sleep(0.01)
+    assert scheduler.stats["steps"] - steps_at_cancel <= 3, "the answer ran on after the client left"
     assert gauge(recorder, "live_sessions_active") == 0 and gauge(recorder, "live_kv_bytes") == 0
     assert gauge(recorder, "live_sessions_ended_total", reason="cancelled") == ended_before + 1
     assert gauge(recorder, "live_frames_ingested_total") >= 8
