@@ -57,9 +57,8 @@ class TargetDeployment(SparrowMethods):
         self.metrics = prom.Recorder(prom.RaySink(), model_name=settings.target)
 
     def _deadline(self, grpc_context) -> float | None:
-        # Serve's proxy does not always pass a client's cancel or deadline on to the
-        # replica (it misses those that land while it is writing a response): a deadline
-        # sent as metadata is enforced here, and SparrowClient's cancel also sends Abort.
+        # Serve's proxy passes no gRPC deadline on: ours (services.ray_proxy) adds it to the
+        # metadata as `sparrow-timeout-ms`, beside one a client sent itself, enforced here.
         return deadline_from_metadata(grpc_context.invocation_metadata())
 
     def _recorder(self) -> prom.Recorder:
@@ -90,15 +89,19 @@ class TargetDeployment(SparrowMethods):
     async def Watch(self, request):
         yield await self.Check(request)
 
+    async def wait_idle(self, until: float) -> dict:
+        """SparrowService.wait_idle: what this replica holds once it holds nothing, or at
+        `until` (time.monotonic(), the same clock host-wide)."""
+        return await self.service.wait_idle(until)
+
     def stats(self) -> dict:
         """This replica's requests and generation threads, and how its remote draft has fared."""
         engine = self.service.engine
         draft = engine.proposer.stats() if isinstance(engine.proposer, RemoteDraftProposer) else RemoteDraftStats()
         return {"replica": ray.get_runtime_context().get_actor_name() or "",
                 "videos": len(engine.prefix_cache) if engine.prefix_cache is not None else 0,
-                "requests": len(self.service.live), "threads": self.service.runner.active,
-                "live_sessions": len(self.service.live_sessions),
-                "engine_requests": engine.scheduler.num_running,     # live answers included
+                **self.service.held(),          # requests, threads, engine_requests, live_sessions
+                "live_ended": dict(self.service.live_ended),
                 "last_released": self.service.last_released,        # time.monotonic(), same clock host-wide
                 "draft_failovers": draft.failovers, "draft_fallbacks": draft.fallbacks,
                 "draft_rebuilds": draft.rebuilds, "draft_sessions": list(draft.sessions)}

@@ -9,6 +9,7 @@ messages and turn exceptions into status codes with `status_for`, both through s
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -67,6 +68,7 @@ class SparrowService:
                                    self.config.allowed_url_hosts)
         self.live: dict[str, RunningRequest | None] = {}     # None: admitted, still preparing
         self.live_sessions: dict[str, LiveCall] = {}          # Live streams open, by session id
+        self.live_ended: collections.Counter[str] = collections.Counter()   # sessions closed, by how they ended
         self._live_refusal: list[str | None] = []             # why the target cannot go live; computed once
         self.last_released = 0.0
         self.ready = True
@@ -93,6 +95,8 @@ class SparrowService:
                 async for response in responses:
                     if response.HasField("completion") and response.completion.finish_reason == pb.FINISH_REASON_ABORT:
                         _check_deadline(deadline)      # aborted by the deadline: say so, on every host
+                        if not self.ready:             # aborted by a stopping server: retry elsewhere
+                            raise NotReady("the server is stopping; the request was not finished")
                     yield response
         finally:
             if job is not None:
@@ -301,6 +305,7 @@ class SparrowService:
 
     def release_live(self, call: LiveCall) -> None:
         self.live_sessions.pop(call.session_id, None)
+        self.live_ended[call.end_reason] += 1     # ok (drained), cancelled, or a status code
         self.last_released = time.monotonic()
 
     # ----- the other calls -----------------------------------------------------------------------
@@ -332,6 +337,21 @@ class SparrowService:
             max_new_tokens=cfg.max_new_tokens, max_visual_tokens=cfg.max_visual_tokens,
             max_video_bytes=cfg.max_video_bytes, max_message_bytes=cfg.max_message_bytes,
             live_sessions=self.live_refusal() is None, max_live_sessions=cfg.max_live_sessions)
+
+    def held(self) -> dict[str, int]:
+        """What this service holds now: requests admitted (its slots), generations the engine
+        has not let go of, requests the engine's scheduler runs (live answers included), live
+        sessions open."""
+        return {"requests": len(self.live), "threads": self.runner.active,
+                "engine_requests": self.engine.scheduler.num_running, "live_sessions": len(self.live_sessions)}
+
+    async def wait_idle(self, until: float) -> dict[str, int | bool]:
+        """held() as soon as it is all zero, or when time.monotonic() reaches `until` if it
+        never is before; "idle" says which. Asked here, where the state is, so the answer does
+        not wait on the asker's polling."""
+        while any((held := self.held()).values()) and time.monotonic() < until:
+            await asyncio.sleep(0.01)
+        return {**held, "idle": not any(held.values())}
 
     def close(self) -> None:
         self.ready = False

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 
 from .errors import UndecodableRequest, quiet_client_errors
 from .protos import pb_grpc
+from .ray_proxy import guarded_handlers
 
 
 class Undecodable:
@@ -76,11 +77,13 @@ def add_sparrow_servicer(servicer, server) -> None:
 
 
 def add_sparrow_servicer_to_serve_proxy(servicer, server) -> None:
-    """For Serve's `grpc_servicer_functions`: add_sparrow_servicer, and, since Serve calls
-    this in its proxy's process, that process's log then shows a caller's error as one INFO
-    line instead of a traceback (services.errors.ClientErrorsAtInfo)."""
+    """For Serve's `grpc_servicer_functions`: add_sparrow_servicer, with the proxy's handlers
+    guarded so that a call that ends frees its replica slot (services.ray_proxy), and, since
+    Serve calls this in its proxy's process, that process's log then shows a caller's error
+    as one INFO line instead of a traceback (services.errors.ClientErrorsAtInfo)."""
     quiet_client_errors("ray.serve")
-    add_sparrow_servicer(servicer, server)
+    with guarded_handlers(server):
+        add_sparrow_servicer(servicer, server)
 
 
 __all__ = ["Undecodable", "add_sparrow_servicer", "add_sparrow_servicer_to_serve_proxy", "check_decoded", "decoded_stream"]

@@ -6,7 +6,9 @@ What must hold: each bad input gets its status code and the host keeps answering
 undecodable message is INVALID_ARGUMENT; a deadline, as a gRPC deadline or as
 `sparrow-timeout-ms` metadata alone, ends the call DEADLINE_EXCEEDED on time and frees the
 request; a cancel frees it within a second while a neighbour's answer stays the reference's;
-a request past the host's limit is RESOURCE_EXHAUSTED while the two running finish right.
+a request past the host's limit is RESOURCE_EXHAUSTED while the two running finish right;
+and no call leaves its slot held: 1 s after each of 50 calls' 20 ms deadlines, 20 bare gRPC
+cancels and 10 client processes killed mid-stream, the host holds nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Host:
     address: str
     metadata: tuple
     busy: Callable[[], tuple[int, int]]      # (requests the servicer holds, generation threads)
+    idle: Callable[[float], dict]            # SparrowService.wait_idle(until), asked where the service runs
 
     def client(self) -> SparrowClient:
         return SparrowClient(self.address, metadata=self.metadata)
@@ -60,7 +63,8 @@ def host(request, tiny_model_dirs, clips):
         app = settings(tiny_model_dirs, clips)
         service = SparrowService(*build_engine(app), app.service)
         with BackgroundServer(service) as server:
-            yield Host("embedded", server.address, (), lambda: (len(service.live), service.runner.active))
+            yield Host("embedded", server.address, (), lambda: (len(service.live), service.runner.active),
+                       lambda until: server.call(service.wait_idle(until), timeout=30))
         return
     request.getfixturevalue("ray_instance")          # the session's Ray, started only for this host
     from ray import serve
@@ -77,7 +81,8 @@ def host(request, tiny_model_dirs, clips):
         stats = handle.stats.remote().result(timeout_s=30)
         return stats["requests"], stats["threads"]
 
-    yield Host("ray", f"127.0.0.1:{port}", (("application", APP),), busy)
+    yield Host("ray", f"127.0.0.1:{port}", (("application", APP),), busy,
+               lambda until: handle.wait_idle.remote(until).result(timeout_s=30))
     serve.shutdown()
 
 
@@ -180,3 +185,88 @@ def test_past_the_limit_is_resource_exhausted_and_the_running_finish_right(host,
                 got += response.chunk.token_ids if response.HasField("chunk") else []
             assert got == expected
     wait_freed(host, within=5.0)
+
+
+# ----- no slot outlives its call ------------------------------------------------------------------------
+# However a call ends (its deadline, a bare gRPC cancel with no Abort, its client process killed),
+# the host holds nothing for it 1 s later: no request, no generation, no live session. Each
+# call runs alone and is checked on its own, so a leak is pinned to the call that left it.
+# `host.idle` waits where the service runs, returning as soon as it holds nothing.
+LEAK_CHECK_S = 1.0
+KILLED_CLIENT = """
+import sys, grpc
+address, request, *metadata = sys.argv[1:]
+call = grpc.insecure_channel(address).unary_stream("/sparrow.v1.Sparrow/Generate")(
+    bytes.fromhex(request), metadata=tuple(tuple(kv.split("=", 1)) for kv in metadata))
+for i, _ in enumerate(call):
+    if i == 0:
+        print("streaming", flush=True)
+"""
+
+
+def assert_freed(host: Host, since: float, what: str) -> None:
+    held = host.idle(since + LEAK_CHECK_S)
+    assert held["idle"], f"{host.name}: {LEAK_CHECK_S} s after {what}, the host still holds {held}"
+
+
+def long_request(clips, request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, prompt=PROMPT, video=pb.VideoSource(path="a.mp4"),
+                              sampling=pb.SamplingParams(max_new_tokens=2000, ignore_eos=True))
+
+
+def test_fifty_20ms_deadlines_leave_nothing_held(host, client, clips):
+    call = client.channel.unary_stream("/sparrow.v1.Sparrow/Generate", request_serializer=None)
+    codes = []
+    for i in range(50):
+        request = long_request(clips, f"deadline-{i}").SerializeToString()
+        # a gRPC deadline, or the metadata one (with a far gRPC deadline only so that a bug cannot hang the test)
+        given = ({"timeout": 0.02, "metadata": host.metadata} if i % 2 else
+                 {"timeout": 30, "metadata": host.metadata + (("sparrow-timeout-ms", "20"),)})
+        start = time.monotonic()
+        codes.append(code_of(lambda: list(call(request, **given))))
+        assert_freed(host, start + 0.02, f"call {i}'s 20 ms deadline")
+    assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+
+
+def test_twenty_bare_cancels_leave_nothing_held(host, client, clips):
+    """The gRPC cancel alone (SparrowClient.cancel would also send Abort), at a random point
+    of the stream: it may reach the host while it is writing a response."""
+    import random
+
+    rng = random.Random(20)
+    call = client.channel.unary_stream("/sparrow.v1.Sparrow/Generate", request_serializer=None,
+                                       response_deserializer=pb.GenerateResponse.FromString)
+    for i in range(20):
+        stream = call(long_request(clips, f"cancel-{i}").SerializeToString(), metadata=host.metadata)
+        for _ in range(1 + rng.randrange(4)):
+            assert next(stream).HasField("chunk")
+        time.sleep(rng.uniform(0, 0.03))
+        stream.cancel()
+        cancelled = time.monotonic()
+        assert_freed(host, cancelled, f"cancel {i}")
+
+
+def test_ten_killed_clients_leave_nothing_held(host, clips):
+    """A client process killed (SIGKILL) mid-stream: its connection drops with no cancel sent."""
+    import random
+    import subprocess
+    import sys
+    import threading
+
+    rng = random.Random(10)
+    metadata = [f"{k}={v}" for k, v in host.metadata]
+    for i in range(10):
+        request = long_request(clips, f"killed-{i}").SerializeToString().hex()
+        with subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, host.address, request, *metadata],
+                              stdout=subprocess.PIPE, text=True) as process:
+            watchdog = threading.Timer(30, process.kill)      # a client that never streams fails, not hangs
+            watchdog.start()
+            try:
+                assert process.stdout.readline().strip() == "streaming", f"client {i} never streamed"
+                time.sleep(rng.uniform(0, 0.03))
+            finally:
+                watchdog.cancel()
+                process.kill()
+                process.wait(timeout=30)
+        killed = time.monotonic()
+        assert_freed(host, killed, f"client {i} was killed")
