@@ -95,15 +95,46 @@ def _import(name: str, build_dir: Path):
     return module
 
 
+# The builder process: until build_main takes over (after imports that take seconds), it dies with
+# its parent by a plain SIGKILL (Linux), its signal mask cleared first (a child inherits its
+# spawning thread's, and Ray's and gRPC's threads block SIGTERM).
+_BUILDER = ("import ctypes, os, signal, sys\n"
+            "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})\n"
+            "try:\n    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)\nexcept (OSError, AttributeError):\n"
+            "    pass\n"
+            "if os.getppid() != int(sys.argv[1]):\n    os._exit(1)\n"
+            "from sparrow.kernels.native import build_main\nsys.exit(build_main(sys.argv[1:]))\n")
+
 _children: set[subprocess.Popen] = set()          # live builders of this process, killed at exit
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL every process of a session (a builder's: ninja puts each compiler in a process
+    group of its own, so a group kill would miss them), the caller last if it is one of them."""
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if int(stat.read().rsplit(")", 1)[1].split()[3]) == session:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    for pid in sorted(found, key=lambda p: p == me):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.killpg(session, signal.SIGKILL)   # where /proc cannot be read: the builder's own group
+    except OSError:
+        pass
 
 
 def _kill(proc: subprocess.Popen) -> None:
     """Kill a builder and its session (ninja and the compilers it started)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    kill_session(proc.pid)
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
@@ -183,8 +214,7 @@ class NativeExtension:
 
     def _spawn(self) -> subprocess.Popen:
         self.build_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-c", "import sys; from sparrow.kernels.native import build_main; "
-               "sys.exit(build_main(sys.argv[1:]))", str(os.getpid()), self.build_name, str(self.source),
+        cmd = [sys.executable, "-c", _BUILDER, str(os.getpid()), self.build_name, str(self.source),
                str(self.build_dir), *self.cflags]
         with open(self.build_dir / f"build.{os.getpid()}.log", "wb") as out:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -239,18 +269,27 @@ class NativeExtension:
 
 
 def _die_with_parent(parent: int) -> None:
-    """The builder's session goes when its parent does (Linux: a parent-death signal, then a kill
-    of the whole session from the handler); elsewhere the parent's exit hook kills it."""
+    """The builder's session goes when its parent does: a parent-death signal (Linux), unblocked
+    here (a child inherits its spawning thread's signal mask, and Ray's and gRPC's threads block
+    SIGTERM), whose handler kills the whole session; and, whatever the platform or the mask, a
+    thread that sees the parent gone within half a second and does the same."""
     def end_session(*_):
-        os.killpg(0, signal.SIGKILL)
+        kill_session(os.getsid(0))
     signal.signal(signal.SIGTERM, end_session)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)          # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    if os.getppid() != parent:                               # the parent died before the signal was set
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        end_session()
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    if os.getppid() != parent:                               # the parent died before any of this was set
         end_session()
 
 
