@@ -28,10 +28,17 @@ WANTS_THE_KERNEL = textwrap.dedent("""
     from sparrow.kernels.reference import verify_attention_ref
     cpu_prefix.IMPL = "torch" if sys.argv[1] == "torch" else "kernel"
     packed.DENSE_PREFIX = -1
+    if sys.argv[1] == "hold":      # started as a server's thread would: SIGTERM blocked (Ray's, gRPC's)
+        import signal, threading
+        def start():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            cpu_prefix.start_loading()
+            print("started", flush=True)
+            time.sleep(600)
+        threading.Thread(target=start, daemon=True).start()
+        time.sleep(600)
     cpu_prefix.start_loading()
     print("started", flush=True)
-    if sys.argv[1] == "hold":
-        time.sleep(600)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 3, 16, generator=g)
     k, v = torch.randn(1, 2, 203, 16, generator=g), torch.randn(1, 2, 203, 16, generator=g)
@@ -52,6 +59,20 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _session(leader: int) -> list[int]:
+    """The live processes of a builder's session (the builder, ninja, the compilers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[3]) == leader and fields[0] != "Z":
+                found.append(int(entry))
+    return found
 
 
 def _owner(build_dir: Path, within: float) -> int:
@@ -86,14 +107,17 @@ def test_a_process_killed_mid_build_costs_the_next_one_nothing_but_the_build(ext
         assert first.stdout.readline().strip() == "started"
         builder = _owner(build_dir, 60)
         assert _alive(builder)
-        time.sleep(1.0)                            # well into the build (the compiler is running)
+        deadline = time.monotonic() + 30
+        while len(_session(builder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)                        # until ninja and the compiler run
+        assert len(_session(builder)) >= 2, "the build never started its compiler"
     finally:
         first.kill()
         first.wait(10)
     deadline = time.monotonic() + 5
-    while _alive(builder) and time.monotonic() < deadline:
+    while _session(builder) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(builder), "the builder outlived the process that started it"
+    assert not _session(builder), f"the build outlived the process that started it: {_session(builder)}"
     (build_dir / "lock").touch()                   # torch's lock, as a build killed midway leaves it
 
     def run(how: str) -> tuple[list[str], float]:
