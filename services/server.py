@@ -114,7 +114,7 @@ async def serve_forever(service: SparrowService, host: str, port: int,
         if stop.is_set():
             stopping.arm()      # the stop ends within the grace, whatever is still running
         service.close()
-        await server.stop(grace=2)
+        await server.stop(grace=1)      # inside the stop's grace (stopping.py)
 
 
 class BackgroundServer:

@@ -16,7 +16,7 @@ import time
 
 log = logging.getLogger(__name__)
 
-STOP_GRACE_S = float(os.environ.get("SPARROW_STOP_GRACE_S", "3.5"))
+STOP_GRACE_S = float(os.environ.get("SPARROW_STOP_GRACE_S", "2.5"))
 
 
 def descendants(pid: int | None = None) -> list[int]:
