@@ -40,6 +40,8 @@ ENABLED = os.environ.get("SPARROW_AUTOTUNE", "1").strip() != "0"
 # At least MIN_REPS rounds (each candidate once, interleaved) after one warm-up, more while under
 # BUDGET_S a candidate.
 MIN_REPS, MAX_REPS, BUDGET_S = 5, 40, 0.25
+# Where the two fastest are within CLOSE of each other, up to CLOSE_FACTOR times the rounds.
+CLOSE, CLOSE_FACTOR = 0.08, 4
 
 
 @functools.lru_cache(maxsize=4096)
@@ -197,20 +199,26 @@ def _untuple(key):
 
 def _time(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
     """Median ms of each run() after a warm-up, the candidates interleaved in every round (a load
-    that comes and goes moves them alike), MIN_REPS..MAX_REPS rounds within about BUDGET_S each."""
+    that comes and goes moves them alike), MIN_REPS..MAX_REPS rounds within about BUDGET_S a
+    candidate; CLOSE_FACTOR times that where the two fastest came within CLOSE of each other."""
     for run in runs.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
+    rounds, budget, extended = MAX_REPS, BUDGET_S * len(runs), False
     start = time.perf_counter()
-    budget = BUDGET_S * len(runs)
     while True:
         for name, run in runs.items():
             t0 = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - t0)
         done = len(times[next(iter(runs))])
-        if done >= MAX_REPS or (done >= MIN_REPS and time.perf_counter() - start >= budget):
-            return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        if done < MIN_REPS or (done < rounds and time.perf_counter() - start < budget):
+            continue
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        first, second = (sorted(ms.values()) + [float("inf")])[:2]
+        if extended or second > first * (1 + CLOSE):
+            return ms
+        rounds, budget, extended = rounds * CLOSE_FACTOR, budget * CLOSE_FACTOR, True
 
 
 def store_path(*parts: str) -> Path | None:
