@@ -6,8 +6,10 @@ different lengths gets the eager step's logits and features through the compiled
 batch padded to a token bucket); greedy decoding through compiled steps is HF's greedy output,
 plain and speculative, chains (all accepted, none accepted) and trees, and a seeded sample is
 the eager engine's; a step no bucket holds, a graph not compiled yet, or one whose compile
-failed runs eagerly; the background compile serves the steps after it; the setting refuses
-what it does not know.
+failed runs eagerly; a step waits for a compile running on another thread (never beside it);
+the background compile serves the steps after it; the setting refuses what it does not know.
+(A model changed under a graph, a graph that raises, compiles beside forwards:
+tests/test_step_graph_safety.py.)
 """
 
 import logging
@@ -20,7 +22,7 @@ from helpers import OracleProposer, ragged_step_inputs
 
 import sparrow.models.step_graph as step_graph
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.models.compiling import COMPILE_LOCK
+from sparrow.models.compiling import GATE
 from sparrow.models.step_graph import StepGraph
 from sparrow.tiny import tiny_draft, tiny_target
 
@@ -155,10 +157,10 @@ def test_steps_run_eagerly_until_the_background_compile_is_ready(qwen_target, sm
         target.target_step = "eager"
 
 
-def test_a_step_runs_eagerly_while_a_graph_compiles_or_when_its_guards_fail(qwen_target, small_video, caplog):
-    """No step compiles in line: while another thread compiles (it holds COMPILE_LOCK) and when
-    the model changed under a graph (train mode), the step runs eagerly; back as it was, the
-    graph runs again."""
+def test_a_step_waits_for_a_compile_and_runs_eagerly_when_its_guards_fail(qwen_target, small_video, caplog):
+    """No step runs beside a compile on another thread (it holds GATE's compile side): it
+    waits for it, then runs its graph. No step compiles in line: when the model changed under a
+    graph (train mode), the step runs eagerly; back as it was, the graph runs again."""
     target = qwen_target
     engine = Engine(target, spec=SpecConfig(method="none"))
     inputs = engine.prepare(small_video, PROMPT)
@@ -175,19 +177,23 @@ def test_a_step_runs_eagerly_while_a_graph_compiles_or_when_its_guards_fail(qwen
     try:
         step()
         assert calls[-1] is not None
-        held, done = threading.Event(), threading.Event()
+        held, done, stepped = threading.Event(), threading.Event(), threading.Event()
 
         def compiling():
-            with COMPILE_LOCK:
+            with GATE.compile():
                 held.set()
                 done.wait(30)
         other = threading.Thread(target=compiling)
         other.start()
         held.wait(30)
-        step()
+        calls.clear()
+        stepper = threading.Thread(target=lambda: (step(), stepped.set()))
+        stepper.start()
+        assert not stepped.wait(1.0) and not calls          # waiting at the gate: neither eager nor compiled
         done.set()
         other.join()
-        assert calls[-1] is None
+        stepper.join(30)
+        assert stepped.is_set() and calls[-1] is not None
         target.hf.train()
         with caplog.at_level(logging.WARNING, logger=step_graph.__name__):
             step()

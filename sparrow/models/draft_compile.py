@@ -39,7 +39,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..speculative.sampling import gumbel_noise
 from ..window import PAD_POS, window_mask
 from .attention import get_backend
-from .compiling import COMPILE_LOCK, CPU_OPTIONS, compiled
+from .compiling import CPU_OPTIONS, GATE, compiled
 from .draft import DraftKV, SparrowDraft, apply_rope, rope_frequencies, rope_tables
 
 log = logging.getLogger(__name__)
@@ -481,7 +481,7 @@ class DraftRunner:
             out = run(*args)
         else:
             t0 = time.perf_counter()
-            with COMPILE_LOCK:
+            with GATE.compile():         # no model forward on another thread meanwhile (compiling.py)
                 out = run(*args)
             COMPILE_SECONDS[shape] = time.perf_counter() - t0
             log.info("%s compiled for batch bucket %d (%d rows a request, %s levels, %d key slots, %s %s) in %.1f s",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidRequest
+from .compiling import GATE
 from .ragged import RaggedBatch, RaggedSegment
 
 
@@ -213,9 +214,10 @@ class PrefillJob:
         whole prompt is in the cache."""
         target = self.target
         a, b = self._span(max_tokens)
-        out = target.hf(inputs_embeds=self._embeds[:, a - self.start: b - self.start],
-                        position_ids=self.position_ids[..., a:b].to(target.device), cache=self.kv,
-                        use_cache=True, output_hidden_states=self.needs.hidden, logits_to_keep=1)
+        with GATE.forward(long=True):       # never beside a compile (compiling.py)
+            out = target.hf(inputs_embeds=self._embeds[:, a - self.start: b - self.start],
+                            position_ids=self.position_ids[..., a:b].to(target.device), cache=self.kv,
+                            use_cache=True, output_hidden_states=self.needs.hidden, logits_to_keep=1)
         return self._took(b, out.hidden_states, out.logits[0, -1])
 
     @property
@@ -230,8 +232,9 @@ class PrefillJob:
         this prompt's error is its own."""
         target = self.target
         if self._embeds is None:
-            self._embeds = target.family.prompt_embeds(target.hf, self.inputs, self.start, self.end,
-                                                       target.video_token_id)
+            with GATE.forward(long=True):
+                self._embeds = target.family.prompt_embeds(target.hf, self.inputs, self.start, self.end,
+                                                           target.video_token_id)
 
     def _span(self, max_tokens: int | None) -> tuple[int, int]:
         """The next chunk's positions [a, b)."""
@@ -295,8 +298,10 @@ def finish_together(jobs: list[PrefillJob]) -> None:
     hidden = any(job.needs.hidden for job in jobs)
     batch = RaggedBatch(segments, target.step_kernel())
     last = torch.tensor([seg.end - 1 for seg in segments], device=target.device)
-    out = target.hf(inputs_embeds=embeds, position_ids=positions.to(target.device), cache=batch,
-                    attention_mask=batch.as_mask(), use_cache=True, output_hidden_states=hidden, logits_to_keep=last)
+    with GATE.forward(long=True):
+        out = target.hf(inputs_embeds=embeds, position_ids=positions.to(target.device), cache=batch,
+                        attention_mask=batch.as_mask(), use_cache=True, output_hidden_states=hidden,
+                        logits_to_keep=last)
     for i, (job, seg, (_, b)) in enumerate(zip(jobs, segments, spans)):
         rows = tuple(h[:, seg.start:seg.end] for h in out.hidden_states) if job.needs.hidden else None
         job._took(b, rows, out.logits[0, i])

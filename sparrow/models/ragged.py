@@ -90,6 +90,7 @@ class RaggedBatch(Cache):
         self._host = _host_args(kernel) if kernel is not None else ()
         self._one_call = _one_call(kernel) if kernel is not None else None
         self._slots: torch.Tensor | bool | None = None      # _arena_positions, once a step
+        self._record: tuple[int, object] | None = None       # ragged_attend's record, as numpy (its pointer)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: (1, Hkv, N_total, D). Each request's rows go to its own cache: where
@@ -110,6 +111,23 @@ class RaggedBatch(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+    def lengths(self) -> list[int]:
+        """Each request's cache length before this step (a request's layers are alike between
+        steps): what `rewind` takes."""
+        return [seg.cache.get_seq_length() for seg in self.segments]
+
+    def rewind(self, lengths: list[int]) -> None:
+        """Undo a step that stopped part way (a compiled step that raised after some layers
+        wrote their keys): every layer of every request's cache back to `lengths`, and the
+        batch ready to run the step again."""
+        for seg, n in zip(self.segments, lengths):
+            for layer in seg.cache.layers:
+                extra = layer.get_seq_length() - n
+                if extra > 0:
+                    layer.crop(-extra)
+        self._views.clear()
+        self._slots = self._prefix = self._record = None
 
     @property
     def rows(self) -> int:
@@ -211,16 +229,33 @@ def current_batch(batch: RaggedBatch):
         _CURRENT.batch = before
 
 
-@torch.library.custom_op("sparrow::ragged_attend", mutates_args=())
-def ragged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                  scaling: float | None) -> torch.Tensor:
+# What ragged_attend writes, as the graph sees it. The op writes each layer's new keys and
+# values into the caches of the current batch, which are not values of the graph (they change
+# with every step's requests), so they cannot be its arguments; `written` can: the op records in
+# written[layer] the rows it wrote to the caches for that layer. Declared as mutated, it makes
+# the op what it is to the compiler: a writer, kept, run once and in order (never dropped,
+# merged or moved as a pure op may be). A process-wide record (the last step's, any thread):
+# tests read it; nothing decides on it. An inference tensor (steps run in inference mode): a
+# mutable op's argument that is a normal tensor has its version counter bumped in Python on
+# every call (torch.library's ADInplaceOrView kernel, ~25 us a layer: a tenth of a decode step).
+MAX_LAYERS = 1024
+with torch.inference_mode():
+    KV_WRITES = torch.zeros(MAX_LAYERS, dtype=torch.long)
+
+
+@torch.library.custom_op("sparrow::ragged_attend", mutates_args=("written",))
+def _ragged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, written: torch.Tensor,
+                   layer_idx: int, scaling: float | None) -> torch.Tensor:
     """query (1, Hq, N, D), key/value (1, Hkv, N, D) of a padded step: the current batch's rows
-    [0, rows) written to their caches and attended as `RaggedBatch.attend`; the padding rows'
-    output is zero. -> (1, N, Hq, Dv)."""
+    [0, rows) written to their caches and attended as `RaggedBatch.attend`, the rows written
+    recorded in written[layer_idx]; the padding rows' output is zero. -> (1, N, Hq, Dv)."""
     batch: RaggedBatch | None = getattr(_CURRENT, "batch", None)
     if batch is None:
         raise RuntimeError("sparrow::ragged_attend runs only inside current_batch(...)")
     n = batch.rows
+    if batch._record is None or batch._record[0] != written.data_ptr():
+        batch._record = (written.data_ptr(), written.numpy())    # a numpy view: a store of ~0.1 us
+    batch._record[1][layer_idx] = n
     if n == 0:                          # a graph's first run, on an empty batch (step_graph.py)
         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
     batch.update(key[:, :, :n], value[:, :, :n], layer_idx)
@@ -230,9 +265,16 @@ def ragged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
     return out
 
 
-@ragged_attend.register_fake
-def _(query, key, value, layer_idx, scaling):
+@_ragged_attend.register_fake
+def _(query, key, value, written, layer_idx, scaling):
     return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
+
+
+def ragged_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                  scaling: float | None) -> torch.Tensor:
+    """`sparrow::ragged_attend` with the record it writes (KV_WRITES): what a compiled step's
+    attention calls (gqa.grouped_sdpa)."""
+    return _ragged_attend(query, key, value, KV_WRITES, layer_idx, scaling)
 
 
 class RaggedStep(Cache):

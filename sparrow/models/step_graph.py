@@ -12,17 +12,26 @@ make-up (how many requests, their cache lengths, chains or trees) never reaches 
 and one graph serves every step whose tokens fit its bucket. The padding rows attend to
 nothing and their outputs are dropped.
 
-Compiling a bucket takes seconds (1-8 s on the 2-core CPU), so no step waits for it: the first step
-of a bucket starts its compile on a background thread and runs eagerly, as do the steps
-after it until the graph is ready (the time logged at INFO). A graph runs under dynamo's
-"fail_on_recompile" stance without evaluating dynamo's guards (they cost a quarter of a decode
-step): its inputs are made as its compile's were, and a model changed under it (train mode,
-dtype, device, replaced weights) is checked by hand; such a step runs eagerly instead of
-recompiling in line (logged once). The stance is process-wide, so steps run eagerly while any
-graph compiles (compiling.COMPILE_LOCK). Eager stays the
-reference the compiled step is tested equal to (tests/test_step_graph.py); a bucket whose
-compile fails stays eager (logged). On CUDA the graph is inductor's kernels without CUDA graphs: the
-attention op reads the step's batch from the host, which a captured graph cannot replay.
+Compiling a bucket takes seconds (1-8 s on the 2-core CPU), so no step waits for it: the first
+step of a bucket asks for its compile on a background thread and runs eagerly, as do the steps
+after it until the graph is ready (the time logged at INFO). A compile never overlaps a model
+forward on another thread (compiling.GATE: for a compile's duration torch's process-wide
+"compiling" flag breaks transformers' hidden-state capture in eager forwards elsewhere); a
+background compile starts only once no forward runs and no prefill ran for a second, so a
+prefill under way is not held up, and a forward that arrives during a compile waits for that
+one compile. `warm` compiles on the caller's thread before serving.
+
+A graph runs under dynamo's "fail_on_recompile" stance without evaluating dynamo's guards
+(they cost a quarter of a decode step): its inputs are made as its compile's were, and what
+it baked in of the model (config values, attention functions, hooks, the module tree and
+weights' identities, training flags: baked.py) is fingerprinted at compile and checked each
+step in a few microseconds. A step whose model changed runs eagerly (logged once a graph; the
+graph serves again if the model comes back as it was); a graph that raises has its step rerun
+eagerly (the caches' writes undone first: RaggedBatch.rewind) and its bucket stays eager
+(logged). Eager stays the reference the compiled step is tested equal to
+(tests/test_step_graph.py); a bucket whose compile fails stays eager (logged). On CUDA the graph
+is inductor's kernels without CUDA graphs: the attention op reads the step's batch from the
+host, which a captured graph cannot replay.
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ import time
 
 import torch
 
-from .compiling import COMPILE_LOCK, compiled
+from .baked import Baked, modules_run
+from .compiling import GATE, compiled
 from .ragged import RaggedBatch, RaggedStep, current_batch
 
 log = logging.getLogger(__name__)
@@ -71,7 +81,7 @@ class StepGraph:
         self.compile_seconds: dict[tuple, float] = {}
         self.failed: dict[tuple, str] = {}
         self.guard_misses: dict[tuple, int] = {}    # steps a graph did not fit (they ran eagerly)
-        self._states: dict[tuple, tuple] = {}       # key -> _model_state() when it was compiled
+        self._baked: dict[tuple, Baked] = {}        # key -> what its graph baked in of the model
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -94,27 +104,25 @@ class StepGraph:
         if run is None:
             self._ask((bucket, tuple(feature_layers)))
             return None
+        why = self._baked[key].changed()
+        if why is not None:
+            return self._miss(key, why)
         pad = bucket - n
         if pad:
             ids = torch.cat([ids, ids.new_zeros(1, pad)], dim=1)
             positions = torch.cat([positions, positions.new_zeros(*positions.shape[:-1], pad)], dim=-1)
-        if self._model_state() != self._states[key]:
-            return self._miss(key, "the model changed since its graph was compiled (train mode, dtype, device or "
-                                   "weights replaced)")
-        if not COMPILE_LOCK.acquire(blocking=False):
-            return None                                 # a graph is compiling: this step runs eagerly
+        lengths = batch.lengths()
         try:
             # Dynamo's guards (~0.2 ms a call, a quarter of a decode step) are not evaluated: a
             # graph's copy has one entry, its inputs are made as its compile's were, and what
-            # they would catch of the model is checked above (_model_state).
-            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True), current_batch(batch):
+            # they would catch of the model is checked above (baked.py). The stance is
+            # process-wide: no compile runs while a forward holds the gate.
+            with GATE.forward(), torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True), \
+                    current_batch(batch):
                 logits, feats = run(self.target.hf, ids.contiguous(), positions.contiguous(), key[1])
-        except RuntimeError as e:
-            if "fail_on_recompile" not in str(e):
-                raise
-            return self._miss(key, str(e).splitlines()[-1].strip())    # refused before it ran: nothing written
-        finally:
-            COMPILE_LOCK.release()
+        except Exception as e:      # noqa: BLE001 - the step reruns eagerly; the bucket stays eager
+            batch.rewind(lengths)
+            return self._broken(key, e)
         if feats is not None and key[1] != tuple(feature_layers):
             parts = feats.chunk(len(key[1]), dim=-1)         # one per layer the graph returns
             feats = torch.cat([parts[key[1].index(i)] for i in feature_layers], dim=-1) if feature_layers else None
@@ -122,18 +130,12 @@ class StepGraph:
 
     def warm(self, tokens: tuple[int, ...], feature_layers: tuple[int, ...] = ()) -> float:
         """Compile the buckets of these token counts now, on this thread (a server before it
-        serves; tests): the seconds it took."""
+        serves; tests), each once the forwards running now end: the seconds it took."""
         t0 = time.perf_counter()
         for key in sorted({(self.bucket(n), tuple(feature_layers)) for n in tokens if self.bucket(n) is not None}):
             if self._claim(key):
                 self._compile(key)
         return time.perf_counter() - t0
-
-    def _model_state(self) -> tuple:
-        """What a graph assumes of the model beyond its inputs: eval mode, and its weights' dtype,
-        device and storage (the first parameter's)."""
-        first = next(self.target.hf.parameters())
-        return self.target.hf.training, first.dtype, first.device, first.data_ptr()
 
     def _miss(self, key: tuple, why: str) -> None:
         """A step its graph does not fit runs eagerly (never a recompile in line); logged once a graph."""
@@ -141,6 +143,16 @@ class StepGraph:
             log.warning("the compiled target step for %d tokens does not fit this step, so the step runs eagerly "
                         "(no recompile in line): %s", key[0], why)
         self.guard_misses[key] = self.guard_misses.get(key, 0) + 1
+        return None
+
+    def _broken(self, key: tuple, error: Exception) -> None:
+        """A graph that raised: its step reruns eagerly, and its bucket stays eager (logged)."""
+        with self._lock:
+            if self._ready.pop(key, None) is None:
+                return None                      # another thread's step got here first
+            self.failed[key] = f"{type(error).__name__}: {error}"
+        log.warning("the compiled target step for %d tokens (%d feature layers) raised, so its step reran eagerly "
+                    "and that bucket stays eager: %s", key[0], len(key[1]), self.failed[key], exc_info=error)
         return None
 
     def _wider(self, bucket: int, layers: tuple[int, ...]) -> tuple[object, tuple]:
@@ -171,32 +183,38 @@ class StepGraph:
 
     def _work(self) -> None:
         while True:
-            self._compile(self._jobs.get())
+            self._compile(self._jobs.get(), polite=True)
 
     @torch.inference_mode()
-    def _compile(self, key: tuple) -> None:
+    def _compile(self, key: tuple, polite: bool = False) -> None:
         """Compile one graph and run it once on an empty batch (inductor builds its kernels on
-        the first call), so the step that first uses it pays nothing."""
+        the first call), so the step that first uses it pays nothing. `polite`: start once the
+        model is quiet (compiling.ModelGate)."""
         bucket, layers = key
         target = self.target
-        t0 = time.perf_counter()
         try:
             ids = torch.zeros(1, bucket, dtype=torch.long, device=target.device)
             positions = target.family.step_positions(0, bucket, 0).to(target.device).contiguous()   # as forward's
-            with COMPILE_LOCK, current_batch(RaggedBatch([])):
-                # Eagerly first: transformers installs its hidden-state hooks on a model's first
-                # forward that asks for them, under a lock that dynamo cannot trace.
-                _step_forward(target.hf, ids, positions, layers)
+            with GATE.compile(polite), current_batch(RaggedBatch([])):
+                t0 = time.perf_counter()
+                # Eagerly first, with hidden states asked for whatever the graph's layers:
+                # transformers installs its capture hooks on a model's first forward that asks,
+                # under a lock dynamo cannot trace, and every graph is then traced (and
+                # fingerprinted) with the hooks the model keeps from then on.
+                with modules_run() as ran:
+                    _step_forward(target.hf, ids, positions, layers or (0,))
+                baked = Baked(target.hf, list(ran.values()))
                 run = compiled(_step_forward, (id(target.hf), bucket, layers, str(target.device), target.hf.dtype),
                                f"t{bucket}_f{len(layers)}_{id(target.hf):x}", target.device, cuda_graphs=False)
                 run(target.hf, ids, positions, layers)
+                seconds = time.perf_counter() - t0
         except Exception as e:          # a graph that cannot be built: that bucket stays eager
             self.failed[key] = f"{type(e).__name__}: {e}"
             log.warning("the target step for %d tokens could not be compiled, it stays eager: %s", bucket,
                         self.failed[key])
             return
-        self.compile_seconds[key] = time.perf_counter() - t0
-        self._states[key] = self._model_state()
+        self.compile_seconds[key] = seconds
+        self._baked[key] = baked
         self._ready[key] = run
         log.info("target step compiled for %d tokens (%d feature layers, %s %s) in %.1f s", bucket, len(layers),
                  target.device.type, target.hf.dtype, self.compile_seconds[key])

@@ -25,6 +25,7 @@ from ..video import ProcessedVideo, VideoProcessor, processor_for
 from . import gqa
 from .checkpoint import (HF_VIDEO_PROCESSOR_FILE, SPARROW_ONLY_FIELDS, VIDEO_PROCESSOR_FILE, read_chat_template,
                          read_processor)
+from .compiling import GATE
 from .families import FAMILIES, Family
 from .kv_cache import new_kv_cache
 from .ragged import RaggedBatch, RaggedSegment, VerifyFn, verify_kernel
@@ -190,7 +191,8 @@ class TargetModel:
     def prompt_embeds(self, inputs: dict) -> torch.Tensor:
         """(1, T, H) input embeddings of a whole prompt, its video's visual tokens in place (the
         vision tower's work, done here so it can run off the scheduler thread): PrefillJob(embeds=)."""
-        return self.family.prompt_embeds(self.hf, inputs, 0, inputs["input_ids"].shape[1], self.video_token_id)
+        with GATE.forward(long=True):       # never beside a compile (compiling.py)
+            return self.family.prompt_embeds(self.hf, inputs, 0, inputs["input_ids"].shape[1], self.video_token_id)
 
     def text_inputs(self, ids: list[int]) -> dict[str, torch.Tensor]:
         """The model's inputs for token ids (a prompt's, with its video placeholders if any)."""
@@ -227,7 +229,8 @@ class TargetModel:
     def video_embeds(self, video: ProcessedVideo) -> torch.Tensor:
         """(Nv, H) the video's visual tokens as the model's own forward embeds them (the vision
         tower alone), in the model's dtype."""
-        embeds = self.family.video_embeds(self.hf, self._video_inputs(video))
+        with GATE.forward(long=True):
+            embeds = self.family.video_embeds(self.hf, self._video_inputs(video))
         if embeds.shape[0] != video.num_visual_tokens:
             raise InvalidRequest(f"the vision tower made {embeds.shape[0]} visual tokens, "
                                  f"expected {video.num_visual_tokens}")
@@ -242,8 +245,9 @@ class TargetModel:
         the position just before these tokens (the t-1 row of the first)."""
         ids = torch.full((embeds.shape[0],), self.video_token_id, device=self.device)
         rows = FeatureCollector(ids, self.video_token_id, needs, before=before)
-        out = self.hf(inputs_embeds=embeds[None], position_ids=position_ids.to(self.device), cache=kv,
-                      use_cache=True, output_hidden_states=needs.hidden, logits_to_keep=1)
+        with GATE.forward(long=True):
+            out = self.hf(inputs_embeds=embeds[None], position_ids=position_ids.to(self.device), cache=kv,
+                          use_cache=True, output_hidden_states=needs.hidden, logits_to_keep=1)
         if needs.hidden:
             rows.add(out.hidden_states, 0)
         state = TargetState(kv=kv, length=kv.get_seq_length(), rope_delta=0)   # positions: the caller's
@@ -290,8 +294,9 @@ class TargetModel:
         if graph is not None:
             logits, feats = graph
         else:
-            out = self.hf(input_ids=ids, position_ids=position_ids, cache=batch, attention_mask=batch.as_mask(),
-                          use_cache=True, output_hidden_states=bool(feature_layers))
+            with GATE.forward():
+                out = self.hf(input_ids=ids, position_ids=position_ids, cache=batch, attention_mask=batch.as_mask(),
+                              use_cache=True, output_hidden_states=bool(feature_layers))
             logits = out.logits[0].float()                                              # (N, V)
             feats = (torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)
                      if feature_layers else None)                                       # (N, F*H)
