@@ -125,6 +125,15 @@ def served(tmp_path_factory):
         assert cli.returncode == 0 and not left, \
             f"SIGTERM: exit {cli.returncode}, still running: {[pids[p][:80] for p in left]}"
         assert stopped_s < 5.0, f"SIGTERM: exited after {stopped_s:.1f} s (Kubernetes' SIGKILL comes at 30 s)"
+        for thread, ended in IN_FLIGHT:              # calls running at the stop end, never hang
+            thread.join(30)
+            assert not thread.is_alive(), "a call running at the stop hung past the server's exit"
+            assert ended and isinstance(ended[0], grpc.RpcError) and ended[0].code() in (
+                grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), repr(ended)
+
+
+# Calls a test leaves running for the stop at the module's end (the `served` fixture checks them).
+IN_FLIGHT: list = []
 
 
 def alive(pid: int) -> bool:
@@ -202,3 +211,32 @@ def test_local_cluster_arguments_by_host(monkeypatch):
     assert ray_bind.local_cluster("10.1.2.3")["_node_ip_address"] == "10.1.2.3"
     assert "_node_ip_address" not in ray_bind.local_cluster("0.0.0.0")             # Ray's default: its own choice
     assert all(ray_bind.local_cluster(h)["dashboard_host"] == "127.0.0.1" for h in ("0.0.0.0", "10.1.2.3"))
+
+
+def test_a_long_request_is_running_when_the_server_stops(served):
+    """Last in the module: a ~25k-visual-token request still decoding or prefilling when the
+    fixture sends SIGTERM; the server still stops within 5 s, and the call ends UNAVAILABLE or
+    CANCELLED (checked at the fixture's teardown)."""
+    import threading
+
+    from sparrow.services.client import SparrowClient
+    from sparrow.services.protos import pb
+    from sparrow.video.synthetic import write_synthetic_video
+
+    _, port, _, _, _ = served
+    long = write_synthetic_video(None, num_frames=300, width=336, height=336, fps=8, seed=4).data
+    ended: list = []
+
+    def ask():
+        try:
+            with SparrowClient(f"127.0.0.1:{port}") as client:
+                client.generate("describe the video .", data=long, max_new_tokens=64,
+                                video_options=pb.VideoOptions(num_frames=300))
+            ended.append(None)
+        except BaseException as exc:  # noqa: BLE001 - what the call ended with is the point
+            ended.append(exc)
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    IN_FLIGHT.append((thread, ended))
+    time.sleep(2.0)
+    assert not ended, f"the long request ended before the stop: {ended}"
