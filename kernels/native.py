@@ -106,6 +106,7 @@ _BUILDER = ("import ctypes, os, signal, sys\n"
             "from sparrow.kernels.native import build_main\nsys.exit(build_main(sys.argv[1:]))\n")
 
 _children: set[subprocess.Popen] = set()          # live builders of this process, killed at exit
+_exiting = threading.Event()                      # set once they are being killed
 
 
 def kill_session(session: int) -> None:
@@ -145,6 +146,7 @@ def _kill(proc: subprocess.Popen) -> None:
 @atexit.register
 def kill_builders() -> None:
     """Kill every build this process started (at exit; a server's forced stop)."""
+    _exiting.set()                   # the builds' waiters then end without a "not built" line
     for proc in list(_children):
         _kill(proc)
 
@@ -234,6 +236,8 @@ class NativeExtension:
                 self._failed(f"still building after {BUILD_TIMEOUT_S:.0f} s (killed)")
                 return
             _children.discard(proc)
+            if _exiting.is_set():
+                return                                    # killed by this process's own exit or stop
             if code != 0 or not (self.build_dir / OK_MARKER).exists():
                 tail = ""
                 try:
