@@ -4,6 +4,7 @@ next process, an environment variable forces one, and every path is exact."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -25,9 +26,14 @@ def test_the_fastest_path_serves_once_measured_and_a_first_use_never_waits(tmp_p
     monkeypatch.setattr(autotune, "ENABLED", True)
     store = tmp_path / "choices.json"
     tuner = autotune.PathTuner("test", lambda: store)
-    t0 = time.perf_counter()
-    assert tuner.choice(("k", 1), ("slow", "fast"), _slow_and_fast(20)) is None     # queued, not waited on
-    assert time.perf_counter() - t0 < 0.015
+    release = threading.Event()
+
+    def held_bench():                 # the measurement cannot start until the test lets it
+        assert release.wait(30)
+        return _slow_and_fast(20)()
+    assert tuner.choice(("k", 1), ("slow", "fast"), held_bench) is None     # queued, not waited on
+    assert not tuner.wait(0.05)       # still measuring when the choice came back
+    release.set()
     assert tuner.wait(30)
     assert tuner.choice(("k", 1), ("slow", "fast"), _slow_and_fast(20)) == "fast"
     times = tuner.times(("k", 1), ("slow", "fast"))
