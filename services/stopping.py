@@ -20,7 +20,7 @@ STOP_GRACE_S = float(os.environ.get("SPARROW_STOP_GRACE_S", "2.5"))
 
 
 def descendants(pid: int | None = None) -> list[int]:
-    """Every process below `pid` (default: this one), children first (Linux: read from /proc)."""
+    """Every process below `pid` (default: this one), each after its parent (Linux: read from /proc)."""
     root = os.getpid() if pid is None else pid
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
