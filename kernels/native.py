@@ -109,19 +109,23 @@ _children: set[subprocess.Popen] = set()          # live builders of this proces
 _exiting = threading.Event()                      # set once they are being killed
 
 
-def kill_session(session: int) -> None:
-    """SIGKILL every process of a session (a builder's: ninja puts each compiler in a process
-    group of its own, so a group kill would miss them), the caller last if it is one of them."""
-    me = os.getpid()
-    found = []
+def processes():
+    """(pid, parent pid, session id) of every process (Linux: read from /proc; elsewhere none)."""
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as stat:
-                    if int(stat.read().rsplit(")", 1)[1].split()[3]) == session:
-                        found.append(int(entry))
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                yield int(entry), int(fields[1]), int(fields[3])
             except (OSError, IndexError, ValueError):
                 pass
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL every process of a session (a builder's: ninja puts each compiler in a process
+    group of its own, so a group kill would miss them), the caller last if it is one of them."""
+    me = os.getpid()
+    found = [pid for pid, _, sid in processes() if sid == session]
     for pid in sorted(found, key=lambda p: p == me):
         try:
             os.kill(pid, signal.SIGKILL)

@@ -163,19 +163,20 @@ def shape_key(q: torch.Tensor, k: torch.Tensor, prefix_len: int) -> tuple:
 
 def cpu_path(q: torch.Tensor, k: torch.Tensor, prefix_len: int) -> str | None:
     """The measured (or forced) path for this shape; None until measured (the worker times it)."""
-    return TUNER.choice(shape_key(q, k, prefix_len), cpu_paths(), functools.partial(_bench, q, k, prefix_len))
+    return TUNER.choice(shape_key(q, k, prefix_len), cpu_paths(),
+                        functools.partial(_bench, tuple(q.shape), tuple(k.shape), q.dtype, prefix_len))
 
 
-def _bench(q: torch.Tensor, k: torch.Tensor, prefix_len: int):
-    """Inputs of this shape (fresh, so the timing never touches a live cache), then a runner of
-    each path over them."""
-    nq, group, dtype = q.shape[2], q.shape[1] // k.shape[1], q.dtype
+def _bench(q_shape: tuple, k_shape: tuple, dtype: torch.dtype, prefix_len: int):
+    """Inputs of this shape (made from shapes alone: a queued measurement holds no live cache),
+    then a runner of each path over them."""
+    nq, group = q_shape[2], q_shape[1] // k_shape[1]
     g = torch.Generator().manual_seed(0)
-    qq = torch.randn(q.shape, generator=g).to(dtype)
-    kk = torch.randn(k.shape[0], k.shape[1], prefix_len + nq, k.shape[-1], generator=g).to(dtype)
+    qq = torch.randn(q_shape, generator=g).to(dtype)
+    kk = torch.randn(k_shape[0], k_shape[1], prefix_len + nq, k_shape[-1], generator=g).to(dtype)
     vv = torch.randn(kk.shape, generator=g).to(dtype)
-    b = own_bias(None, nq, group, q.device) if nq > 1 else None
-    scale = q.shape[-1] ** -0.5
+    b = own_bias(None, nq, group, qq.device) if nq > 1 else None
+    scale = q_shape[-1] ** -0.5
     return lambda name: (lambda: run_path(name, qq, kk, vv, prefix_len, b, scale))
 
 

@@ -20,18 +20,12 @@ STOP_GRACE_S = float(os.environ.get("SPARROW_STOP_GRACE_S", "2.5"))
 
 
 def descendants(pid: int | None = None) -> list[int]:
-    """Every process below `pid` (default: this one), each after its parent (Linux: read from /proc)."""
+    """Every process below `pid` (default: this one), each after its parent (Linux)."""
+    from sparrow.kernels.native import processes
     root = os.getpid() if pid is None else pid
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
+    for child, parent, _ in processes():
+        children.setdefault(parent, []).append(child)
     found, todo = [], list(children.get(root, []))
     while todo:
         pid = todo.pop()
