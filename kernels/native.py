@@ -200,12 +200,14 @@ class NativeExtension:
                 if (self.build_dir / OK_MARKER).exists():
                     self._loaded(_import(self.build_name, self.build_dir), t0)
                     return
-                proc = self._spawn()
             except Exception as exc:  # noqa: BLE001 - anything here means the torch path
                 self._failed(f"{type(exc).__name__}: {exc}")
                 return
-        threading.Thread(target=self._await_build, args=(proc, t0), name=f"sparrow-await-{self.name}",
-                         daemon=True).start()   # only waits on the builder: nothing to join at exit
+        # The builder is spawned by the thread that waits on it: Linux's parent-death signal follows
+        # the spawning *thread*, so a caller's short-lived thread (a scheduler's, gone when idle)
+        # would take the build down with it. A daemon: it only waits, nothing to join at exit.
+        threading.Thread(target=self._await_build, args=(t0,), name=f"sparrow-await-{self.name}",
+                         daemon=True).start()
 
     def wait(self, timeout: float = BUILD_TIMEOUT_S + 10) -> None:
         """Wait (bounded) for a build start_loading began (tests, benchmarks: before anything is timed)."""
@@ -230,9 +232,10 @@ class NativeExtension:
         log.info("building %s in %s (a process of its own, pid %d)", self.what, self.build_dir, proc.pid)
         return proc
 
-    def _await_build(self, proc: subprocess.Popen, t0: float) -> None:
+    def _await_build(self, t0: float) -> None:
         logfile = self.build_dir / f"build.{os.getpid()}.log"
         try:
+            proc = self._spawn()
             try:
                 code = proc.wait(timeout=BUILD_TIMEOUT_S)
             except subprocess.TimeoutExpired:

@@ -176,8 +176,14 @@ def test_a_build_started_at_startup_never_holds_up_a_verify(kernel, monkeypatch,
     p = int(prefix[0])
     operands = (q[:, :1], k[:, :1, :p], v[:, :1, :p], 0.1)            # one kv head's rows over its prefix
     try:
-        assert cpu_prefix.prefix_attention(*operands) is None    # a first use starts the build, never waits on it
+        first: list = []             # the first use on a thread that then ends, as a scheduler's does when idle
+        user = threading.Thread(target=lambda: (first.append(cpu_prefix.prefix_attention(*operands)),
+                                                time.sleep(3.0)))     # (the builder is up meanwhile)
+        user.start()
+        user.join(30)
+        assert first == [None]       # a first use starts the build, never waits on it
         assert ext.background.is_set()
+        time.sleep(1.0)              # the build must outlive the thread that asked for it
         cpu_prefix.start_loading()                                # (as a server does at startup: one build)
         assert cpu_prefix.prefix_attention(*operands) is None                # not waited on
         torch.testing.assert_close(verify_attention_packed(q, k, v, prefix, tree), want, **FP32)
