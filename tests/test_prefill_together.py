@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow import Engine, EngineConfig, SamplingParams, SpecConfig
 from sparrow.models.kv_cache import new_kv_cache
 from sparrow.models.prefill import TOGETHER_ROWS, FeatureNeeds, PrefillJob, finish_together
 from sparrow.prefix_cache import PrefixCache
@@ -71,8 +71,11 @@ def test_questions_admitted_together_prefill_in_one_forward_and_equal_their_solo
     one loop turn: their prefills run as one forward, and every output (greedy, seeded
     sampling, pinned k) equals the same request's solo run. A sixth whose embeddings fail
     gets its error; the others are untouched."""
+    # A slice budget all five questions fit in however slow the machine is: the group's size is
+    # the measured seconds per position against prefill_slice_s (a loaded 2-core box measured
+    # a cost at which only four fit in the default 0.1 s).
     engine = Engine(qwen_target, tiny_draft(qwen_target, seed=1), SpecConfig(adaptive_k=False, num_draft_tokens=3),
-                    prefix_cache=PrefixCache(max_bytes=1 << 30))
+                    prefix_cache=PrefixCache(max_bytes=1 << 30), config=EngineConfig(prefill_slice_s=60.0))
     video = synthetic_frames(8, 56, 56, seed=7)
     engine.generate(video, "Hello.", SamplingParams(max_new_tokens=1), video_key="v")      # the prefix, cached
     jobs = [(QUESTIONS[0], SamplingParams(max_new_tokens=12), None),

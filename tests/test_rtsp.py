@@ -46,7 +46,9 @@ def test_a_live_session_answers_standing_questions_on_an_rtsp_camera(server, cli
             before = time.time()
             # An alert rule whose threshold any P(yes) passes: it fires at its first check.
             rule = pb.AlertRule(rule_id="shape", question="is a shape in view ?", every_s=2.0, fire_at=1e-9)
-            with client.live(url=relay.url, stats_every_s=0.2, standing_sampling=GREEDY, rules=[rule],
+            # stale_after_s past any stall of a loaded machine (a CI run saw ffmpeg's first frame
+            # arrive more than the default 5 s after the open: STALE and RESUMED events).
+            with client.live(url=relay.url, stats_every_s=0.2, standing_sampling=GREEDY, rules=[rule], stale_after_s=60.0,
                              standing=[("colour", "what colour is the shape now ?", 1.0)], **OPEN) as live:
                 assert list(live.opened().rule_ids) == ["shape"]
                 reader = Reader(live)
