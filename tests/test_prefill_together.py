@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from sparrow import Engine, EngineConfig, SamplingParams, SpecConfig
+from sparrow import Engine, SamplingParams, SpecConfig
+from sparrow.config import EngineConfig
 from sparrow.models.kv_cache import new_kv_cache
 from sparrow.models.prefill import TOGETHER_ROWS, FeatureNeeds, PrefillJob, finish_together
 from sparrow.prefix_cache import PrefixCache
