@@ -71,7 +71,7 @@ bench: setup
 # and the world pair's accuracy and tau by video length.
 bench-full: setup
 	$(PY) -m benchmarks.speculative --out BENCHMARKS.md --json benchmarks/speculative.json
-	$(PY) -m benchmarks.world --out BENCHMARKS.md
+	$(PY) -m benchmarks.world_accuracy --out BENCHMARKS.md
 
 bench-serving: setup
 	$(PY) -m benchmarks.serving --out BENCHMARKS.md

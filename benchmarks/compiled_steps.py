@@ -23,7 +23,7 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.cli import parse_videos, run_timed  # noqa: E402
+from benchmarks.bench_args import parse_videos, run_timed  # noqa: E402
 from benchmarks.engines import BenchConfig, Models, build_engine, compile_target_steps  # noqa: E402
 from benchmarks.machine import machine  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402

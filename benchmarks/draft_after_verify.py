@@ -19,7 +19,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.world import ladder_ends  # noqa: E402
+from benchmarks.world_accuracy import ladder_ends  # noqa: E402
 from sparrow.config import SamplingParams, SpecConfig  # noqa: E402
 from sparrow.models.draft import SparrowDraft  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402

@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks.report import write_section
-from sparrow.services.draft import DraftProbs, DraftReply
+from sparrow.services.draft_service import DraftProbs, DraftReply
 from sparrow.speculative.sampling import cut_tail, logits_to_probs
 
 CASES = [  # (name, temperature, top_k, top_p, draft_mass, draft_max_candidates)

@@ -13,7 +13,7 @@ from sparrow.kernels import draft_chain
 from sparrow.models.draft import CONFIG_NAME as DRAFT_CONFIG, SparrowDraft
 from sparrow.models.target import TargetModel
 from sparrow.prefix_cache import PrefixCache
-from sparrow.training.world import LADDER   # (168 px frames, 504 ... 25,056 visual tokens)
+from sparrow.world.scenes import LADDER   # (168 px frames, 504 ... 25,056 visual tokens)
 
 # (frame side px, frames): with 14-px patches merged 2x2 and no upscaling, a frame pair of an
 # S-px square is (S/28)^2 visual tokens: 504, 1512, 8064, 16992, 25056.
@@ -59,7 +59,7 @@ class BenchConfig:
     max_new_tokens: int = 48
     k: int = 4
     glimpse: int = 16
-    window: int = 16   # the world drafts are trained with window 16, anchors 32 (training/world_data.py)
+    window: int = 16   # the world drafts are trained with window 16, anchors 32 (world/draft_data.py)
     anchors: int = 32
     tree: tuple[int, int, int] = (4, 2, 16)   # sparrow-tree: width, branch, node budget (depth: k)
     methods: tuple[str, ...] = tuple(m for m in METHODS if m not in ("sparrow-fixed", "sparrow-tree-auto", "sparrow-text"))

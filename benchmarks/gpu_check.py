@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import write_section
-from benchmarks.step_costs import QWEN7B, kernel_ms, step_costs
+from benchmarks.step_cost_projection import QWEN7B, kernel_ms, step_costs
 
 SECTION = "gpu-check"
 

@@ -33,7 +33,7 @@ from sparrow.kernels.packed import verify_attention_packed  # noqa: E402
 from sparrow.kernels.reference import verify_attention_ref, window_attention_ref  # noqa: E402
 from sparrow.kernels.split_kv import verify_attention_split  # noqa: E402
 from sparrow.models.attention import available_backends, get_backend  # noqa: E402
-from sparrow.window import window_mask  # noqa: E402
+from sparrow.anchored_window import window_mask  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128          # Qwen2.5-VL-7B text attention
 DRAFT_TOKENS = 4
@@ -184,7 +184,7 @@ def draft_table(args, device, dtype) -> list[str]:
 def draft_step_table(args, device, dtype) -> list[str]:
     """k draft steps of the tiny test draft (launch-bound, like any 1-layer draft on a GPU):
     the current proposer path against the static step, eager and (CUDA only) graph-replayed."""
-    from sparrow.models.draft_graph import DraftDecodeStep
+    from benchmarks.draft_graph import DraftDecodeStep
     from sparrow.tiny import tiny_draft, tiny_target
 
     target = tiny_target("qwen2_5_vl", seed=0)

@@ -1,4 +1,4 @@
-"""Many cameras on one engine at real time (`python -m benchmarks.live --cameras 2,4`).
+"""Many cameras on one engine at real time (`python -m benchmarks.live_sessions --cameras 2,4`).
 
 For each N: N live sessions on one engine, each fed its own live-world stream at real time
 (a thread per camera pushes each 2 fps frame when its wall time comes), each with a standing
@@ -19,8 +19,8 @@ import numpy as np
 
 from sparrow.config import SamplingParams
 from sparrow.engine import Engine
-from sparrow.live import LiveEvent, LiveSession
-from sparrow.live_window import LiveConfig
+from sparrow.live.session import LiveEvent, LiveSession
+from sparrow.live.window import LiveConfig
 
 P90_BOUND_S = 2.0
 Render = Callable[[int, int], np.ndarray]    # (first, count) -> uint8 frames [count, H, W, 3] at fps

@@ -49,7 +49,7 @@ from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.cli import parse_videos, run_timed  # noqa: E402
+from benchmarks.bench_args import parse_videos, run_timed  # noqa: E402
 from benchmarks.engines import (BENCH_SEED, METHODS, QUICK_LADDER, BenchConfig, Models, Skip,  # noqa: E402
                                build_engine, compile_target_steps)
 from benchmarks.identity import first_difference  # noqa: E402
@@ -57,12 +57,12 @@ from benchmarks.machine import describe_target, machine  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
 from benchmarks.shared_prefix import no_video, share_prefix  # noqa: E402
 from benchmarks.speculative_report import plot, report  # noqa: E402
-from benchmarks.step_costs import gpu_mode  # noqa: E402
+from benchmarks.step_cost_projection import gpu_mode  # noqa: E402
 from benchmarks.world_videos import make_video  # noqa: E402
 from sparrow import Engine, SamplingParams  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.prefix_cache import PrefixCache  # noqa: E402
-from sparrow.training.world import LADDER  # noqa: E402
+from sparrow.world.scenes import LADDER  # noqa: E402
 from sparrow.video import ProcessedVideo  # noqa: E402
 
 
@@ -160,7 +160,7 @@ def run_video(cfg: BenchConfig, target: TargetModel, engines: dict[str, Engine],
 
 
 def _prompts() -> tuple[str, ...]:
-    from sparrow.training.world import CAPTION_PROMPTS
+    from sparrow.world.scenes import CAPTION_PROMPTS
     return CAPTION_PROMPTS
 
 

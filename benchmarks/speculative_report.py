@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.engines import ABLATIONS, METHODS
-from benchmarks.step_costs import gpu_lines
+from benchmarks.step_cost_projection import gpu_lines
 
 PAPER_ABLATION_TAU = {"none": (3.95, 2.95), "window": (3.95, 3.86), "mtp": (4.44, 3.51),
                       "bridge": (4.53, 1.21), "all three": (4.51, 4.37)}   # DESIGN.md, 0.5k / 25k

@@ -40,8 +40,8 @@ from benchmarks.machine import machine  # noqa: E402
 from sparrow.kernels import cpu_prefix  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.speculative.tree import DraftTree  # noqa: E402
-from sparrow.training.world import LADDER, WorldVideo  # noqa: E402
-from sparrow.training.world_target import world_sample  # noqa: E402
+from sparrow.world.scenes import LADDER, WorldVideo  # noqa: E402
+from sparrow.world.target_model import world_sample  # noqa: E402
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 

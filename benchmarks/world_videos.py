@@ -11,7 +11,7 @@ from sparrow.video import ProcessedVideo, prepare_video
 
 def world_video(side: int, frames: int, seed: int):
     """A fresh world video as mp4 bytes (a SyntheticVideo) and the options that keep every frame."""
-    from sparrow.training.world import WorldVideo
+    from sparrow.world.scenes import WorldVideo
 
     world = WorldVideo(num_frames=frames, size=side)
     return world.make(seed), dataclasses.replace(world.options(), max_visual_tokens=10**6)   # the ladder goes past 24,576

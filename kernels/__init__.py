@@ -16,9 +16,9 @@ The draft reaches these through the backend registry (`DraftArchitecture.attenti
 "sdpa", "eager", "flex", "triton", "flash_attn"), which imports the optional modules only when
 selected. Importing this package imports neither triton, flex attention nor flash-attn.
 
-Kernels are leaves: they import nothing of the core but the window rule (sparrow.window), so
+Kernels are leaves: they import nothing of the core but the window rule (sparrow.anchored_window), so
 the registry's import by name is the only edge between the two. The draft's CUDA-graph
-decode step uses the draft model itself, so it lives with it (sparrow.models.draft_graph).
+decode step uses the draft model itself, so it lives with it (benchmarks.draft_graph).
 """
 
 from .packed import verify_attention_packed

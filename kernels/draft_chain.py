@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from sparrow.window import PAD_POS  # the rule's leaf module: kernels import no more of the core
+from sparrow.anchored_window import PAD_POS  # the rule's leaf module: kernels import no more of the core
 
 from .native import CSRC, NativeExtension
 

@@ -2,7 +2,7 @@
 package is tested against these; they favour being obviously right over being fast.
 
     draft window   a few draft queries over anchors + window + glimpse, the rule of
-                   `sparrow.window.window_mask`; the visible keys are gathered first,
+                   `sparrow.anchored_window.window_mask`; the visible keys are gathered first,
                    so no mask over the whole key set is built
     verify         nq draft tokens (a chain, or a tree with its own (nq, nq) mask) on top of a
                    cached prefix of length L; every draft token sees the whole prefix
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparrow.window import PAD_POS, window_mask  # the rule's leaf module: kernels import no more of the core
+from sparrow.anchored_window import PAD_POS, window_mask  # the rule's leaf module: kernels import no more of the core
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

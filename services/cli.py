@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = verbose_option()
     for command in (cli_demo, cli_serve, cli_generate, cli_live):
         command.add_command(sub, common)
-    from sparrow.training.cli import add_commands as _add_training   # train-draft, world
+    from sparrow.training.commands import add_commands as _add_training   # train-draft, world
     _add_training(sub, common)
     return parser
 

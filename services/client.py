@@ -144,7 +144,7 @@ class SparrowClient:
         """Open a live session (the Live RPC). None: the server's default. standing: questions
         asked every N seconds of stream, as (question_id, text, every_s); url: the server
         reads the video itself (under its URL allowlists) instead of the client sending it;
-        evict_mode: "shift" (default) or "refresh" (sparrow.live_window.LiveConfig);
+        evict_mode: "shift" (default) or "refresh" (sparrow.live.window.LiveConfig);
         stale_after_s: wall seconds without a frame before the source counts as stale.
         rules: alert rules from the start (pb.AlertRule); webhook_url: where the server also
         POSTs their incidents (under its allowed webhook prefixes).

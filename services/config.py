@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .webhook import WebhookPrefix
+from sparrow.services.live.webhook import WebhookPrefix
 
 MiB = 1 << 20
 
@@ -46,7 +46,7 @@ class ServiceConfig:
     upload_dir: str | None = None
     max_stored_upload_bytes: int = 16 << 30     # upload_dir: the oldest uploads go first past this
     abort_poll_s: float = 0.2              # shared cache: how often a request looks for an Abort sent elsewhere
-    # Live sessions (the Live RPC, services/live.py). A session passing a limit ends with
+    # Live sessions (the Live RPC, services/live/call.py). A session passing a limit ends with
     # RESOURCE_EXHAUSTED; one asking for more is refused at open.
     max_live_sessions: int = 4             # open at once per server (replica); 0: no live sessions
     max_live_session_s: float = 4 * 3600.0  # wall seconds a session may stay open

@@ -15,10 +15,10 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
-from . import prom
-from .errors import error_reason
-from .servicer import SparrowService
-from .wire import check_decoded, decoded_stream
+from sparrow.services import prom
+from sparrow.services.grpc_status import error_reason
+from sparrow.services.servicer import SparrowService
+from sparrow.services.wire import check_decoded, decoded_stream
 
 
 class SparrowMethods(abc.ABC):

@@ -287,7 +287,7 @@ class Recorder:
 
 
 class LiveSessionMetrics:
-    """One live session's share of the live metrics: `update` with its sparrow.live.LiveStats
+    """One live session's share of the live metrics: `update` with its sparrow.live.session.LiveStats
     (counters advance by what changed since the last update), `end` once."""
 
     def __init__(self, recorder: Recorder, key: int, slot: int = 0):

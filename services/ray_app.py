@@ -25,15 +25,15 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
-from sparrow.state_cache import open_cache
+from sparrow.services.state_cache import open_cache
 
-from . import prom
-from .draft import DraftBatch, DraftReply, DraftSessions, DraftWorker, RemoteDraftProposer, RemoteDraftStats
-from .errors import log_failure, quiet_client_errors
-from .handler import SparrowMethods
-from .models import load_draft, load_heads
-from .servicer import SparrowService, deadline_from_metadata
-from .settings import AppSettings, build_engine, warmed_proposer
+from sparrow.services import prom
+from sparrow.services.draft_service import DraftBatch, DraftReply, DraftSessions, DraftWorker, RemoteDraftProposer, RemoteDraftStats
+from sparrow.services.grpc_status import log_failure, quiet_client_errors
+from sparrow.services.handler import SparrowMethods
+from sparrow.services.models import load_draft, load_heads
+from sparrow.services.servicer import SparrowService, deadline_from_metadata
+from sparrow.services.settings import AppSettings, build_engine, warmed_proposer
 
 log = logging.getLogger(__name__)
 

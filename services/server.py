@@ -16,12 +16,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import prom, stopping
-from .errors import log_failure
-from .handler import SparrowMethods
-from .protos import SERVICE_NAME, pb_grpc
-from .servicer import SparrowService, deadline_from_metadata
-from .wire import add_sparrow_servicer, check_decoded
+from sparrow.services import prom, stopping
+from sparrow.services.grpc_status import log_failure
+from sparrow.services.handler import SparrowMethods
+from sparrow.services.protos import SERVICE_NAME, pb_grpc
+from sparrow.services.servicer import SparrowService, deadline_from_metadata
+from sparrow.services.wire import add_sparrow_servicer, check_decoded
 
 log = logging.getLogger(__name__)
 

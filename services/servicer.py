@@ -25,18 +25,18 @@ from sparrow.config import SamplingParams
 from sparrow.engine import Engine
 from sparrow.output import GenerationOutput
 from sparrow.errors import InvalidRequest, ResourceExhausted, VideoTooLarge
-from sparrow.state_cache import StateCache
+from sparrow.services.state_cache import StateCache
 from sparrow.video import SourcePolicy, VideoOptions, prepare_video
 
-from . import logs
-from .completion import completion
-from .config import ServiceConfig
-from .errors import DeadlineExceeded, NotReady, Overloaded, VideoNotFound
-from .live import LiveCall, live_refusal
-from .protos import pb
-from .runner import EngineRunner, RunningRequest
-from .sources import HashedFile, VideoStore, content_id
-from .uploads import UploadLimits, receive_upload
+from sparrow.services import logs
+from sparrow.services.completion import completion
+from sparrow.services.config import ServiceConfig
+from sparrow.services.grpc_status import DeadlineExceeded, NotReady, Overloaded, VideoNotFound
+from sparrow.services.live.call import LiveCall, live_refusal
+from sparrow.services.protos import pb
+from sparrow.services.runner import EngineRunner, RunningRequest
+from sparrow.services.video_store import HashedFile, VideoStore, content_id
+from sparrow.services.uploads import UploadLimits, receive_upload
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ class SparrowService:
     # ----- Live ----------------------------------------------------------------------------------
     def live_stream(self, requests: AsyncIterator[pb.LiveRequest], deadline: float | None = None, *,
                     metrics=None, cancelled: Callable[[], bool] | None = None) -> AsyncIterator[pb.LiveResponse]:
-        """One Live call's response stream (services/live.py). metrics: a zero-argument callable
+        """One Live call's response stream (services/live/call.py). metrics: a zero-argument callable
         giving the session's LiveMetrics (prom.Recorder.live_session); cancelled: tells, once
         the request stream has ended, whether the client cancelled rather than half-closed
         (Ray Serve ends both alike)."""

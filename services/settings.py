@@ -17,10 +17,10 @@ from sparrow.models.ragged import VERIFY_KERNELS
 from sparrow.models.step_graph import TARGET_STEPS
 from sparrow.prefix_cache import PrefixCache
 from sparrow.speculative.sparrow_proposer import SparrowProposer
-from sparrow.state_cache import StateCache, open_cache
+from sparrow.services.state_cache import StateCache, open_cache
 
-from .models import load_draft, load_target
-from .config import ServiceConfig
+from sparrow.services.models import load_draft, load_target
+from sparrow.services.config import ServiceConfig
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def warmed_proposer(draft, spec: SpecConfig, settings: AppSettings) -> SparrowPr
 def build_engine(settings: AppSettings, draft_client=None) -> tuple[Engine, StateCache]:
     """The target's engine and state cache. With a draft_client (remote placement) the
     engine drafts through it, keeping a colocated draft as the fallback."""
-    from .draft import RemoteDraftProposer
+    from sparrow.services.draft_service import RemoteDraftProposer
 
     target = load_target(settings.target, settings.dtype, settings.device, settings.device_map)
     target.verify_attention = settings.verify_attention

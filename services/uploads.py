@@ -24,9 +24,9 @@ from pathlib import Path
 from sparrow.errors import InvalidRequest, VideoTooLarge
 from sparrow.video import VideoOptions, probe_video
 
-from .errors import UploadLimit
-from .protos import pb
-from .sources import VideoStore
+from sparrow.services.grpc_status import UploadLimit
+from sparrow.services.protos import pb
+from sparrow.services.video_store import VideoStore
 
 
 class UploadLimits:

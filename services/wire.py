@@ -13,9 +13,9 @@ from __future__ import annotations
 import grpc
 from google.protobuf.message import DecodeError
 
-from .errors import UndecodableRequest, quiet_client_errors
-from .protos import pb_grpc
-from .ray_proxy import guarded_handlers
+from sparrow.services.grpc_status import UndecodableRequest, quiet_client_errors
+from sparrow.services.protos import pb_grpc
+from sparrow.services.ray_proxy import guarded_handlers
 
 
 class Undecodable:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import time
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -26,6 +27,7 @@ from .config import EngineConfig, SamplingParams, SpecConfig
 from .errors import InvalidRequest, ResourceExhausted
 from .model_runner import ModelRunner
 from .models.draft import SparrowDraft
+from .models.kv_cache import KVSlot
 from .models.target import TargetModel
 from .output import GenerationOutput, TokenDelta
 from .prefix_cache import PrefixCache, PrefixEntry
@@ -50,6 +52,11 @@ class Generation:
         self.output: GenerationOutput | None = None
         self._ended = False
         self._aborted = False
+
+    def sink(self, item: Any) -> None:
+        """Hand this generation its next event (a TokenDelta, then a GenerationOutput or an
+        exception): what an engine request's `sink` calls, from any thread."""
+        self._events.put(item)
 
     def __iter__(self) -> "Generation":
         return self
@@ -127,11 +134,11 @@ class Engine:
         packet. `video`: a source, a ProcessedVideo, or a callable returning either, taking the
         request's abort event as its one argument or taking none (called on the preparation
         stage, only when the prefix cache cannot answer; another signature is InvalidRequest).
-        prefix: the video already prefilled (a live window's snapshot, sparrow/live.py): the
+        prefix: the video already prefilled (a live window's snapshot, sparrow/live/session.py): the
         request prefills only its own text on a copy of it; `video` is then unused.
         first_token_ids: the output's `first_token_probs` gives the target's probability of each
         of these tokens at the answer's first position (its next-token distribution after the
-        prompt, temperature 1): a yes/no question's P(yes) from one prefill (sparrow/alerts.py).
+        prompt, temperature 1): a yes/no question's P(yes) from one prefill (sparrow/live/alerts.py).
         deadline: time.monotonic() at which the request aborts itself, at the engine's next
         check (not prepared at all if it has passed by then)."""
         if isinstance(prompt, list):
@@ -159,9 +166,9 @@ class Engine:
         deadline = time.monotonic() + timeout_s if timeout_s is not None else None
         try:
             gen.request = self.submit(video, prompt, sampling, options, video_key=video_key,
-                                      num_draft_tokens=num_draft_tokens, sink=gen._events.put, deadline=deadline)
+                                      num_draft_tokens=num_draft_tokens, sink=gen.sink, deadline=deadline)
         except ResourceExhausted as exc:
-            gen._events.put(exc)
+            gen.sink(exc)
         return gen
 
     def generate(self, video, prompt: Prompt, sampling: SamplingParams | None = None,
@@ -172,6 +179,24 @@ class Engine:
         for _ in gen:
             pass
         return gen.output
+
+    # ----- work beside requests (a live session's window) ----------------------------------------
+    def call_soon(self, fn: Callable[[], Any], key: Any = None) -> Future:
+        """Run `fn` on the engine's scheduler thread between steps, paced like a prefill slice;
+        tasks of one `key` run in order, keys take turns (Scheduler.call_soon). The future gets
+        its result or exception; RuntimeError once the engine is closed."""
+        return self.scheduler.call_soon(fn, key=key)
+
+    def claim_kv(self, tokens: int) -> KVSlot | None:
+        """A slot of the engine's KV arena for `tokens` positions (its `cache`, `release()`),
+        or None when that much is not free. Only on the scheduler thread (inside call_soon):
+        the arena is that thread's."""
+        return self.runner.arena.allocate(tokens)
+
+    @property
+    def kv_tokens(self) -> tuple[int, int]:
+        """(free, total) positions of the engine's KV arena."""
+        return self.runner.arena.free_tokens, self.runner.arena.tokens
 
     def close(self) -> None:
         """Take no more requests; those it holds run to their end."""

@@ -1,4 +1,4 @@
-"""Alert rules (sparrow/alerts.py, sparrow/live_alerts.py): the state machine on stub
+"""Alert rules (sparrow/live/alerts.py, sparrow/live/rules.py): the state machine on stub
 probabilities, the rule lifecycle on a running session, P(yes) equal to the target's own
 forward, the webhook sink against a loopback HTTP server, and an alert on the committed live
 target that fires where the condition holds."""
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from sparrow.alerts import AlertRule, AlertState, Incident, yes_no_ids, yes_probability
+from sparrow.live.alerts import AlertRule, AlertState, Incident, yes_no_ids, yes_probability
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.engine import Engine
 from sparrow.errors import InvalidRequest
-from sparrow.live import LiveSession
-from sparrow.live_window import LiveConfig
+from sparrow.live.session import LiveSession
+from sparrow.live.window import LiveConfig
 from sparrow.tiny import synthetic_frames, tiny_target
 from sparrow.video import VideoOptions
 from sparrow.video.options import Frames
@@ -187,7 +187,7 @@ def test_webhook_receives_each_incident_exactly_once():
     """Bodies POSTed off the caller's thread; a 503 is retried, so every incident arrives, once."""
     from webhook_recorder import Recorder
 
-    from sparrow.services.webhook import WebhookConfig, WebhookSink
+    from sparrow.services.live.webhook import WebhookConfig, WebhookSink
 
     with Recorder(fail_first=2) as recorder:
         sink = WebhookSink(recorder.url, WebhookConfig(backoff_s=0.01))
@@ -204,7 +204,7 @@ def test_webhook_receives_each_incident_exactly_once():
 def test_webhook_queue_is_bounded_and_an_unreachable_receiver_gives_up():
     import socket
 
-    from sparrow.services.webhook import WebhookConfig, WebhookSink
+    from sparrow.services.live.webhook import WebhookConfig, WebhookSink
 
     with socket.socket() as s:              # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -225,7 +225,7 @@ def test_an_alert_fires_on_a_live_world_stream_where_the_condition_holds():
     visits in the first 30 s of this stream, while red is in view, and clears after each: both
     red circles turn orange before they leave (the palette's closest pair), and the rule clears
     then (BENCHMARKS.md has recall and precision on five streams)."""
-    from benchmarks.live_alerts import alert_stream, recall_precision
+    from benchmarks.alert_recall import alert_stream, recall_precision
     from sparrow.models.target import TargetModel
 
     engine = Engine(TargetModel.from_pretrained("models/live/target"), spec=SpecConfig(method="none"))

@@ -1,4 +1,4 @@
-"""The concurrent-streams benchmark harness (benchmarks/concurrency.py) on tiny random models:
+"""The concurrent-streams benchmark harness (benchmarks/concurrency/harness.py) on tiny random models:
 result structure (every configuration, both paths, the prefill scenario), that its T=0
 identity check passes on real outputs and fails when one concurrent output is corrupted, and
 the CLI's exit status. Timings are the benchmark's business, never asserted here."""
@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/ is a repo folder, not installed
 from benchmarks import concurrency as cb, concurrency_report as cr, concurrency_streams as cs  # noqa: E402
 from benchmarks import concurrency_videos as cv  # noqa: E402
-from benchmarks.concurrency_config import PATHS, ConcurrencyConfig  # noqa: E402
+from benchmarks.concurrency.plan import PATHS, ConcurrencyConfig  # noqa: E402
 from benchmarks.tiny_models import save_tiny_models  # noqa: E402
 
 TOKENS = 6

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/ is a repo folder, not installed
 from benchmarks import speculative as sb, speculative_report as sr  # noqa: E402
 from benchmarks.engines import BenchConfig  # noqa: E402
-from benchmarks.step_costs import step_costs  # noqa: E402
+from benchmarks.step_cost_projection import step_costs  # noqa: E402
 from benchmarks.tiny_models import save_tiny_models  # noqa: E402
 
 # 84 px x 24 frames = 12 frame pairs x 3x3 tokens = 108 visual tokens; 112 px x 8 frames = 64.

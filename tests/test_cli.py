@@ -15,7 +15,7 @@ import pytest
 
 from sparrow.services.cli import build_parser, main
 from sparrow.services.cli_serve import app_settings, models_line
-from sparrow.training.world_demo import DEFAULT_MODELS
+from sparrow.world.demo import DEFAULT_MODELS
 
 WORLD = DEFAULT_MODELS / "target" / "config.json"
 needs_world = pytest.mark.skipif(not WORLD.is_file(), reason="the committed world pair is not in this checkout")
@@ -132,7 +132,7 @@ def test_serve_out_of_the_box_answers_with_the_world_pair(tmp_path):
     from sparrow.models import SparrowDraft, TargetModel
     from sparrow.services.client import SparrowClient
     from sparrow.services.protos import pb
-    from sparrow.training.world import WorldVideo, caption
+    from sparrow.world.scenes import WorldVideo, caption
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "sparrow.services.cli", "serve", "--port", "0",
@@ -173,7 +173,7 @@ def test_help_of_the_world_commands_is_printed_without_error(capsys):
 
 
 def test_heldout_text_never_prints_an_unmeasured_tau():
-    from sparrow.training.cli import heldout_text
+    from sparrow.training.commands import heldout_text
 
     assert heldout_text(None) == "held-out tau not measured"
     assert "not measured" in heldout_text({"tau": None, "samples": 0, "skipped": 2})

@@ -24,7 +24,7 @@ from sparrow.speculative.proposer import DraftRequest, StepResult
 from sparrow.speculative.sampling import PositionNoise, new_generator
 from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer
 from sparrow.tiny import tiny_draft
-from sparrow.window import window_mask
+from sparrow.anchored_window import window_mask
 
 SPEC = SpecConfig(num_draft_tokens=4, window=6, anchors=5, glimpse=2, adaptive_k=False, draft_step="compiled")
 PROMPTS = (4, 9, 23)            # prompt entries of the batch's requests: below, at and past anchors + window

@@ -16,9 +16,9 @@ import pytest
 from conftest_services import SPEC_KWARGS
 
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.services.draft import DraftWorker, LocalDraftClient, RemoteDraftProposer
+from sparrow.services.draft_service import DraftWorker, LocalDraftClient, RemoteDraftProposer
 from sparrow.speculative.sparrow_proposer import SparrowProposer
-from sparrow.state_cache import MemoryStateCache
+from sparrow.services.state_cache import MemoryStateCache
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 
 SPEC = SpecConfig(**SPEC_KWARGS)

@@ -17,7 +17,7 @@ from sparrow.services.cli import build_parser
 from sparrow.services.cli_serve import app_settings, models_line
 from sparrow.services.settings import AppSettings, build_engine
 from sparrow.tiny import tiny_draft
-from sparrow.training.world_demo import DEFAULT_MODELS
+from sparrow.world.demo import DEFAULT_MODELS
 
 TRAINED = {"window": 6, "anchors": 5, "glimpse": 2, "num_draft_tokens": 3, "draft_context": "text"}
 
@@ -61,7 +61,7 @@ def test_a_default_server_runs_the_world_draft_as_trained():
     if not (DEFAULT_MODELS / "draft" / CONFIG_NAME).is_file():
         pytest.skip("no committed world pair")
     trained = json.loads((DEFAULT_MODELS / "draft" / CONFIG_NAME).read_text())["trained_with"]
-    assert (trained["window"], trained["anchors"]) == (16, 32)          # training/world_data.py
+    assert (trained["window"], trained["anchors"]) == (16, 32)          # world/draft_data.py
     settings = app_settings(build_parser().parse_args(["serve"]))
     assert settings.spec_given == frozenset() and "as the draft was trained" in models_line(settings)
     spec = build_engine(settings)[0].spec
@@ -72,10 +72,10 @@ def test_a_default_server_runs_the_world_draft_as_trained():
 
 
 def test_the_tools_that_measure_a_draft_at_a_fixed_k_run_its_geometry(monkeypatch):
-    """`world eval` / `benchmarks.world` (tau_rows), `world compare-drafts`, `make demo` and the long
+    """`world eval` / `benchmarks.world_accuracy` (tau_rows), `world compare-drafts`, `make demo` and the long
     demo build their spec with SpecConfig.as_trained: the draft's window, anchors and glimpse at
     the k asked for (tau_rows once ran the world draft without the glimpse it was trained with)."""
-    from sparrow.training import world_data
+    from sparrow.world import draft_data as world_data
 
     trained = {"window": 12, "anchors": 5, "glimpse": 8, "num_draft_tokens": 3}
     spec = SpecConfig.as_trained(trained, 4, adaptive_k=False)

@@ -28,7 +28,7 @@ from sparrow.speculative.proposer import DraftRequest
 from sparrow.speculative.sampling import new_generator
 from sparrow.speculative.sparrow_proposer import SparrowProposer
 from sparrow.tiny import tiny_draft
-from sparrow.window import PAD_POS
+from sparrow.anchored_window import PAD_POS
 
 STATIC = SpecConfig(**{**_fields(SPEC), "draft_step": "static"})
 FP32 = {"atol": 2e-5, "rtol": 1e-4}

@@ -19,8 +19,8 @@ import pytest
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest, SourceNotAllowed, SourceUnavailable
 from sparrow.services.config import ServiceConfig
-from sparrow.services.live_alerts import check_webhook
-from sparrow.services.webhook import WebhookConfig, WebhookSink
+from sparrow.services.live.incidents import check_webhook
+from sparrow.services.live.webhook import WebhookConfig, WebhookSink
 from sparrow.video import SourcePolicy, VideoOptions, probe_video, write_synthetic_video
 
 
@@ -138,7 +138,7 @@ def test_a_webhook_redirect_is_a_failed_delivery_never_followed(code, caplog):
         with loopback(redirect_to(f"http://127.0.0.1:{elsewhere}/stolen", code)) as (port, hits):
             sink = WebhookSink(f"http://127.0.0.1:{port}/hook",
                                WebhookConfig(attempts=3, backoff_s=0.01, timeout_s=2.0, flush_s=5.0))
-            with caplog.at_level(logging.WARNING, logger="sparrow.services.webhook"):
+            with caplog.at_level(logging.WARNING, logger="sparrow.services.live.webhook"):
                 sink.post({"rule_id": "r", "kind": "fired"})
                 sink.close()
     assert hits == [("POST", "/hook")]          # one attempt: a redirect is not retried either
@@ -246,9 +246,9 @@ def test_a_video_url_is_checked_and_handed_on_in_one_form():
 # ----- 3. an upload's claimed hash --------------------------------------------------------------------------
 def test_a_hash_alone_never_names_a_stored_video(tmp_path, clip):
     from sparrow.services.protos import pb
-    from sparrow.services.sources import VideoStore
+    from sparrow.services.video_store import VideoStore
     from sparrow.services.uploads import UploadLimits, receive_upload
-    from sparrow.state_cache import MemoryStateCache
+    from sparrow.services.state_cache import MemoryStateCache
 
     store = VideoStore(MemoryStateCache(), directory=tmp_path / "uploads")
     limits = UploadLimits(max_uploads=2, max_bytes_in_flight=1 << 30)

@@ -31,7 +31,7 @@ from sparrow.services.server import BackgroundServer
 from sparrow.services.config import ServiceConfig
 from sparrow.services.servicer import SparrowService
 from sparrow.services.settings import AppSettings, build_engine
-from sparrow.state_cache import RedisStateCache
+from sparrow.services.state_cache import RedisStateCache
 
 MiB = 1 << 20
 PROMPT = "What happens in the video?"

@@ -58,7 +58,7 @@ def test_cuda_flex_compiled_matches_reference():
 
 @needs_cuda
 def test_cuda_graph_draft_step_matches_forward_entries():
-    from sparrow.models.draft_graph import DraftDecodeStep
+    from benchmarks.draft_graph import DraftDecodeStep
 
     target = tiny_target("qwen2_5_vl", seed=0)
     target.hf.to("cuda")

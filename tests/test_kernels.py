@@ -25,7 +25,7 @@ from sparrow.kernels.split_kv import (combine_splits, split_partials, split_size
 from sparrow.models.attention import available_backends, get_backend
 from sparrow.models.draft import DraftArchitecture
 from sparrow.tiny import tiny_draft
-from sparrow.window import window_mask
+from sparrow.anchored_window import window_mask
 
 
 def _triton_unusable() -> str | None:
@@ -323,7 +323,7 @@ def test_static_decode_step_matches_forward_entries(qwen_target, backend):
     spec = SpecConfig(adaptive_k=False, window=6, anchors=5, glimpse=2)
     draft = tiny_draft(_kernel_target(qwen_target, backend), DraftArchitecture(attention_backend=backend), seed=2)
     dev = draft.fuse.weight.device
-    from sparrow.models.draft_graph import DraftDecodeStep
+    from benchmarks.draft_graph import DraftDecodeStep
     step = DraftDecodeStep(draft, capacity=24, window=spec.window)
     assert (step.graph is None) == (dev.type == "cpu")            # no CUDA: eager fallback; CUDA: captured
     pos, pinned = window_keys(2, 5, (20, 25))

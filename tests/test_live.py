@@ -1,4 +1,4 @@
-"""Live sessions (sparrow/live.py): incremental prefill == one-shot prefill, the window and its
+"""Live sessions (sparrow/live/session.py): incremental prefill == one-shot prefill, the window and its
 re-positioning, standing questions, lag drops, container chunks, faults and limits."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.engine import Engine
 from sparrow.errors import InvalidRequest, NoFrames, VideoUnreadable
-from sparrow.live import LiveSession
-from sparrow.live_window import LiveConfig
+from sparrow.live.session import LiveSession
+from sparrow.live.window import LiveConfig
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 from sparrow.video import VideoOptions
 from sparrow.video.options import Frames
@@ -315,7 +315,7 @@ def test_live_world_answers_stay_right_after_eviction(mode):
     about the same window's frames prefilled at once: "refresh" answers exactly as that
     one-shot clip; "shift" (kept pairs prefilled beside evicted ones) nearly always, and is
     as right as it."""
-    from benchmarks.live import standing_accuracy
+    from benchmarks.live_sessions import standing_accuracy
     from sparrow.models.target import TargetModel
 
     target = TargetModel.from_pretrained("models/live/target")

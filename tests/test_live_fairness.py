@@ -1,4 +1,4 @@
-"""Many live sessions on one engine, served fairly (sparrow/live.py, live_questions.py, the
+"""Many live sessions on one engine, served fairly (sparrow/live/session.py, live_questions.py, the
 scheduler's round-robin tasks).
 
 What must hold: a session's questions are bounded (in flight, then queued, then refused with
@@ -23,8 +23,8 @@ import pytest
 from sparrow.config import EngineConfig, SamplingParams, SpecConfig
 from sparrow.engine import Engine
 from sparrow.errors import ResourceExhausted
-from sparrow.live import LiveMemoryExhausted, LiveSession
-from sparrow.live_window import LiveConfig
+from sparrow.live.session import LiveMemoryExhausted, LiveSession
+from sparrow.live.window import LiveConfig
 from sparrow.tiny import synthetic_frames
 import test_live
 

@@ -1,4 +1,4 @@
-"""A live session's source (sparrow/live_source.py, video/ts_framing.py): each fault of a real
+"""A live session's source (sparrow/live/source_health.py, video/ts_framing.py): each fault of a real
 source is an event and leaves the stream clock continuous, and every answer carries the
 camera time of its newest frame.
 
@@ -22,9 +22,9 @@ import pytest
 
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.engine import Engine
-from sparrow.live import LiveSession
-from sparrow.live_source import SourceClock
-from sparrow.live_window import LiveConfig
+from sparrow.live.session import LiveSession
+from sparrow.live.source_health import SourceClock
+from sparrow.live.window import LiveConfig
 from sparrow.tiny import synthetic_frames, tiny_target
 from sparrow.video import VideoOptions
 from sparrow.video.options import Frames

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparrow.video import LiveSource, VideoOptions, load_frames
-from sparrow.video.live_world import LiveStream, View
+from sparrow.world.live_stream import LiveStream, View
 from sparrow.video.synthetic import BACKGROUND, PALETTE
 
 LIVE = Path(__file__).resolve().parents[1] / "models" / "live" / "target"
@@ -148,7 +148,7 @@ def test_mpegts_chunks_feed_a_live_source():
 
 # ----- the words -----------------------------------------------------------------------------------
 def test_now_is_the_last_sampled_frame_and_the_window_is_its_changes():
-    from sparrow.training.live_world import Clip, answer, live_questions
+    from sparrow.world.live_words import Clip, answer, live_questions
 
     red, blue, green = View("circle", "red", 1), View("circle", "blue", 1), View("rectangle", "green", 2)
     clip = Clip(tuple(range(8)), (None, red, red, blue, blue, None, None, green))
@@ -171,7 +171,7 @@ def test_now_is_the_last_sampled_frame_and_the_window_is_its_changes():
 
 
 def test_the_caption_tells_the_clip_from_its_first_frame_to_now():
-    from sparrow.training.live_world import Clip, live_caption
+    from sparrow.world.live_words import Clip, live_caption
 
     red, blue, green = View("circle", "red", 1), View("circle", "blue", 1), View("rectangle", "green", 2)
     clip = Clip(tuple(range(8)), (red, red, blue, blue, None, None, green, green))
@@ -181,13 +181,13 @@ def test_the_caption_tells_the_clip_from_its_first_frame_to_now():
 
 
 def test_live_tokenizer_knows_every_question_and_keeps_the_world_vocabulary():
-    from sparrow.training.live_world import LIVE_QUESTIONS, live_tokenizer
-    from sparrow.training.world import world_tokenizer
+    from sparrow.world.live_words import LIVE_QUESTIONS, live_tokenizer
+    from sparrow.world.scenes import world_tokenizer
 
     tok, world = live_tokenizer(), world_tokenizer()
     assert set(world.get_vocab()) < set(tok.get_vocab())
     unk = tok.convert_tokens_to_ids("<unk>")
-    from sparrow.training.live_world import LIVE_CAPTION_PROMPTS, Clip, live_caption
+    from sparrow.world.live_words import LIVE_CAPTION_PROMPTS, Clip, live_caption
 
     stream = LiveStream(seed=3)
     story = live_caption(Clip.of(stream, stream.session_frames(0, 60)))
@@ -199,7 +199,7 @@ def test_live_tokenizer_knows_every_question_and_keeps_the_world_vocabulary():
 
 
 def test_session_frames_are_load_frames_rule():
-    from sparrow.training.live_world import clip_frames
+    from sparrow.world.live_words import clip_frames
 
     stream = LiveStream(seed=1)
     clip = clip_frames(stream, end_frame=403, pairs=5)     # a window of 5 s ending at frame 402
@@ -214,9 +214,9 @@ def test_a_pooled_clip_is_the_clip_through_the_tower():
     tower sees a pair at a time), positions start at 0, and the loss equals the pixel path's."""
     import torch
 
-    from sparrow.training.live_target import LiveData, LiveTargetConfig, encoded_clip, new_live_target
-    from sparrow.training.live_world import Clip
-    from sparrow.training.world_target_data import conversation_batch, conversation_loss, pooled_loss
+    from sparrow.world.live_target import LiveData, LiveTargetConfig, encoded_clip, new_live_target
+    from sparrow.world.live_words import Clip
+    from sparrow.world.target_data import conversation_batch, conversation_loss, pooled_loss
     from sparrow.video import Frames
 
     c = LiveTargetConfig(pool=2, stream_s=40, layers=2, batch=3, pairs=(2, 6))
@@ -249,7 +249,7 @@ def test_a_pooled_clip_is_the_clip_through_the_tower():
             b = conversation_loss(target, *conversation_batch(target, pixels[i:i + 1], chats[i:i + 1]))
             assert torch.allclose(a, b, atol=1e-5), (i, float(a), float(b))
     # a training step's batch: clips of one length, questions of the stage's kinds
-    from sparrow.training.world_target_data import training_stages
+    from sparrow.world.target_data import training_stages
     stages = training_stages(LiveTargetConfig(steps=1, stages=("present_now@1:1:short",)), data.kinds)
     batch = data.clips(random.Random(0), short=True)
     assert len({v.embeds.shape[0] for v, _ in batch}) == 1 and batch[0][0].embeds.shape[0] <= 6 * 9
@@ -285,8 +285,8 @@ needs_live = pytest.mark.skipif(not (LIVE / "config.json").is_file(),
 @needs_live
 def test_committed_live_target_keeps_real_time_and_answers_fresh_streams():
     from sparrow.models import TargetModel
-    from sparrow.training.live_target import live_accuracy
-    from sparrow.training.live_world import STANDING_KINDS
+    from sparrow.world.live_target import live_accuracy
+    from sparrow.world.live_words import STANDING_KINDS
 
     target = TargetModel.from_pretrained(LIVE)
     assert target.processor.temporal_positions is None and target.processor.tokens_per_second == 2.0
@@ -308,8 +308,8 @@ def test_training_puts_answers_where_the_engine_decodes_them():
 
     from sparrow.config import SamplingParams, SpecConfig
     from sparrow.engine import Engine
-    from sparrow.training.live_target import LiveData, LiveTargetConfig, new_live_target
-    from sparrow.training.world_target_data import pooled_logits
+    from sparrow.world.live_target import LiveData, LiveTargetConfig, new_live_target
+    from sparrow.world.target_data import pooled_logits
 
     c = LiveTargetConfig(pool=1, stream_s=40, layers=2, seed=3)
     target = new_live_target(c)
@@ -343,7 +343,7 @@ def test_training_puts_answers_where_the_engine_decodes_them():
 
 
 def test_presence_contrast_asks_the_colour_in_view_and_others_not():
-    from sparrow.training.live_world import Clip, presence_contrast
+    from sparrow.world.live_words import Clip, presence_contrast
 
     red, blue = View("circle", "red", 0), View("circle", "blue", 0)
     clip = Clip((0, 1, 2, 3), (None, blue, blue, red))          # blue earlier, red now

@@ -348,8 +348,8 @@ def test_a_live_session_through_ray_answers_as_the_library_and_is_freed(app, rem
     the library's on the same stream; a client that goes away frees it."""
     from test_service_live import OPEN, QUESTION, GREEDY, Reader, answers, library_answer, prefilled, ts_bytes
 
-    from sparrow.live import LiveSession
-    from sparrow.services.live_messages import live_config
+    from sparrow.live.session import LiveSession
+    from sparrow.services.live.messages import live_config
     from sparrow.services.config import ServiceConfig
     from sparrow.tiny import synthetic_frames
 

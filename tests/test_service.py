@@ -19,7 +19,7 @@ from conftest_services import SPEC_KWARGS
 
 from sparrow import SamplingParams, SpecConfig, errors
 from sparrow.services.client import SparrowClient
-from sparrow.services.errors import VideoNotFound, status_for
+from sparrow.services.grpc_status import VideoNotFound, status_for
 from sparrow.services.protos import SERVICE_NAME, pb, pb_grpc
 from sparrow.services.server import BackgroundServer
 from sparrow.services.config import ServiceConfig

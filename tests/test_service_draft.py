@@ -19,10 +19,10 @@ import torch
 from conftest_services import SPEC_KWARGS
 
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.services.draft import DraftProbs, DraftWorker, LocalDraftClient, RemoteDraftProposer
+from sparrow.services.draft_service import DraftProbs, DraftWorker, LocalDraftClient, RemoteDraftProposer
 from sparrow.speculative.sparrow_proposer import SparrowProposer
 from sparrow.speculative.sampling import logits_to_probs
-from sparrow.state_cache import RedisStateCache
+from sparrow.services.state_cache import RedisStateCache
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 
 SPEC = SpecConfig(**SPEC_KWARGS)
@@ -216,7 +216,7 @@ def test_only_requests_that_lost_their_context_are_sent_again(models, colocated,
 def test_a_bad_context_fails_only_its_own_request(models, colocated):
     """A context the replica cannot use (here: damaged in flight) is answered need_context
     for that request alone; its neighbours in the call get their drafts."""
-    from sparrow.state_cache import MemoryStateCache
+    from sparrow.services.state_cache import MemoryStateCache
 
     target, draft, video = models
     jobs = [(video, replace(GREEDY, max_new_tokens=120)), (synthetic_frames(6, 56, 56, seed=7), SAMPLED)]
@@ -272,7 +272,7 @@ def test_abandoned_request_frees_draft_sessions_and_cache(models, redis_url, red
 
 def test_unshared_cache_sends_the_context_inline(models, colocated):
     """A process-local cache is no use to other replicas: the context goes inline at once."""
-    from sparrow.state_cache import MemoryStateCache
+    from sparrow.services.state_cache import MemoryStateCache
 
     target, draft, video = models
     local = MemoryStateCache()

@@ -28,7 +28,7 @@ from sparrow.errors import SparrowError
 from sparrow.services import prom
 from sparrow.services.client import SparrowClient
 from sparrow.services.config import ServiceConfig
-from sparrow.services.errors import MAX_DETAILS_CHARS, status_for
+from sparrow.services.grpc_status import MAX_DETAILS_CHARS, status_for
 from sparrow.services.protos import pb
 from sparrow.services.server import BackgroundServer
 from sparrow.services.servicer import SparrowService

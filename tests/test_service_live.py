@@ -28,10 +28,10 @@ import pytest
 from conftest_services import SPEC_KWARGS
 
 from sparrow import SpecConfig
-from sparrow.live import LiveSession
+from sparrow.live.session import LiveSession
 from sparrow.services import cli, prom
 from sparrow.services.client import SparrowClient
-from sparrow.services.live_messages import live_config
+from sparrow.services.live.messages import live_config
 from sparrow.services.protos import pb, pb_grpc
 from sparrow.services.server import BackgroundServer
 from sparrow.services.config import ServiceConfig

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from sparrow.errors import SourceNotAllowed, VideoUnreadable
-from sparrow.services.errors import VideoNotFound
-from sparrow.services.sources import HashedFile, content_id
+from sparrow.services.grpc_status import VideoNotFound
+from sparrow.services.video_store import HashedFile, content_id
 from sparrow.video import SourcePolicy
 
 

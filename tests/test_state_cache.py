@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from sparrow.state_cache import (MAX_CHUNK_BYTES, MemoryStateCache, RedisStateCache, TieredStateCache, open_cache,
+from sparrow.services.state_cache import (MAX_CHUNK_BYTES, MemoryStateCache, RedisStateCache, TieredStateCache, open_cache,
                            tensors_nbytes)
 
 

@@ -1,6 +1,8 @@
 """The package's structure holds: no import circles (function-level imports and importlib strings
-included), the core (`sparrow/`) never reaches the transports, the trainer or the benchmarks, no
-`hasattr`/`getattr` dispatch on a proposer or its state, and no source file over 600 lines.
+included), the core (`sparrow/`) never reaches the transports, the trainer, the synthetic world or the benchmarks, no
+`hasattr`/`getattr` dispatch on a proposer or its state, no source file over 500 lines, no two
+modules with one basename (each file name says one thing), and the live code reaches the engine
+through its public seams only (no private names, no scheduler or arena of its own).
 
 Each rule is checked on the tree as it is and on a mutant that breaks it, so none can pass by
 reading nothing."""
@@ -16,10 +18,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # source folder -> the module prefix it installs as (pyproject's package-dir mapping)
 ROOTS = {"sparrow": "sparrow", "services": "sparrow.services", "training": "sparrow.training",
-         "kernels": "sparrow.kernels", "benchmarks": "benchmarks"}
+         "kernels": "sparrow.kernels", "world": "sparrow.world", "benchmarks": "benchmarks"}
 GENERATED = ("sparrow.v1",)                # protoc output, not ours to structure
-CORE_MAY_NOT_IMPORT = ("sparrow.services", "sparrow.training", "benchmarks")
-MAX_LINES = 600
+CORE_MAY_NOT_IMPORT = ("sparrow.services", "sparrow.training", "sparrow.world", "benchmarks")
+MAX_LINES = 500
+# a basename more than one package may hold, because the package says which (sparrow.config,
+# sparrow.services.config, sparrow.training.config: each package's settings)
+SHARED_BASENAMES = {"__init__.py", "__main__.py", "config.py"}
+# what live code (the session and its RPC) may not touch of the engine: its private names and its
+# parts (Engine.call_soon, claim_kv, kv_tokens and Generation.sink are the seams)
+LIVE_CODE = ("sparrow.live", "sparrow.services.live")
+REACH_IN = re.compile(r"\._events\b|\.arena\b|\.scheduler\b|\.runner\b")
 # the first argument of a hasattr/getattr that probes a proposer or a draft's per-request state
 PROPOSER_PROBE = re.compile(r"proposer|draft", re.IGNORECASE)
 
@@ -205,3 +214,36 @@ def test_no_hasattr_or_getattr_dispatch_on_proposers(sources):
 def test_no_source_file_over_the_limit(sources):
     long = {m: len(text.splitlines()) for m, (_, text) in sources.items() if len(text.splitlines()) > MAX_LINES}
     assert long == {}
+
+
+def repeated_basenames(sources: dict[str, tuple[Path, str]]) -> dict[str, list[str]]:
+    """basename -> the modules that share it, for names outside SHARED_BASENAMES."""
+    by_name: dict[str, list[str]] = {}
+    for module, (path, _) in sources.items():
+        by_name.setdefault(path.name, []).append(module)
+    return {n: sorted(ms) for n, ms in by_name.items() if len(ms) > 1 and n not in SHARED_BASENAMES}
+
+
+def live_reach_ins(sources: dict[str, tuple[Path, str]]) -> list[str]:
+    """Lines of live code that touch the engine's insides (comments and docstrings aside)."""
+    out = []
+    for module, (_, text) in sources.items():
+        if not module.startswith(LIVE_CODE):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Attribute) and REACH_IN.search("." + node.attr):
+                out.append(f"{module}:{node.lineno}: .{node.attr}")
+    return out
+
+
+def test_no_two_modules_share_a_basename(sources):
+    assert repeated_basenames(sources) == {}
+    twin = {**sources, "sparrow.services.engine": (REPO / "services" / "engine.py", "")}
+    assert repeated_basenames(twin) == {"engine.py": ["sparrow.engine", "sparrow.services.engine"]}
+
+
+def test_live_code_uses_the_engines_public_seams(sources):
+    assert live_reach_ins(sources) == []
+    for extra in ("def f(engine):\n    return engine.runner.arena.free_tokens",
+                  "def g(gen):\n    gen._events.put(None)", "def h(engine):\n    engine.scheduler.call_soon(print)"):
+        assert live_reach_ins(_mutant(sources, "sparrow.live.session", extra)) != [], extra

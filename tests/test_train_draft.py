@@ -17,7 +17,7 @@ from sparrow.errors import InvalidRequest
 from sparrow.models import SparrowDraft, TargetModel
 from sparrow.tiny import synthetic_frames
 from sparrow.training import Sample, TrainConfig
-from sparrow.training.cli import train_draft
+from sparrow.training.commands import train_draft
 from sparrow.training.feature_store import FeatureStore, StoreConfig, build_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def test_train_draft_resumes_from_its_checkpoint_after_a_kill(saved, tmp_path):
     target, store = saved
     killed = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "sparrow.training.cli", "train-draft", "--target", str(target), "--data", str(store),
+    cmd = [sys.executable, "-m", "sparrow.training.commands", "train-draft", "--target", str(target), "--data", str(store),
            "--out", str(killed), *_cli_args(OPTIONS)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -106,8 +106,8 @@ needs_pair = pytest.mark.skipif(not (WORLD / "target" / "config.json").is_file()
 def test_the_recipe_on_a_tiny_world_beats_an_untrained_draft_on_fresh_videos(tmp_path):
     from sparrow.training import DraftTrainer
     from sparrow.training.data import load_samples
-    from sparrow.training.world import WorldVideo
-    from sparrow.training.world_data import WORLD_FPS, make_world_data, tau_rows, world_draft_config
+    from sparrow.world.scenes import WorldVideo
+    from sparrow.world.draft_data import WORLD_FPS, make_world_data, tau_rows, world_draft_config
 
     target = TargetModel.from_pretrained(WORLD / "target")
     manifest = make_world_data(tmp_path / "data", 12, (8,), seed=5, questions_per_video=2)
@@ -124,7 +124,7 @@ def test_the_recipe_on_a_tiny_world_beats_an_untrained_draft_on_fresh_videos(tmp
 
 @needs_pair
 def test_compare_drafts_runs_every_draft_on_the_same_videos():
-    from sparrow.training.world_compare import compare_drafts
+    from sparrow.world.compare_drafts import compare_drafts
 
     report = compare_drafts(WORLD / "target", {"a": WORLD / "draft", "b": WORLD / "draft"}, ((84, 8),), 2, seed=424242)
     a, b = report["84x8"]["a"]["T=0"], report["84x8"]["b"]["T=0"]

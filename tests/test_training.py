@@ -116,7 +116,7 @@ def test_manifest_and_folder_loading(tmp_path):
 def test_cli_options_mirror_the_config():
     import argparse
 
-    from sparrow.training.cli import _config, add_commands
+    from sparrow.training.commands import _config, add_commands
 
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers(dest="command"))

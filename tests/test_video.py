@@ -27,7 +27,7 @@ from sparrow.video import (
     processor_for,
     write_synthetic_video,
 )
-from sparrow.video.sampling import pick_nearest
+from sparrow.video.frame_sampling import pick_nearest
 from sparrow.video.stream import decoded_frames, video_stream
 from sparrow.video.synthetic import BACKGROUND, PALETTE
 

@@ -15,7 +15,7 @@ from sparrow.errors import InvalidRequest, NoFrames, VideoTooLarge
 from sparrow.video import (Frames, LlavaOnevisionVideoProcessor, QwenVLVideoProcessor, VideoOptions, load_frames,
                            prepare_video, smart_resize, write_synthetic_video)
 from sparrow.video import decode
-from sparrow.video.sampling import thin
+from sparrow.video.frame_sampling import thin
 
 QWEN_MIN, QWEN_MAX = 128 * 28 * 28, 768 * 28 * 28  # the processor's defaults
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sparrow.training.world import (QUESTION_KINDS, WorldVideo, actors, caption, questions, world_tokenizer)
+from sparrow.world.scenes import (QUESTION_KINDS, WorldVideo, actors, caption, questions, world_tokenizer)
 from sparrow.video.synthetic import PALETTE
 
 WORLD = Path(__file__).resolve().parents[1] / "models" / "world"
@@ -60,7 +60,7 @@ def world_pair():
 
 @needs_pair
 def test_committed_world_target_answers_fresh_videos(world_pair):
-    from sparrow.training.world_target import world_accuracy
+    from sparrow.world.target_model import world_accuracy
 
     target, _ = world_pair
     report = world_accuracy(target, WorldVideo(), list(range(2 * 10**9, 2 * 10**9 + 6)))
@@ -76,7 +76,7 @@ def test_committed_world_target_answers_fresh_videos(world_pair):
 def test_committed_world_target_answers_an_8k_token_video(world_pair):
     """It answers about 8,064-token videos: every video spans the same 8 temporal positions (a
     target without that answered none; its first stages trained on at most 2,304 visual tokens)."""
-    from sparrow.training.world_target import world_accuracy
+    from sparrow.world.target_model import world_accuracy
 
     target, _ = world_pair
     assert target.processor.temporal_positions == 8
@@ -88,7 +88,7 @@ def test_committed_world_target_answers_an_8k_token_video(world_pair):
 
 @needs_pair
 def test_committed_draft_beats_an_untrained_one(world_pair):
-    from sparrow.training.world_data import tau_rows
+    from sparrow.world.draft_data import tau_rows
 
     target, draft = world_pair
     rows = tau_rows(target, draft, WorldVideo(), list(range(2 * 10**9, 2 * 10**9 + 3)), k=4)
@@ -99,7 +99,7 @@ def test_committed_draft_beats_an_untrained_one(world_pair):
 def test_readable_vision_code_is_background_centred_and_shows_the_shape():
     import torch
 
-    from sparrow.training.world_target import WorldTargetConfig, new_world_target, world_sample
+    from sparrow.world.target_model import WorldTargetConfig, new_world_target, world_sample
 
     target = new_world_target(WorldTargetConfig())
     video, events = world_sample(target, WorldVideo(), seed=4)
@@ -115,8 +115,8 @@ def test_readable_vision_code_is_background_centred_and_shows_the_shape():
 def test_pooled_training_loss_equals_the_pixel_path():
     import torch
 
-    from sparrow.training.world_target import WorldTargetConfig, new_world_target, world_sample
-    from sparrow.training.world_target_data import (conversation_batch, conversation_loss, pooled_loss, video_pool,
+    from sparrow.world.target_model import WorldTargetConfig, new_world_target, world_sample
+    from sparrow.world.target_data import (conversation_batch, conversation_loss, pooled_loss, video_pool,
                                                     world_turns)
 
     c = WorldTargetConfig(pool=3, frames=(8,), sizes=(84,), long_frames=(), layers=2)
@@ -162,7 +162,7 @@ def test_world_moves_are_plainly_left_or_right_and_rectangles_tall(seed):
 
 @needs_pair
 def test_demo_streams_lossless_answers_with_real_acceptance(world_pair):
-    from sparrow.training.world_demo import run_world_demo
+    from sparrow.world.demo import run_world_demo
 
     lines = []
     report = run_world_demo(seed=2 * 10**9 + 11, print_fn=lambda *a, **kw: lines.append(" ".join(map(str, a))))
@@ -173,10 +173,10 @@ def test_demo_streams_lossless_answers_with_real_acceptance(world_pair):
 
 
 def test_training_stages_ask_their_kinds_and_restart_the_schedule():
-    from sparrow.training.world import CAPTION_PROMPTS, QUESTIONS
-    from sparrow.training.world_target import WorldTargetConfig
-    from sparrow.training.world_target_data import focus_step, stage_at, step_turns, training_stages
-    from sparrow.training.world_target_train import lr_factor
+    from sparrow.world.scenes import CAPTION_PROMPTS, QUESTIONS
+    from sparrow.world.target_model import WorldTargetConfig
+    from sparrow.world.target_data import focus_step, stage_at, step_turns, training_stages
+    from sparrow.world.target_train import lr_factor
 
     c = WorldTargetConfig(steps=100, warmup=10, lr=1e-3, stage_lr=5e-4, stage_warmup=5,
                           stages=("present@1:30:short", "present+vanish@0.5:50"))
@@ -234,7 +234,7 @@ def test_training_stages_ask_their_kinds_and_restart_the_schedule():
 
 
 def test_short_stages_draw_only_short_pooled_videos():
-    from sparrow.training.world_target_data import PooledVideo, length_groups, pool_batch
+    from sparrow.world.target_data import PooledVideo, length_groups, pool_batch
 
     import torch
     pool = [PooledVideo(torch.zeros(n, 2), {}, []) for n in (36, 144, 36, 72, 576, 144)]
@@ -253,8 +253,8 @@ def test_tune_target_trains_on_from_a_saved_target_and_keeps_its_report(tmp_path
     import torch
 
     from sparrow.models import TargetModel
-    from sparrow.training.world_target import WorldTargetConfig
-    from sparrow.training.world_target_train import train_world_target_cli
+    from sparrow.world.target_model import WorldTargetConfig
+    from sparrow.world.target_train import train_world_target_cli
 
     tiny = dict(hidden=64, layers=1, heads=2, intermediate=64, batch=2, pool=4, frames=(8,), sizes=(84,),
                 long_frames=(), eval_every=0, log_every=1)
@@ -276,7 +276,7 @@ def test_world_target_commands_train_then_tune_with_the_preset(tmp_path):
     import json
 
     from sparrow.services.cli import build_parser
-    from sparrow.training.world_target import TUNE
+    from sparrow.world.target_model import TUNE
 
     tiny = ["--hidden", "64", "--layers", "1", "--heads", "2", "--intermediate", "64", "--batch", "2", "--pool", "4",
             "--frames", "8", "--sizes", "84", "--long-frames", "", "--eval-every", "0", "--final-eval-videos", "1"]
@@ -302,14 +302,14 @@ def test_seeded_tree_requests_batched_equal_their_solo_runs(world_pair):
     replacement repeat token paths, whose scores differ in the last bits with the batch."""
     from sparrow import Engine, SamplingParams, SpecConfig
     from sparrow.prefix_cache import PrefixCache
-    from sparrow.training.world import CAPTION_PROMPTS
+    from sparrow.world.scenes import CAPTION_PROMPTS
     from sparrow.video import prepare_video
 
     target, draft = world_pair
     engine = Engine(target, draft, SpecConfig(adaptive_k=False, num_draft_tokens=4, window=16, anchors=32, tree_width=2,
                                               tree_branch=2, tree_budget=12), prefix_cache=PrefixCache())
     world = WorldVideo(num_frames=28, size=168)                       # 504 visual tokens
-    seed = 3 * 10**9                                                  # benchmarks.concurrency's first rep
+    seed = 3 * 10**9                                                  # benchmarks.concurrency.harness's first rep
     jobs = [(prepare_video(world.make(seed + i).source, target.processor, world.options()),
              CAPTION_PROMPTS[i % len(CAPTION_PROMPTS)],
              SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=1.0, seed=seed + i)) for i in range(8)]

@@ -1,5 +1,5 @@
-"""Sparrow draft training (online distillation from a frozen target) and the synthetic video
-world that gives a tiny target something real to know.   import: sparrow.training"""
+"""Sparrow draft training: online distillation from a frozen target, its data, feature store and
+evaluation (the synthetic world that trains a tiny target is sparrow.world).   import: sparrow.training"""
 
 from .config import TrainConfig
 from .data import Sample, load_samples, write_manifest

@@ -29,7 +29,7 @@ import torch
 from sparrow.models.attention import get_backend
 from sparrow.models.draft import SparrowDraft
 from sparrow.speculative.sparrow_proposer import draft_attention
-from sparrow.window import window_mask
+from sparrow.anchored_window import window_mask
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """The backends that compute text-anchored window attention for the draft, by name.
 
-Which keys a query may see is `sparrow.window.window_mask`; a backend takes that mask and
+Which keys a query may see is `sparrow.anchored_window.window_mask`; a backend takes that mask and
 computes the attention. The optional ones (sparrow.kernels) are imported by name on first
 use, so the kernels depend on nothing here and the core imports no kernel it is not asked for.
 """

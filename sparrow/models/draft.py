@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from ..errors import InvalidRequest
-from ..window import window_mask
-from .attention import get_backend
+from sparrow.errors import InvalidRequest
+from sparrow.anchored_window import window_mask
+from sparrow.models.attention import get_backend
 
 CONFIG_NAME = "sparrow_draft.json"
 # The inference geometry a draft was trained with (SpecConfig fields), saved in its config file

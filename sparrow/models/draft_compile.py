@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from ..speculative.sampling import gumbel_noise
-from ..window import PAD_POS, window_mask
-from .attention import get_backend
-from .compiling import CPU_OPTIONS, GATE, compiled
-from .draft import DraftKV, SparrowDraft, apply_rope, rope_frequencies, rope_tables
+from sparrow.speculative.sampling import gumbel_noise
+from sparrow.anchored_window import PAD_POS, window_mask
+from sparrow.models.attention import get_backend
+from sparrow.models.compiling import CPU_OPTIONS, GATE, compiled
+from sparrow.models.draft import DraftKV, SparrowDraft, apply_rope, rope_frequencies, rope_tables
 
 log = logging.getLogger(__name__)
 

@@ -170,7 +170,7 @@ class PrefillJob:
     request's KV cache. With `prefix` the cache starts as a copy of the video prefix's and
     only the rest of the prompt runs. `end` stops early (a video-prefix prefill).
     `time_shift` moves the prompt later on the temporal axis (a live window's text before
-    its video, re-positioned after eviction: sparrow/live_window.py); with `prefix`, the prefix's
+    its video, re-positioned after eviction: sparrow/live/window.py); with `prefix`, the prefix's
     shift applies to what follows it.
     """
 
@@ -321,7 +321,7 @@ class VideoPrefix:
     bridge_visual: torch.Tensor | None    # (Nv, H) bridge-layer states at the visual tokens
     visual_features: torch.Tensor | None = None   # (Nv', F*H) features at t-1 for the visual tokens t >= 1
                                                   # (only when prefilled with visual_features=True)
-    # A live window (sparrow/live_window.py) whose oldest frames were evicted: the text after it sits
+    # A live window (sparrow/live/window.py) whose oldest frames were evicted: the text after it sits
     # this much later on the temporal rope axis, as the text before it was re-positioned.
     time_shift: int = 0
 

@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import SamplingParams, SpecConfig
-from ..errors import InvalidRequest
-from ..models.draft import DraftKV, DraftSegment, SparrowDraft
-from ..models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftRunner, Seeded
-from ..models.prefill import FeatureNeeds
-from ..window import PAD_POS
-from .glimpse import select_glimpse, text_to_visual_attention
-from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
-from .prune import prune_budget, prune_visual
-from .tree_growth import Node, TreeGrowth
+from sparrow.config import SamplingParams, SpecConfig
+from sparrow.errors import InvalidRequest
+from sparrow.models.draft import DraftKV, DraftSegment, SparrowDraft
+from sparrow.models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftRunner, Seeded
+from sparrow.models.prefill import FeatureNeeds
+from sparrow.anchored_window import PAD_POS
+from sparrow.speculative.glimpse import select_glimpse, text_to_visual_attention
+from sparrow.speculative.proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
+from sparrow.speculative.prune import prune_budget, prune_visual
+from sparrow.speculative.tree_growth import Node, TreeGrowth
 
 # A window no sequence reaches: with it nothing slides out of view and nothing is evicted, so
 # `window_mask` is plain causal attention ("all" / "pruned" draft contexts).

@@ -8,7 +8,7 @@ separate decode worker.
 """
 
 from sparrow.video.decode import Source, load_frames, probe_video
-from sparrow.video.live import LiveSource
+from sparrow.video.growing_stream import LiveSource
 from sparrow.video.options import QWEN_MAX_VISUAL_TOKENS, Frames, VideoOptions
 from sparrow.video.pipeline import prepare_video
 from sparrow.video.policy import URL_SCHEMES, SourcePolicy

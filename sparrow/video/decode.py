@@ -22,10 +22,10 @@ import numpy as np
 
 from sparrow.errors import (InvalidRequest, NoFrames, SourceUnavailable, SparrowError, VideoTimeout, VideoTooLarge,
                             VideoUnreadable, VideoUnsupported)
-from sparrow.video.live import LiveSnapshot, LiveSource
+from sparrow.video.growing_stream import LiveSnapshot, LiveSource
 from sparrow.video.options import DEFAULT_ARRAY_FPS, Frames, VideoOptions
 from sparrow.video.policy import SourcePolicy, is_url
-from sparrow.video.sampling import TIE_S, check_kept, pad_to_multiple, pick_nearest, sample_count, sample_times
+from sparrow.video.frame_sampling import TIE_S, check_kept, pad_to_multiple, pick_nearest, sample_count, sample_times
 from sparrow.video.sources import Deadline, Media, open_media
 from sparrow.video.stream import decoded_frames, video_stream
 

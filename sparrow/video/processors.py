@@ -21,7 +21,7 @@ from PIL import Image
 
 from sparrow.errors import InvalidRequest, VideoTooLarge, VideoUnsupported
 from sparrow.video.options import Frames, VideoOptions
-from sparrow.video.sampling import pad_to_multiple, thin
+from sparrow.video.frame_sampling import pad_to_multiple, thin
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -23,7 +23,7 @@ from typing import BinaryIO
 import av
 
 from sparrow.errors import InvalidRequest, RequestAborted, SourceNotAllowed, VideoTimeout, VideoTooLarge, VideoUnreadable
-from sparrow.video.live import LiveSnapshot, LiveSource
+from sparrow.video.growing_stream import LiveSnapshot, LiveSource
 from sparrow.video.options import MiB, VideoOptions
 from sparrow.video.policy import SourcePolicy, is_url, shown as _shown
 

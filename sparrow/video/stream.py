@@ -2,7 +2,7 @@
 
 Every reader of decoded frames goes through `decoded_frames`: a file sampled by
 `load_frames` (video/decode.py), container chunks fed to a live session (video/live_decode.py)
-and a URL the server plays into one (services/live.py). What they need on top (a deadline, a
+and a URL the server plays into one (services/live/call.py). What they need on top (a deadline, a
 byte budget, a stop flag) is their `on_packet` check or their loop body; how they report a
 failure is theirs (a request's error names its source).
 """
