@@ -23,7 +23,8 @@ from benchmarks.world_accuracy import ladder_ends  # noqa: E402
 from sparrow.config import SamplingParams, SpecConfig  # noqa: E402
 from sparrow.models.draft import SparrowDraft  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
-from sparrow.speculative.sparrow_proposer import SparrowProposer, build_context  # noqa: E402
+from sparrow.speculative.sparrow_proposer import SparrowProposer  # noqa: E402
+from sparrow.speculative.draft_context import build_context
 from sparrow.speculative.sampling import new_generator  # noqa: E402
 
 

@@ -32,7 +32,8 @@ from sparrow.models.draft import SparrowDraft  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.speculative.proposer import DraftRequest, StepResult  # noqa: E402
 from sparrow.speculative.sampling import new_generator  # noqa: E402
-from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer  # noqa: E402
+from sparrow.speculative.sparrow_proposer import SparrowProposer  # noqa: E402
+from sparrow.speculative.draft_context import DraftContext
 
 from benchmarks.machine import machine  # noqa: E402
 

@@ -63,7 +63,8 @@ def step_costs(device: torch.device, dtype: torch.dtype, shape: dict, context: i
 
 def _costs_at(model, draft, device, dtype, shape, context, k, reps, sizes, tree, batch, sync, gen) -> dict:
     from sparrow.models.kv_cache import new_kv_cache
-    from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer
+    from sparrow.speculative.sparrow_proposer import SparrowProposer
+    from sparrow.speculative.draft_context import DraftContext
 
     h = shape["hidden"]
     kv = new_kv_cache("static", shape["layers"], context + max((k + 1, *sizes)) + 8)

@@ -40,7 +40,8 @@ import torch
 
 from sparrow.services.state_cache import StateCache
 from sparrow.config import SamplingParams, SpecConfig
-from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer, SparrowState, build_context
+from sparrow.speculative.sparrow_proposer import SparrowProposer, SparrowState
+from sparrow.speculative.draft_context import DraftContext, build_context
 from sparrow.speculative.proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
 from sparrow.speculative.sampling import PositionNoise
 

@@ -32,7 +32,8 @@ from sparrow.services import logs
 from sparrow.services.completion import completion
 from sparrow.services.config import ServiceConfig
 from sparrow.services.grpc_status import DeadlineExceeded, NotReady, Overloaded, VideoNotFound
-from sparrow.services.live.call import LiveCall, live_refusal
+from sparrow.services.live.call import LiveCall
+from sparrow.services.live.host import live_refusal
 from sparrow.services.protos import pb
 from sparrow.services.runner import EngineRunner, RunningRequest
 from sparrow.services.video_store import HashedFile, VideoStore, content_id

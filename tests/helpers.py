@@ -15,7 +15,8 @@ from sparrow import Engine
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.models.draft import SparrowDraft
 from sparrow.models.prefill import FeatureNeeds
-from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer
+from sparrow.speculative.sparrow_proposer import SparrowProposer
+from sparrow.speculative.draft_context import DraftContext
 from sparrow.speculative.proposer import DraftState, Proposal
 from sparrow.speculative.sampling import new_generator
 from sparrow.speculative.tree import DraftTree

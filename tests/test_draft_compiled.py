@@ -22,7 +22,8 @@ from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models.draft_compile import COMPILE_SECONDS, DraftRunner
 from sparrow.speculative.proposer import DraftRequest, StepResult
 from sparrow.speculative.sampling import PositionNoise, new_generator
-from sparrow.speculative.sparrow_proposer import DraftContext, SparrowProposer
+from sparrow.speculative.sparrow_proposer import SparrowProposer
+from sparrow.speculative.draft_context import DraftContext
 from sparrow.tiny import tiny_draft
 from sparrow.anchored_window import window_mask
 

@@ -9,7 +9,8 @@ from helpers import check_unroll_equals_proposer
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest
 from sparrow.prefix_cache import PrefixCache
-from sparrow.speculative.sparrow_proposer import FULL_WINDOW, DraftContext, SparrowProposer, build_context
+from sparrow.speculative.sparrow_proposer import SparrowProposer
+from sparrow.speculative.draft_context import FULL_WINDOW, DraftContext, build_context
 from sparrow.speculative.glimpse import select_glimpse
 from sparrow.speculative.prune import prune_budget, prune_visual
 from sparrow.speculative.sampling import new_generator

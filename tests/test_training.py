@@ -9,7 +9,7 @@ from helpers import check_unroll_equals_proposer
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.models.draft import SparrowDraft
-from sparrow.speculative.sparrow_proposer import build_context
+from sparrow.speculative.draft_context import build_context
 from sparrow.tiny import synthetic_frames, tiny_draft
 from sparrow.training import DraftTrainer, Sample, TrainConfig, load_samples
 from sparrow.training.signals import target_signals

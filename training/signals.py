@@ -20,7 +20,7 @@ from sparrow.errors import InvalidRequest
 from sparrow.models.prefill import FeatureCollector, FeatureNeeds
 from sparrow.models.target import TargetModel
 from sparrow.speculative.glimpse import select_glimpse, text_to_visual_attention
-from sparrow.speculative.sparrow_proposer import in_prompt_order, visual_entries
+from sparrow.speculative.draft_context import in_prompt_order, visual_entries
 from sparrow.video import ProcessedVideo
 
 

@@ -28,7 +28,7 @@ import torch
 
 from sparrow.models.attention import get_backend
 from sparrow.models.draft import SparrowDraft
-from sparrow.speculative.sparrow_proposer import draft_attention
+from sparrow.speculative.draft_context import draft_attention
 from sparrow.anchored_window import window_mask
 
 

@@ -36,21 +36,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from sparrow.config import SamplingParams
-from sparrow.engine import Engine
 from sparrow.output import GenerationOutput, TokenDelta
 from sparrow.errors import InvalidRequest, ResourceExhausted, SparrowError
-from sparrow.live.session import LiveAnswer, LiveEvent, LiveMemoryExhausted, LiveSession, LiveStats
+from sparrow.live.events import LiveAnswer, LiveEvent, LiveMemoryExhausted
+from sparrow.live.session import LiveSession
 from sparrow.live.source_health import CameraTime
-from sparrow.video import SourcePolicy, VideoOptions
+from sparrow.video import VideoOptions
 
 from sparrow.services.completion import completion
-from sparrow.services.config import ServiceConfig
 from sparrow.services.grpc_status import DeadlineExceeded, LiveUnsupported, NotReady, status_for
+from sparrow.services.live.host import LiveHost, LiveMetrics, SessionLimit
 from sparrow.services.live.incidents import RULE_REQUESTS, LiveRules, check_webhook, rule_id_of
 from sparrow.services.live.messages import error_event, live_config, source_event, stats_message
 from sparrow.services.live.url_feed import UrlFeeder
@@ -63,45 +62,6 @@ log = logging.getLogger(__name__)
 STATS_TICK_S = 1.0          # how often a session's metrics are updated (and stats sent, when due)
 MAX_ID_CHARS = 128
 _END = object()             # the response queue's last item: the stream ends OK
-
-
-class SessionLimit(ResourceExhausted):
-    """A running session passed one of the service's limits: the stream ends with it."""
-
-
-class LiveMetrics(Protocol):
-    """One session's share of the live metrics (services.prom.LiveSessionMetrics)."""
-
-    def update(self, stats: LiveStats) -> None: ...
-
-    def end(self, reason: str) -> None: ...
-
-
-class LiveHost(Protocol):
-    """What a live call needs of the service hosting it (services.servicer.SparrowService):
-    its limits, engine and source policy, the admission of sessions, and its request checks."""
-
-    config: ServiceConfig
-    engine: Engine
-    policy: SourcePolicy
-    ready: bool
-
-    def live_refusal(self) -> str | None: ...
-
-    def admit_live(self, call: LiveCall) -> None: ...
-
-    def release_live(self, call: LiveCall) -> None: ...
-
-    def sampling_params(self, s: pb.SamplingParams) -> SamplingParams: ...
-
-
-def live_refusal(engine: Engine) -> str | None:
-    """Why this engine's target cannot take a live session (the library's words), or None."""
-    try:
-        LiveSession(engine).close()
-    except InvalidRequest as exc:
-        return str(exc)
-    return None
 
 
 class LiveCall:
@@ -526,4 +486,4 @@ def _nothing() -> None:
     pass
 
 
-__all__ = ["LiveCall", "LiveHost", "SessionLimit", "live_refusal"]
+__all__ = ["LiveCall"]

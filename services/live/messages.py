@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from sparrow.errors import InvalidRequest, ResourceExhausted
-from sparrow.live.session import LiveStats
+from sparrow.live.events import LiveStats
 from sparrow.live.source_health import CameraTime
 from sparrow.live.window import LiveConfig
 from sparrow.video import VideoOptions

@@ -2,7 +2,9 @@
 
     session.py        LiveSession: feed bytes or frames, ask, standing questions, stats
     window.py         the newest frame pairs in one KV cache (LiveConfig, FramePair)
-    decoder.py        container bytes (MPEG-TS, fragmented MP4) decoded as they are fed
+    media_feed.py     container bytes as media: MPEG-TS framing checked, one decoder per media
+    decoder.py        one media's bytes decoded on a thread as they are fed
+    events.py         what a session hands out: stats, answers, events
     source_health.py  the source's clock, camera time, and silence (STALE / RESUMED)
     questions.py      questions in flight per session: bounded, queued, refused
     alerts.py         an alert rule's yes/no decision with hysteresis and cooldown

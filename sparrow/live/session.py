@@ -39,88 +39,22 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sparrow.live.alerts import Check
 from sparrow.config import SamplingParams
 from sparrow.engine import Generation
-from sparrow.output import GenerationOutput, TokenDelta
-from sparrow.errors import InvalidRequest, NoFrames, ResourceExhausted
-from sparrow.live.rules import LiveAlerts
+from sparrow.errors import InvalidRequest, NoFrames
+from sparrow.live.events import LiveAnswer, LiveEvent, LiveMemoryExhausted, LiveStats
+from sparrow.live.media_feed import MediaFeed
 from sparrow.live.questions import LiveQuestions
+from sparrow.live.rules import LiveAlerts
 from sparrow.live.source_health import CameraTime, SilenceWatch, SourceClock
 from sparrow.live.window import FramePair, LiveConfig, LiveWindow
 from sparrow.models.prefill import FeatureNeeds
-from sparrow.live.decoder import LiveDecoder
+from sparrow.output import GenerationOutput, TokenDelta
 from sparrow.video.processors import _resize_all
-from sparrow.video.ts_framing import TS_SYNC, Segment, TsFraming
 
 # Methods whose draft can start from a live snapshot (their context is text + target features).
 # The SpecVLM-style draft prefills the video itself: its live questions decode without drafts.
 _SNAPSHOT_METHODS = ("sparrow", "eagle-style", "eagle3")
-
-
-@dataclass(frozen=True, slots=True)
-class LiveStats:
-    frames_received: int
-    frames_sampled: int
-    frames_dropped: int          # sampled but never prefilled (ingest behind real time)
-    pairs_prefilled: int
-    pairs_evicted: int
-    window_pairs: int            # pairs held now
-    visual_tokens: int           # visual tokens held now
-    kv_bytes: int                # the session cache's bytes (allocated)
-    window_start_s: float        # stream time the window covers, [start, end)
-    window_end_s: float
-    newest_s: float              # the newest frame received
-    lag_s: float                 # newest frame received - window end
-    time_shift: int              # temporal rope positions the window was moved by
-    ingest_seconds: float        # time spent prefilling pairs (vision tower + language model)
-    newest_source_pts_s: float = 0.0   # camera time of the newest frame received
-    newest_wall_time_s: float = 0.0
-    stale: bool = False          # no frame for stale_after_s now
-    questions_queued: int = 0    # questions waiting now for one in flight to end
-    questions_refused: int = 0   # questions refused: in flight and queued were full
-
-
-class LiveMemoryExhausted(ResourceExhausted):
-    """The engine's KV arena has no room for the session's window: the session cannot go on."""
-
-
-@dataclass(slots=True)
-class LiveAnswer:
-    """A question about the stream: iterate `generation` for deltas; `start_s`/`end_s` is the
-    stream time range the answer saw, `camera` the camera time of its newest frame; `stale`:
-    asked while the source was silent (the window is older than it looks)."""
-
-    question_id: str
-    question: str
-    start_s: float
-    end_s: float
-    generation: Generation
-    camera: CameraTime | None = None
-    stale: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class LiveEvent:
-    """What a session reports through its `on_event` callback (standing questions, errors):
-    kind "delta" (text, token_ids), "done" (output), "error" (error), "dropped" (count),
-    the source's health: "stale" / "resumed" (silence and its end), "timestamp_reset",
-    "format_changed" (codec or frame size), each with a `message`; `camera`: an answer's
-    newest frame, or for the source's events the newest frame when it happened;
-    "check" (an alert rule's check: its P(yes) and, when it fired or cleared, its incident)."""
-
-    kind: str
-    question_id: str | None = None
-    start_s: float = 0.0
-    end_s: float = 0.0
-    delta: TokenDelta | None = None
-    output: GenerationOutput | None = None
-    error: BaseException | None = None
-    dropped: int = 0
-    camera: CameraTime | None = None
-    stale: bool = False
-    message: str = ""
-    check: Check | None = None
 
 
 @dataclass(slots=True)
@@ -163,13 +97,12 @@ class LiveSession:
         self._standing: dict[str, _Standing] = {}
         self._slot = None                          # the window's KV slot in the engine's arena
         self._refused: LiveMemoryExhausted | None = None
-        self._decoder: LiveDecoder | None = None
-        self._framing: TsFraming | None = None    # MPEG-TS media: packet framing and program changes
-        self._feeding = threading.Lock()          # chunks in order; a media switch waits for the old decoder
         self._counts = dict(received=0, sampled=0, dropped=0, prefilled=0, evicted=0)
         self._ingest_s = 0.0
         self._error: BaseException | None = None
         self._watch = SilenceWatch(self.config.stale_after_s, self._on_silence)
+        self._media = MediaFeed(self._lock, self._check_open, self._clock.new_media, self._on_decoded,
+                                self._on_decode_error, self._on_media_switch)
         # Alert rules (sparrow/live/alerts.py): add / replace / remove / list, checked like standing questions.
         self.alerts = LiveAlerts(self._lock, self.ask, self._window_end, self._check_open, engine.target.tokenizer,
                                  on_check=lambda check: self._emit(LiveEvent("check", check.rule_id, check.start_s,
@@ -203,47 +136,13 @@ class LiveSession:
         "format_changed" event). A chunk the decoder cannot read ends that media with an
         "error" event; what was prefilled stays, and the next chunk starts a new media. A new
         media's stream time continues the old one's."""
-        chunk = bytes(chunk)
-        with self._feeding:
-            with self._lock:
-                self._check_open()
-                if chunk and (self._decoder is None or self._decoder.finished):
-                    # A new media: MPEG-TS (framing checked, program changes found) if it
-                    # starts with a sync byte, else another container (fragmented MP4).
-                    self._framing = TsFraming() if chunk[0] == TS_SYNC else None
-            segments = self._framing.push(chunk) if self._framing is not None else [Segment(chunk)]
-            for segment in segments:
-                if segment.switch is not None:
-                    self._switch_media(segment.switch)
-                self._media_decoder().feed(segment.data)
-
-    def _media_decoder(self) -> LiveDecoder:
-        with self._lock:
-            self._check_open()
-            if self._decoder is None or self._decoder.finished:
-                self._clock.new_media()      # its first frame follows the newest frame so far
-                self._decoder = LiveDecoder(self._on_decoded, self._on_decode_error)
-            return self._decoder
-
-    def _switch_media(self, what: str) -> None:
-        """The video stream changed: the old media's decoder hands over its last frames first."""
-        with self._lock:
-            decoder = self._decoder
-        if decoder is not None:
-            decoder.close()
-            decoder.join()
-        self._emit(self._source_event("format_changed", f"the video stream changed: {what}; "
-                                                        "a new media starts, stream time goes on"))
+        self._media.feed(chunk)
 
     def end_of_stream(self) -> None:
         """No more frames: the last odd frame is prefilled as a pair (repeated, as HF pads).
         Silence from now on is the end, not a stale source."""
         self._watch.stop()
-        with self._lock:
-            decoder = self._decoder
-        if decoder is not None:
-            decoder.close()
-            decoder.join()
+        self._media.finish()
         with self._lock:
             if self._pending is not None:
                 frame, camera, slot = self._pending
@@ -253,10 +152,7 @@ class LiveSession:
     def wait_ingested(self, timeout: float | None = None) -> None:
         """Block until every frame fed so far is prefilled (or dropped)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            decoder = self._decoder
-        if decoder is not None:
-            decoder.drain(timeout)
+        self._media.drain(timeout)
         while True:
             with self._lock:
                 futures = [f for _, f in self._waiting if not f.done()]
@@ -371,7 +267,7 @@ class LiveSession:
                 return
             self._closed = True
             self._watch.stop()
-            decoder, self._decoder = self._decoder, None
+            decoder = self._media.detach()
             for _, future in self._waiting:
                 future.cancel()
             self._waiting.clear()
@@ -580,6 +476,10 @@ class LiveSession:
         self._emit(self._source_event("stale" if stale else "resumed", message))
 
     # Decoder callbacks (the decoder's thread) -------------------------------------------------------
+    def _on_media_switch(self, what: str) -> None:
+        self._emit(self._source_event("format_changed", f"the video stream changed: {what}; "
+                                                        "a new media starts, stream time goes on"))
+
     def _on_decoded(self, frames: np.ndarray, times: np.ndarray) -> None:
         try:
             self.push_frames(frames, times)

@@ -44,7 +44,7 @@ from safetensors import safe_open
 from ..config import SamplingParams, SpecConfig
 from ..errors import InvalidRequest
 from ..models.prefill import FeatureNeeds
-from .sparrow_proposer import DraftContext, build_context
+from .draft_context import DraftContext, build_context
 from ..models.draft import DraftKV, RMSNorm, rope  # the Sparrow draft's cache, norm and rotary embedding
 from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
 from .sampling import PositionNoise, draft_probs, sample
