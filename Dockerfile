@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1.7
 # The Sparrow service image: the package, its pinned dependencies and the generated gRPC
-# stubs. No model weights: models come from a volume at run time (docs/deploy.md).
+# stubs. No model weights: models come from a volume at run time (docs/deployment.md).
 #
 #   docker build -t ghcr.io/your-org/sparrow:0.1.0 .                          # CUDA torch (PyPI)
 #   docker build -t sparrow:0.1.0-cpu \

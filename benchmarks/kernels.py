@@ -29,6 +29,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")    # before anything imports triton (torch._dynamo does)
 
+from benchmarks.report import write_section  # noqa: E402
 from sparrow.kernels.packed import verify_attention_packed  # noqa: E402
 from sparrow.kernels.reference import verify_attention_ref, window_attention_ref  # noqa: E402
 from sparrow.kernels.split_kv import verify_attention_split  # noqa: E402
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flex-compile", action="store_true", default=torch.cuda.is_available())
     parser.add_argument("--threads", type=int, help="CPU threads for torch (on a shared, loaded machine use 1: "
                                                     "OpenMP threads spinning against other processes cost 100x)")
-    parser.add_argument("--out", help="also write the markdown here")
+    parser.add_argument("--out", help="write the 'kernels' section of this report (BENCHMARKS.md)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -237,9 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     bw = copy_bandwidth(device)
+    command = f"python -m benchmarks.kernels {' '.join(argv if argv is not None else sys.argv[1:])}"
     lines = [f"Machine: {machine(device)}; dtype {str(dtype).removeprefix('torch.')}; "
              f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write).",
-             f"Command: `python -m benchmarks.kernels {' '.join(argv if argv is not None else sys.argv[1:])}`",
              "", f"Verify: {DRAFT_TOKENS + 1} tokens (chain) over the cache, one layer, "
              f"{HEADS} heads / {KV_HEADS} kv heads / dim {HEAD_DIM}.", ""]
     lines += verify_table(args, device, dtype, bw)
@@ -251,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        title = "Attention kernels" + ("" if device.type == "cuda" else " (CPU only: no GPU was available for this work)")
+        write_section(args.out, "kernels", title, command, text)
 
 
 if __name__ == "__main__":

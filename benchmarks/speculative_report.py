@@ -1,11 +1,20 @@
-"""The side-by-side benchmark's report: the acceptance bars, the markdown tables (methods,
-ablation, bars, GPU projection) and the plot of decode speedup and tau vs visual tokens."""
+"""The side-by-side benchmark's report: the headline table (the README quotes it), the
+acceptance bars, the markdown tables (methods, ablation, bars, GPU projection) and the plot of
+decode speedup and tau vs visual tokens.
+
+    python -m benchmarks.speculative_report --headline BENCHMARKS.md   # rebuild the section's headline from its tables
+"""
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import re
+import sys
 from pathlib import Path
 
 from benchmarks.engines import ABLATIONS, METHODS
+from benchmarks.report import HEADLINE, between, markers, replace_between
 from benchmarks.step_cost_projection import gpu_lines
 
 PAPER_ABLATION_TAU = {"none": (3.95, 2.95), "window": (3.95, 3.86), "mtp": (4.44, 3.51),
@@ -47,7 +56,6 @@ def bars(result: dict) -> list[dict]:
     return out
 
 
-# ----- report -----------------------------------------------------------------------------------------
 def _k(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
 
@@ -65,10 +73,82 @@ def _x(v: float | None) -> str:
     return f"{v:.2f}x" if v is not None else "-"
 
 
+# ----- the headline ----------------------------------------------------------------------------------
+HEADLINE_METHODS = ("sparrow", "sparrow-tree", "specvlm", "eagle")
+
+
+def headline_table(speedups: dict[tuple[float, int, str], float], machine: str, date: str) -> str:
+    """The README's headline: decode speedup over plain decoding by method (rows) and video
+    length (columns), "T = 0 / T = 1" in each cell; `speedups` maps (temperature, visual tokens,
+    method) to the speedup. Between the headline markers, so README.md can quote it whole."""
+    temps = sorted({t for t, _, _ in speedups if t in (0.0, 1.0)})
+    sizes = sorted({n for t, n, _ in speedups if t in temps})
+    methods = [m for m in HEADLINE_METHODS if any(k[2] == m for k in speedups)]
+    both = " / ".join(f"T = {t:g}" for t in temps)
+    lines = [f"Decode speedup over plain decoding (prefill excluded), {both}, by video length in visual tokens; "
+             f"the synthetic world pair, every method's tokens equal to plain decoding's. {machine}; {date}.", "",
+             "| method | " + " | ".join(f"{n:,}" for n in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for m in methods:
+        cells = [" / ".join(_x(speedups.get((t, n, m))) for t in temps) for n in sizes]
+        lines.append(f"| {METHODS[m].label} | " + " | ".join(cells) + " |")
+    begin, end = markers(HEADLINE)
+    return f"{begin}\n" + "\n".join(lines) + f"\n{end}"
+
+
+def headline(result: dict, date: str | None = None) -> str:
+    """The headline of a run, from its summary."""
+    speedups = {(r["temperature"], r["visual_tokens"], r["method"]): r["decode_speedup"]
+                for r in result["summary"] if r["decode_speedup"] is not None}
+    return headline_table(speedups, result["machine"], date or datetime.date.today().isoformat())
+
+
+_T_BLOCK = re.compile(r"^\*\*T = ([0-9.]+)\.\*\*", re.MULTILINE)
+_ROW = re.compile(r"^\| (\d+) \| ([a-z0-9-]+) \| [0-9.]+ \| ([0-9.]+)x \|", re.MULTILINE)
+
+
+def speedups_from_section(section: str) -> dict[tuple[float, int, str], float]:
+    """(temperature, visual tokens, method) -> decode speedup, read back from the per-method
+    tables of a written 'speculative' section (one `**T = t.**` block per temperature)."""
+    out = {}
+    starts = list(_T_BLOCK.finditer(section))
+    for i, m in enumerate(starts):
+        block = section[m.end(): starts[i + 1].start() if i + 1 < len(starts) else len(section)]
+        for row in _ROW.finditer(block):
+            out[(float(m.group(1)), int(row.group(1)), row.group(2))] = float(row.group(3))
+    return out
+
+
+def headline_from_section(section: str) -> str:
+    """The headline a written 'speculative' section implies: its figures, machine and date."""
+    machine = re.search(r"^Machine: (.*?)\.?$", section, re.MULTILINE)
+    date = re.search(r"^Command: `.*` \((\d{4}-\d{2}-\d{2})", section, re.MULTILINE)
+    if machine is None or date is None:
+        raise ValueError("not a written 'speculative' section: no Machine or dated Command line")
+    return headline_table(speedups_from_section(section), machine.group(1), date.group(1))
+
+
+def refresh_headline(path: str | Path) -> None:
+    """Write (or rewrite) the headline of the report's 'speculative' section from its tables,
+    just below its Command line."""
+    path = Path(path)
+    text = path.read_text()
+    section = between(text, "speculative")
+    if section is None:
+        raise SystemExit(f"{path}: no 'speculative' section")
+    table = headline_from_section(section)
+    if between(section, HEADLINE) is not None:
+        new = replace_between(section, HEADLINE, between(table, HEADLINE))
+    else:
+        head, command, rest = re.split(r"^(Command: .*\n)", section, maxsplit=1, flags=re.MULTILINE)
+        new = head + command + "\n" + table + "\n" + rest
+    path.write_text(replace_between(text, "speculative", new))
+
+
+# ----- report -----------------------------------------------------------------------------------------
 def report(result: dict, plot_path: str | None = None) -> str:
     cfg, summary = result["config"], result["summary"]
     shown = [m for m in cfg["methods"] if m in {r["method"] for r in summary} and not METHODS[m].ablation]
-    lines = [f"Machine: {result['machine']}.", f"Target: {result['target']}. k = {cfg['k']}, window {cfg['window']}, "
+    lines = [headline(result), "", f"Machine: {result['machine']}.", f"Target: {result['target']}. k = {cfg['k']}, window {cfg['window']}, "
              f"anchors {cfg['anchors']}, glimpse: the draft's own (sparrow-glimpse {cfg['glimpse']}, sparrow-text 0); "
              f"{cfg['max_new_tokens']} new "
              f"tokens (answers end at the end of turn), {cfg['reps']} reps, methods interleaved per rep, medians; fresh world "
@@ -178,3 +258,14 @@ def plot(result: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Rebuild the headline of a report's 'speculative' section from its tables.")
+    ap.add_argument("--headline", metavar="REPORT", required=True, help="the report (BENCHMARKS.md)")
+    refresh_headline(ap.parse_args(argv).headline)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -82,8 +82,18 @@ def models_line(settings) -> str:
             f"{settings.spec.draft_step} draft steps, {settings.draft_placement})")
 
 
+def http_port(args: argparse.Namespace) -> int:
+    """--http-port; unset: 8000, or a free port beside a gRPC port 0 (tests, several servers)."""
+    if args.http_port is not None:
+        return args.http_port
+    return 0 if args.port == 0 else 8000
+
+
 def run(args: argparse.Namespace) -> int:
     settings = app_settings(args)
+    if args.no_http and args.no_grpc:
+        print("sparrow serve: --no-http and --no-grpc leave nothing to serve", file=sys.stderr)
+        return 2
     if args.ray:
         return _serve_ray(args, settings)
     if settings.draft_placement == "remote":
@@ -104,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
     print(models_line(settings), flush=True)
     engine, cache = build_engine(settings)
     service = SparrowService(engine, cache, settings.service, host="embedded", draft_placement=settings.placement)
-    asyncio.run(serve_forever(service, args.host, args.port))      # until Ctrl-C or SIGTERM
+    asyncio.run(serve_forever(service, args.host, None if args.no_grpc else args.port,       # until Ctrl-C or SIGTERM
+                              http_port=None if args.no_http else http_port(args),
+                              model_name=args.served_model_name or settings.target))
     return 0
 
 
@@ -145,7 +157,8 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
     ray.init(**cluster, runtime_env=ray_bind.runtime_env(args.host, env))
     _stop_on_sigterm()          # after ray.init, which sets its own (exit at once, its core worker aborting)
     print(f"sparrow: Ray: {where}", flush=True)
-    ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=args.http_port)
+    ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=http_port(args),
+                  model_name=args.served_model_name or settings.target)
     deployments = "TargetDeployment" + (" + DraftDeployment" if settings.placement == "remote" else "")
     print(f"sparrow: serving sparrow.v1.Sparrow on {args.host}:{args.port} (Ray Serve gRPC proxy: {deployments}); "
           f"draft {settings.placement}; Ctrl-C or SIGTERM stops", flush=True)
@@ -227,7 +240,13 @@ def add_command(sub, common) -> None:
                                                         "start a new local cluster listening on --host only)")
     p.add_argument("--ray-config", help='JSON: {"target": {deployment options}, "draft": {...}}, e.g. '
                                         'autoscaling_config, num_replicas, ray_actor_options')
-    p.add_argument("--http-port", type=int, default=8000, help="--ray: Serve's HTTP proxy port (default 8000)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="the OpenAI-compatible HTTP API's port (/v1/chat/completions, /v1/models, /health, /metrics; "
+                        "--ray: Serve's HTTP proxy). Default 8000, or any free port when --port is 0")
+    p.add_argument("--no-http", action="store_true", help="embedded: serve gRPC only")
+    p.add_argument("--no-grpc", action="store_true", help="embedded: serve the HTTP API only")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name /v1/models lists and requests give (default: the --target spec)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="embedded: /metrics bind address")
     p.add_argument("--metrics-port", type=int, default=None, help="embedded: serve Prometheus /metrics here")
     p.add_argument("--log-format", choices=("json", "text"), default="json", help="server log lines (default json)")

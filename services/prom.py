@@ -79,6 +79,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "permission_denied, not_found, overloaded, upload_limit, resource_exhausted, unavailable, ...), "
                "cancelled by the client, or past their deadline (deadline).",
                labels=("model_name", "method", "reason")),
+    MetricSpec("http_requests", "counter",
+               "HTTP requests to the OpenAI-compatible API, by route and status (its chat completions are also "
+               "counted in request_success / request_errors, beside the gRPC calls).",
+               labels=("model_name", "route", "status")),
     MetricSpec("prompt_tokens", "counter", "Prompt tokens prefilled or reused, visual tokens included."),
     MetricSpec("generation_tokens", "counter", "Tokens generated."),
     # latencies
@@ -253,6 +257,10 @@ class Recorder:
         """One call (Generate, UploadVideo, Live, ...) that ended without its answer; reason
         as services.errors.error_reason says, or cancelled / deadline."""
         self.sink.inc("request_errors", 1, {**self.labels, "method": method, "reason": reason})
+
+    def record_http(self, route: str, status: int) -> None:
+        """One HTTP request (services.openai_api) answered with `status`."""
+        self.sink.inc("http_requests", 1, {**self.labels, "route": route, "status": str(status)})
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:

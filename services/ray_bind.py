@@ -26,7 +26,7 @@ Ray RPC and the dashboard then need the token, written once, readable by its own
 Serve's gRPC and HTTP proxies do not ask for it (they serve sparrow.v1 to clients).
 
 On Kubernetes (a RayService), none of this applies: pods listen on the pod's address and
-KubeRay configures the cluster; see docs/deploy.md.
+KubeRay configures the cluster; see docs/deployment.md.
 """
 
 from __future__ import annotations

@@ -92,49 +92,84 @@ async def start_server(service: SparrowService, host: str = "127.0.0.1", port: i
     return server, bound
 
 
-async def serve_forever(service: SparrowService, host: str, port: int,
-                        stop_on: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+async def serve_forever(service: SparrowService, host: str, port: int | None,
+                        stop_on: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM), *,
+                        http_port: int | None = None, model_name: str = "") -> None:
     """Serve until the server terminates or one of `stop_on` arrives (Ctrl-C; SIGTERM, what
     Kubernetes sends to stop a pod). The signals are the event loop's own handlers, so a stop
     is an event the loop reads, not an exception raised wherever the main thread happens to be
-    (inside gRPC's callbacks or holding a lock), which could leave the shutdown hanging."""
-    server, bound = await start_server(service, host, port)
+    (inside gRPC's callbacks or holding a lock), which could leave the shutdown hanging.
+    port None: no gRPC; http_port None: no HTTP (the OpenAI-compatible API, services.openai_api)."""
+    from .openai_api.uvicorn_host import start_http
+
+    server = bound = http = None
+    if port is not None:
+        server, bound = await start_server(service, host, port)
+    try:
+        if http_port is not None:
+            http = await start_http(service, host, http_port, model_name)
+    except BaseException:
+        if server is not None:
+            await server.stop(grace=None)
+        raise
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
     for signum in stop_on:
         loop.add_signal_handler(signum, stop.set)
-    log.info("sparrow serving on %s:%d (embedded)", host, bound)
-    print(f"sparrow: serving sparrow.v1.Sparrow on {host}:{bound} (embedded)", flush=True)
-    waits = [asyncio.ensure_future(server.wait_for_termination()), asyncio.ensure_future(stop.wait())]
+    if server is not None:
+        log.info("sparrow serving on %s:%d (embedded)", host, bound)
+        print(f"sparrow: serving sparrow.v1.Sparrow on {host}:{bound} (embedded)", flush=True)
+    if http is not None:
+        log.info("sparrow serving HTTP on %s:%d (embedded)", host, http.port)
+        print(f"sparrow: serving the OpenAI-compatible API on http://{host}:{http.port}/v1 (embedded)", flush=True)
+    waits = [asyncio.ensure_future(stop.wait())]
+    if server is not None:
+        waits.append(asyncio.ensure_future(server.wait_for_termination()))
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for signum in stop_on:
             loop.remove_signal_handler(signum)
-        waits[1].cancel()       # (not the termination wait: cancelling it cancels grpc's shutdown)
+        waits[0].cancel()       # (not the termination wait: cancelling it cancels grpc's shutdown)
         if stop.is_set():
             stopping.arm()      # the stop ends within the grace, whatever is still running
         service.close()
-        await server.stop(grace=1)      # inside the stop's grace (stopping.py)
+        stops = [] if server is None else [server.stop(grace=1)]       # inside the stop's grace (stopping.py)
+        if http is not None:
+            stops.append(http.stop())
+        await asyncio.gather(*stops)
 
 
 class BackgroundServer:
     """The embedded server on its own thread and event loop, for tests, benchmarks and
     programs that are not async themselves."""
 
-    def __init__(self, service: SparrowService, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, service: SparrowService, host: str = "127.0.0.1", port: int = 0, *,
+                 http_port: int | None = None, model_name: str = "sparrow"):
         self.service, self.host, self.port = service, host, port
+        self.http_port, self.model_name = http_port, model_name       # http_port None: gRPC only
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sparrow-grpc", daemon=True)
         self._server: grpc.aio.Server | None = None
+        self._http = None
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (what an OpenAI client takes as base_url)."""
+        return f"http://{self.host}:{self.http_port}/v1"
+
     def start(self) -> "BackgroundServer":
         self._thread.start()
         future = asyncio.run_coroutine_threadsafe(start_server(self.service, self.host, self.port), self._loop)
         self._server, self.port = future.result(timeout=30)
+        if self.http_port is not None:
+            from .openai_api.uvicorn_host import start_http
+
+            self._http = self.call(start_http(self.service, self.host, self.http_port, self.model_name), timeout=30)
+            self.http_port = self._http.port
         return self
 
     def call(self, coro, timeout: float = 10.0):
@@ -144,6 +179,8 @@ class BackgroundServer:
     def stop(self) -> None:
         if self._server is not None:
             self.service.close()
+            if self._http is not None:
+                self.call(self._http.stop(), timeout=10)
             asyncio.run_coroutine_threadsafe(self._server.stop(grace=1), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

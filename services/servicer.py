@@ -34,6 +34,7 @@ from sparrow.services.config import ServiceConfig
 from sparrow.services.grpc_status import DeadlineExceeded, NotReady, Overloaded, VideoNotFound
 from sparrow.services.live.call import LiveCall
 from sparrow.services.live.host import live_refusal
+from sparrow.services.openai_api.live_events import LiveEventHub
 from sparrow.services.protos import pb
 from sparrow.services.runner import EngineRunner, RunningRequest
 from sparrow.services.video_store import HashedFile, VideoStore, content_id
@@ -71,6 +72,7 @@ class SparrowService:
         self.live_sessions: dict[str, LiveCall] = {}          # Live streams open, by session id
         self.live_ended: collections.Counter[str] = collections.Counter()   # sessions closed, by how they ended
         self._live_refusal: list[str | None] = []             # why the target cannot go live; computed once
+        self.live_events = LiveEventHub()                     # incidents / standing answers by session id (HTTP SSE)
         self.last_released = 0.0
         self.ready = True
 
@@ -289,7 +291,7 @@ class SparrowService:
         giving the session's LiveMetrics (prom.Recorder.live_session); cancelled: tells, once
         the request stream has ended, whether the client cancelled rather than half-closed
         (Ray Serve ends both alike)."""
-        return LiveCall(self, deadline, metrics=metrics, cancelled=cancelled).run(requests)
+        return self.live_events.tee(LiveCall(self, deadline, metrics=metrics, cancelled=cancelled).run(requests))
 
     def live_refusal(self) -> str | None:
         """Why this server's target cannot take a live session, or None (asked once)."""

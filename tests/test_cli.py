@@ -181,8 +181,10 @@ def test_heldout_text_never_prints_an_unmeasured_tau():
 
 
 def test_readme_first_screen_shows_the_long_demo_and_the_ray_deployments():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    first = readme[:readme.index("## Using the library")]
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    first = readme[:readme.index("## Quick start")]
     assert "make demo" in first and "make test" in first and "sparrow demo --long" in first
     assert "identical answers from all three (lossless): True" in first     # a pasted run, not a promise
-    assert "a DraftDeployment only with `--draft-placement remote`" in readme
+    assert "identical answers from all three (lossless): True" in (repo / "docs" / "world.md").read_text()
+    assert "a DraftDeployment only with `--draft-placement remote`" in (repo / "docs" / "serving.md").read_text()

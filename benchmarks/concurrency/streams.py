@@ -29,6 +29,8 @@ class Trace:
     steps: int = 0
     accepted: int = 0
     cached_prompt_tokens: int = 0
+    prompt_tokens: int = 0           # the server's count (gRPC only), video included
+    completion_tokens: int = 0       # the server's count of the answer (gRPC only)
 
     @property
     def token_ids(self) -> list[int]:
@@ -59,16 +61,18 @@ def engine_call(engine: Engine, key: str, prompt: str, sampling: SamplingParams)
 
 
 def grpc_call(client: SparrowClient, video_id: str, prompt: str, tokens: int, fps: float, temperature: float = 0.0,
-              seed: int | None = None, ignore_eos: bool = True) -> Callable[[], Trace]:
-    """A request through the gRPC server about an uploaded video."""
+              seed: int | None = None, ignore_eos: bool = True, max_visual_tokens: int | None = None,
+              timeout: float | None = None) -> Callable[[], Trace]:
+    """A request through the gRPC server about an uploaded video (timeout: its gRPC deadline, s)."""
     sampling = {"temperature": temperature, **({"seed": seed} if seed is not None else {})}
+    options = pb.VideoOptions(fps=fps, **({"max_visual_tokens": max_visual_tokens} if max_visual_tokens else {}))
 
     def call() -> Trace:
         done = []
 
         def chunks():
             for response in client.stream(prompt, video_id=video_id, max_new_tokens=tokens, ignore_eos=ignore_eos,
-                                          video_options=pb.VideoOptions(fps=fps), **sampling):
+                                          video_options=options, timeout=timeout, **sampling):
                 if response.HasField("chunk"):
                     yield response.chunk.token_ids
                 else:
@@ -77,7 +81,8 @@ def grpc_call(client: SparrowClient, video_id: str, prompt: str, tokens: int, fp
         c = done[0]
         if c.error:
             raise RuntimeError(f"gRPC request failed after streaming: {c.error}")
-        return Trace(start, times, got, end, c.metrics.steps, c.metrics.accepted_tokens, c.usage.cached_prompt_tokens)
+        return Trace(start, times, got, end, c.metrics.steps, c.metrics.accepted_tokens, c.usage.cached_prompt_tokens,
+                     c.usage.prompt_tokens, c.usage.completion_tokens)
     return call
 
 

@@ -4,7 +4,7 @@ errors and metrics a call shares with its host."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from sparrow.config import SamplingParams
 from sparrow.engine import Engine
@@ -14,9 +14,6 @@ from sparrow.live.session import LiveSession
 from sparrow.services.config import ServiceConfig
 from sparrow.services.protos import pb
 from sparrow.video import SourcePolicy
-
-if TYPE_CHECKING:
-    from sparrow.services.live.call import LiveCall
 
 
 class SessionLimit(ResourceExhausted):
@@ -42,9 +39,9 @@ class LiveHost(Protocol):
 
     def live_refusal(self) -> str | None: ...
 
-    def admit_live(self, call: LiveCall) -> None: ...
+    def admit_live(self, call: Any) -> None: ...
 
-    def release_live(self, call: LiveCall) -> None: ...
+    def release_live(self, call: Any) -> None: ...
 
     def sampling_params(self, s: pb.SamplingParams) -> SamplingParams: ...
 
