@@ -1,12 +1,12 @@
-"""The static draft runner's levels by the C++ kernel (kernels/csrc/draft_chain.cpp), where it is
+"""The static draft levels's levels by the C++ kernel (kernels/csrc/draft_chain.cpp), where it is
 built: a small float32 draft on the CPU. `draft_level` and `greedy_chain` here take the arguments
 of draft_compile's functions of the same names and return what they do, computed by plain loops
 instead of ~80 tiny torch ops a level (whose dispatch, not arithmetic, is a draft step's cost on
 a CPU). Equal to draft_compile's within float tolerance (tests/test_draft_native.py).
 
 The core reaches it by name (sparrow.models.draft_compile.draft_kernel), as it does the verify
-kernels. It is built in a process of its own when a static runner is made (kernels/native.py);
-until it is ready, and for a draft it does not take (`usable`), the runner computes the levels
+kernels. It is built in a process of its own when a static levels is made (kernels/native.py);
+until it is ready, and for a draft it does not take (`usable`), torch computes the levels
 in torch.
 
     SPARROW_DRAFT_NATIVE=off    never build or use it (the levels stay in torch; or set IMPL = "torch")
@@ -55,7 +55,7 @@ def ready() -> bool:
     return EXTENSION.module is not None
 
 
-_last_flat: list = [None, None]     # (weights, their flat list): a runner's weights, rebuilt only when they change
+_last_flat: list = [None, None]     # (weights, their flat list): the levels' weights, rebuilt only when they change
 
 
 def _flat(w) -> list[torch.Tensor]:
@@ -105,7 +105,7 @@ def entries(dims, w, z, pos, pinned, kv, window: int) -> torch.Tensor:
 
 
 def gather(pos, pinned, keys, values, kvs) -> None:
-    """DraftRunner.gather's copies by the kernel: each DraftKV's filled entries at slots [0, n_b)
+    """DraftLevels.gather's copies by the kernel: each DraftKV's filled entries at slots [0, n_b)
     of the batch's buffers, every other slot at PAD_POS (keys zero); padding requests at PAD_POS."""
     EXTENSION.module.gather(pos, pinned, keys, values, [kv.pos for kv in kvs], [kv.pinned for kv in kvs],
                             [kv.keys for kv in kvs], [kv.values for kv in kvs], PAD_POS)

@@ -36,7 +36,7 @@ from sparrow.services.live.call import LiveCall
 from sparrow.services.live.host import live_refusal
 from sparrow.services.openai_api.live_events import LiveEventHub
 from sparrow.services.protos import pb
-from sparrow.services.runner import EngineRunner, RunningRequest
+from sparrow.services.async_requests import AsyncRequests, RunningRequest
 from sparrow.services.video_store import HashedFile, VideoStore, content_id
 from sparrow.services.uploads import UploadLimits, receive_upload
 
@@ -62,7 +62,7 @@ class SparrowService:
         self.engine, self.cache = engine, cache
         self.config = config or ServiceConfig()
         self.host, self.draft_placement = host, draft_placement
-        self.runner = EngineRunner(engine, self.config.max_concurrent)
+        self.requests = AsyncRequests(engine, self.config.max_concurrent)
         self.videos = VideoStore(cache, self.config.video_ttl_s, self.config.upload_dir,
                                  self.config.max_stored_upload_bytes)
         self.uploads = UploadLimits(self.config.max_uploads, self.config.max_upload_bytes_in_flight)
@@ -89,7 +89,7 @@ class SparrowService:
         try:
             job = await self._job(request)
             _check_deadline(deadline)
-            running = self.runner.start(job.video, job.prompt, job.sampling, job.options,
+            running = self.requests.start(job.video, job.prompt, job.sampling, job.options,
                                         video_key=job.video_key, num_draft_tokens=job.num_draft_tokens,
                                         deadline=deadline)
             self.live[request_id] = running
@@ -345,7 +345,7 @@ class SparrowService:
         """What this service holds now: requests admitted (its slots), generations the engine
         has not let go of, requests the engine's scheduler runs (live answers included), live
         sessions open."""
-        return {"requests": len(self.live), "threads": self.runner.active,
+        return {"requests": len(self.live), "threads": self.requests.active,
                 "engine_requests": self.engine.scheduler.num_running, "live_sessions": len(self.live_sessions)}
 
     async def wait_idle(self, until: float) -> dict[str, int | bool]:
@@ -361,7 +361,7 @@ class SparrowService:
         for running in list(self.live.values()):
             if running is not None:
                 running.abort()
-        self.runner.shutdown()
+        self.requests.shutdown()
         self.videos.close()
 
 

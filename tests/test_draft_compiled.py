@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 import sparrow.models.draft_compile as draft_compile
 from sparrow.kernels import draft_chain
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.models.draft_compile import COMPILE_SECONDS, DraftRunner
+from sparrow.models.draft_compile import COMPILE_SECONDS, DraftLevels
 from sparrow.speculative.proposer import DraftRequest, StepResult
 from sparrow.speculative.sampling import PositionNoise, new_generator
 from sparrow.speculative.sparrow_proposer import SparrowProposer
@@ -52,8 +52,8 @@ def proposers(draft, spec: SpecConfig, compiled: bool = True) -> dict[str, Sparr
     """The reference, the static levels run eagerly, and (when asked) compiled."""
     steps = ("reference", "static") + (("compiled",) if compiled else ())
     paths = {step: SparrowProposer(draft, SpecConfig(**{**_fields(spec), "draft_step": step})) for step in steps}
-    assert paths["reference"].runner is None and not paths["static"].runner.compiled
-    assert not compiled or paths["compiled"].runner.compiled
+    assert paths["reference"].levels is None and not paths["static"].levels.compiled
+    assert not compiled or paths["compiled"].levels.compiled
     return paths
 
 
@@ -214,8 +214,8 @@ def test_warm_up_compiles_before_the_first_request(draft, monkeypatch):
     assert proposers(draft, SPEC, compiled=False)["static"].warm_up((1, 3)) == 0.0
     compiled = SparrowProposer(draft, SPEC)
     calls = []
-    real_run = DraftRunner._run
-    monkeypatch.setattr(DraftRunner, "_run", lambda self, fn, batch, args: (
+    real_run = DraftLevels._run
+    monkeypatch.setattr(DraftLevels, "_run", lambda self, fn, batch, args: (
         calls.append((fn.__name__, batch.bucket, self.compiled)), real_run(self, fn, batch, args))[1])
     assert compiled.warm_up((3,)) > 0
     assert calls == [("greedy_chain", 4, True)]
@@ -249,13 +249,13 @@ def test_weights_changed_in_place_are_read_again(draft):
 def test_what_the_static_shapes_cannot_hold_runs_the_reference(draft):
     """A cache longer than the runner's slots, and a full-attention context, take the reference path."""
     paths = proposers(draft, SPEC, compiled=False)
-    paths["static"].runner = DraftRunner(draft, SPEC.window, capacity=10)
+    paths["static"].levels = DraftLevels(draft, SPEC.window, capacity=10)
     states = {name: [p.begin_context(c, 40) for c in contexts(draft)] for name, p in paths.items()}
     assert max(len(s.kv) for s in states["static"]) + 3 > 10
     got, want = ([p.propose([DraftRequest(s, 4, SamplingParams(), new_generator(0)) for s in states[name]])
                   for name, p in paths.items()])
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(got, want))
-    assert SparrowProposer(draft, SpecConfig(**{**_fields(SPEC), "draft_context": "all"})).runner is None
+    assert SparrowProposer(draft, SpecConfig(**{**_fields(SPEC), "draft_context": "all"})).levels is None
 
 
 # ----- the engine --------------------------------------------------------------------------------------------
@@ -263,8 +263,8 @@ def test_engine_greedy_with_the_compiled_draft_is_the_targets(qwen_target, draft
     """One request through the engine (run in batch bucket 4, the compiled shape above) == HF greedy."""
     monkeypatch.setattr(draft_compile, "BATCH_BUCKETS", (4, 64))
     levels = []
-    real_run = DraftRunner._run
-    monkeypatch.setattr(DraftRunner, "_run", lambda self, *a, **kw: (levels.append(self.compiled), real_run(self, *a, **kw))[1])
+    real_run = DraftLevels._run
+    monkeypatch.setattr(DraftLevels, "_run", lambda self, *a, **kw: (levels.append(self.compiled), real_run(self, *a, **kw))[1])
     engine = Engine(qwen_target, draft, SPEC)
     prompt = "What happens in the video?"
     inputs = engine.prepare(small_video, prompt)

@@ -23,7 +23,7 @@ from sparrow.kernels import draft_chain
 from sparrow.kernels import native as native_build
 from sparrow.kernels.native import NativeExtension
 from sparrow.models import draft_compile
-from sparrow.models.draft_compile import DraftRunner
+from sparrow.models.draft_compile import DraftLevels
 from sparrow.speculative.proposer import DraftRequest
 from sparrow.speculative.sampling import new_generator
 from sparrow.speculative.sparrow_proposer import SparrowProposer
@@ -63,7 +63,7 @@ def calls(kernel, monkeypatch):
 def _batch(draft, rows: int, tree: bool, seed: int):
     """A runner's batch for 3 requests (bucket 4 when compiled-sized: here eager, 3) of different
     cache lengths, two levels' positions, a padding request's slots at PAD_POS."""
-    runner = DraftRunner(draft, window=6, capacity=40, rows=rows, tree=tree, emitted_rows=3)
+    runner = DraftLevels(draft, window=6, capacity=40, rows=rows, tree=tree, emitted_rows=3)
     states = [SparrowProposer(draft, STATIC).begin_context(c, 40) for c in contexts(draft)]
     positions = [[len(s.kv) + 3 + level for s in states] for level in range(2)]
     positions[1][1] = PAD_POS                                   # request 1 drafts one level only
@@ -153,7 +153,7 @@ def test_a_level_equals_torchs_function(draft, kernel, rows, tree):
 
 
 def test_a_batch_gathered_by_the_kernel_equals_torchs(draft, kernel, monkeypatch):
-    """DraftRunner.gather's copies (three requests' caches of different lengths, bucket 4 with a
+    """DraftLevels.gather's copies (three requests' caches of different lengths, bucket 4 with a
     padding request): the same positions and pinned flags everywhere, the same keys and values
     in every slot a request fills and zeros after them."""
     states = [SparrowProposer(draft, STATIC).begin_context(c, 40) for c in contexts(draft)]
@@ -161,7 +161,7 @@ def test_a_batch_gathered_by_the_kernel_equals_torchs(draft, kernel, monkeypatch
     got = {}
     for impl in ("kernel", "torch"):
         monkeypatch.setattr(draft_chain, "IMPL", impl)
-        runner = DraftRunner(draft, window=6, capacity=40, emitted_rows=3)
+        runner = DraftLevels(draft, window=6, capacity=40, emitted_rows=3)
         runner.bucket = lambda n: 4                            # as compiled runners pad: one padding request
         assert runner.native == (impl == "kernel")
         batch = runner.gather(kvs, positions)
@@ -244,15 +244,15 @@ def test_what_the_kernel_does_not_take_stays_in_torch(draft, qwen_target, calls,
     """A bfloat16 draft, a compiled runner, a draft past MAX_WEIGHTS and the switch off: torch's
     levels, never the kernel."""
     bf16 = tiny_draft(qwen_target, seed=1).to(torch.bfloat16)
-    assert not SparrowProposer(bf16, STATIC).runner.native
-    assert not SparrowProposer(draft, SPEC).runner.native            # compiled
-    weights = sum(t.numel() for t in draft_chain._flat(SparrowProposer(draft, STATIC).runner.weights()))
+    assert not SparrowProposer(bf16, STATIC).levels.native
+    assert not SparrowProposer(draft, SPEC).levels.native            # compiled
+    weights = sum(t.numel() for t in draft_chain._flat(SparrowProposer(draft, STATIC).levels.weights()))
     monkeypatch.setattr(draft_chain, "MAX_WEIGHTS", weights - 1)     # the shared lm_head and embedding count
-    assert not SparrowProposer(draft, STATIC).runner.native
+    assert not SparrowProposer(draft, STATIC).levels.native
     monkeypatch.setattr(draft_chain, "MAX_WEIGHTS", weights)
-    assert SparrowProposer(draft, STATIC).runner.native
+    assert SparrowProposer(draft, STATIC).levels.native
     monkeypatch.setattr(draft_chain, "IMPL", "torch")
-    assert not SparrowProposer(draft, STATIC).runner.native
+    assert not SparrowProposer(draft, STATIC).levels.native
     _propose(draft, STATIC)
     assert calls == []
 

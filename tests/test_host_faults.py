@@ -63,7 +63,7 @@ def host(request, tiny_model_dirs, clips):
         app = settings(tiny_model_dirs, clips)
         service = SparrowService(*build_engine(app), app.service)
         with BackgroundServer(service) as server:
-            yield Host("embedded", server.address, (), lambda: (len(service.live), service.runner.active),
+            yield Host("embedded", server.address, (), lambda: (len(service.live), service.requests.active),
                        lambda until: server.call(service.wait_idle(until), timeout=30))
         return
     request.getfixturevalue("ray_instance")          # the session's Ray, started only for this host

@@ -131,7 +131,7 @@ def grpc_answer(server, video: bytes, **sampling):
 
 def wait_freed(server, since: float, within: float = 1.0) -> None:
     async def held():
-        return len(server.service.live), server.service.runner.active
+        return len(server.service.live), server.service.requests.active
     until = time.monotonic() + 30
     while server.call(held()) != (0, 0):
         assert time.monotonic() < until, f"the request was never freed: {server.call(held())}"

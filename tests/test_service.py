@@ -58,7 +58,7 @@ def reference(engine, video: bytes, prompt: str, **sampling):
 def live_state(server) -> tuple[int, int]:
     """(requests the service tracks, generation threads still running), read on its loop."""
     async def read():
-        return len(server.service.live), server.service.runner.active
+        return len(server.service.live), server.service.requests.active
     return server.call(read())
 
 

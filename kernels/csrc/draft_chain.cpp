@@ -448,7 +448,7 @@ std::tuple<Tensor, int64_t> entries(int64_t hq, int64_t hkv, int64_t d, double e
   return {x, rows ? *std::max_element(seen.begin(), seen.end()) : 0};
 }
 
-// draft_compile.DraftRunner.gather's copies: request b's `lengths[b]` filled entries of its DraftKV
+// draft_compile.DraftLevels.gather's copies: request b's `lengths[b]` filled entries of its DraftKV
 // (pos, pinned (cap_b,); keys, values per layer (1, Hkv, cap_b, D)) into the batch's buffers at
 // slots [0, lengths[b]); slots [lengths[b], C) at pad_pos, unpinned, keys and values zero; the
 // padding requests (b >= n) at pad_pos.
@@ -552,7 +552,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_level", &draft_level, "one draft level (draft_compile.draft_level)", free);
   m.def("greedy_chain", &greedy_chain, "a chain of levels, greedy or seeded (draft_compile.greedy_chain)", free);
   m.def("entries", &entries, "one request's new entries through the layers (SparrowDraft.forward_entries)", free);
-  m.def("gather", &gather, "the requests' draft caches into a batch's buffers (DraftRunner.gather)", free);
+  m.def("gather", &gather, "the requests' draft caches into a batch's buffers (DraftLevels.gather)", free);
   m.def("scatter", &scatter, "a batch's emitted entries appended to the requests' draft caches", free);
   m.def("compact", &compact, "a draft cache's entries no query can see dropped (DraftKV.evict)", free);
 }

@@ -18,7 +18,7 @@ C key slots fixed per proposer):
     greedy_chain a whole chain at T=0; first, when given, the entries the last steps emitted
                  (the tokens with the target's features before each: what a commit runs),
                  so a step's commit and its next propose are one call
-    DraftRunner  the buckets, the weights draft_level reads, the gather; compiled levels are
+    DraftLevels  the buckets, the weights draft_level reads, the gather; compiled levels are
                  kept per shape for the process (compiled on first use, the time logged at INFO)
 
 Nothing here reads a value on the host.
@@ -267,7 +267,7 @@ class DraftBatch:
     slots each level writes; weights: the draft's, as
     draft_level reads them; seen: per level (Bb, R), the keys each live row attended to
     (reduced and read once, at the end); emitted: the entries the requests' last steps emitted,
-    run before the levels at slots [S, S + M) (None: none; `DraftRunner.gather`).
+    run before the levels at slots [S, S + M) (None: none; `DraftLevels.gather`).
     """
 
     keys: list[torch.Tensor]
@@ -299,7 +299,7 @@ class DraftBatch:
         return torch.stack(self.seen).amax((0, 2))
 
 
-class DraftRunner:
+class DraftLevels:
     """Draft levels over static buffers, per batch bucket: eager, or compiled.
 
     window: the draft's attention window; capacity: C, the key slots of every request
@@ -332,7 +332,7 @@ class DraftRunner:
             draft_kernel().ready()                        # starts its build, on a thread of its own
 
     def kernel(self):
-        """The C++ draft kernel's module when this runner's work goes through it now (its draft
+        """The C++ draft kernel's module when these levels's work goes through it now (its draft
         is one it takes and it is built; the build starts on the first ask), else None."""
         if not self.native:
             return None
@@ -428,7 +428,7 @@ class DraftRunner:
 
     def weights(self) -> StepWeights:
         """The draft's weights as draft_level reads them; rebuilt when a parameter was written
-        since (trained, loaded), so a runner never reads stale weights. (A runner's buffers
+        since (trained, loaded), so the levels never reads stale weights. (The levels' buffers
         live on the draft's device and dtype at construction: a moved draft needs a new one.)"""
         if self._sources is None or self._sources[0] is not self.draft._shared:
             self._sources = (self.draft._shared, step_sources(self.draft))

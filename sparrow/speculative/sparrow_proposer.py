@@ -16,7 +16,7 @@ import torch
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest
 from sparrow.models.draft import DraftKV, DraftSegment, SparrowDraft
-from sparrow.models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftRunner, Seeded
+from sparrow.models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftLevels, Seeded
 from sparrow.models.prefill import FeatureNeeds
 from sparrow.anchored_window import PAD_POS
 from sparrow.speculative.draft_context import DraftContext, build_context, draft_attention
@@ -31,7 +31,7 @@ class SparrowState(DraftState):
     committed: int               # entries in kv that hold target-verified inputs
     last_hidden: torch.Tensor    # (H,) draft output at the last committed entry
     # Emitted entries not yet run through the draft (tokens, the target's features before each):
-    # with a static runner, a commit is run by the next greedy chain's call (`_gather`), or
+    # with a static levels, a commit is run by the next greedy chain's call (`_gather`), or
     # alone (`_flush`) before any other propose. next_pos, committed, last_hidden exclude them.
     pending: list[int] = field(default_factory=list)
     pending_features: list[torch.Tensor] = field(default_factory=list)
@@ -67,7 +67,7 @@ class SparrowProposer:
                                   draft.config.bridge_layer if needs_bridge else None,
                                   spec.draft_context != "text")
         self.window = draft_attention(spec.draft_context, spec.window, spec.anchors, 0)[0]
-        self.runner = static_runner(draft, spec)
+        self.levels = static_levels(draft, spec)
 
     @classmethod
     def from_spec(cls, target, draft, spec: SpecConfig) -> "SparrowProposer":
@@ -91,18 +91,18 @@ class SparrowProposer:
     def _entries(self, z: torch.Tensor, pos: torch.Tensor, pinned: torch.Tensor,
                  segments: list[DraftSegment]) -> torch.Tensor:
         """draft.forward_packed (the requests' new entries z (N, H) through the layers into their
-        caches), by the static runner's C++ kernel where it runs (kernels/draft_chain.py), a call a request."""
-        runner = self.runner
-        kernel = runner.kernel() if runner is not None else None
+        caches), by the static levels's C++ kernel where it runs (kernels/draft_chain.py), a call a request."""
+        levels = self.levels
+        kernel = levels.kernel() if levels is not None else None
         if kernel is None or any(g.spec_mask is not None for g in segments):
             return self.draft.forward_packed(z, pos, pinned, segments)
-        w = runner.weights()
-        return torch.cat([kernel.entries(runner.dims, w, z[g.start:g.end], pos[g.start:g.end],
+        w = levels.weights()
+        return torch.cat([kernel.entries(levels.dims, w, z[g.start:g.end], pos[g.start:g.end],
                                          pinned[g.start:g.end], g.kv, g.window) for g in segments])
 
     def _evict(self, kv: DraftKV, next_pos: int, window: int) -> None:
-        """kv.evict (room for a step), by the kernel where the runner's levels run."""
-        kernel = self.runner.kernel() if self.runner is not None else None
+        """kv.evict (room for a step), by the kernel where the static levels run."""
+        kernel = self.levels.kernel() if self.levels is not None else None
         if kernel is not None:
             kernel.evict(kv, next_pos, window, _STEP_ROOM)
         else:
@@ -150,7 +150,7 @@ class SparrowProposer:
         never pruned by their values). The nodes to expand next are fed through the draft in
         one packed pass per level; each sees the request's context and its own ancestors.
 
-        With a static runner (SpecConfig.draft_step), the levels run over the batch's keys
+        With a static levels (SpecConfig.draft_step), the levels run over the batch's keys
         gathered once (models.draft_compile); chains that are greedy or seeded (`_one_call`)
         then run in one call and read the host once."""
         run = self._gather(batch)
@@ -191,14 +191,14 @@ class SparrowProposer:
         return top.indices.tolist(), top.values.tolist()
 
     def _gather(self, batch: list[DraftRequest]) -> DraftBatch | None:
-        """The batch's keys in the static runner's buffers, or None: no runner, or the batch
+        """The batch's keys in the static levels's buffers, or None: no static levels, or the batch
         does not fit its shapes (the reference path runs it). Compiled greedy chains always run
         num_draft_tokens - 1 levels (one shape a bucket; a shorter chain's rows are padding).
         Chains in one call (`_one_call`: greedy or seeded) take the requests' pending commits
         along (their entries run first, in the same call); any other propose runs them alone
         first (`_flush`)."""
         states = [r.state for r in batch]
-        if self.runner is None or not batch:
+        if self.levels is None or not batch:
             self._flush(states)
             return None
         levels = max(r.k for r in batch) - 1
@@ -206,20 +206,20 @@ class SparrowProposer:
         if one_call:
             lengths = _chain_lengths(batch, self.spec)
             levels = max(lengths) - 1
-            if self.runner.compiled and levels >= 1:
+            if self.levels.compiled and levels >= 1:
                 levels = max(levels, self.spec.num_draft_tokens - 1)
         else:
             lengths = [levels + 1] * len(batch)
         kvs = [s.kv for s in states]
-        along = one_call and levels >= 1 and self.runner.fits(kvs, levels, emitted=True) and \
-            max(len(s.pending) for s in states) <= self.runner.emitted_rows
+        along = one_call and levels >= 1 and self.levels.fits(kvs, levels, emitted=True) and \
+            max(len(s.pending) for s in states) <= self.levels.emitted_rows
         if not along:
             self._flush(states)
-            if levels < 1 or not self.runner.fits(kvs, levels):
+            if levels < 1 or not self.levels.fits(kvs, levels):
                 return None
         emitted = [(s.pending, torch.cat(s.pending_features), s.next_pos) if s.pending else None for s in states]
         # each level's query position per request (a chain that is over: PAD_POS), after its emitted entries
-        return self.runner.gather(kvs, [[r.state.next_pos + len(r.state.pending) + d - 1 if lengths[i] > d else PAD_POS
+        return self.levels.gather(kvs, [[r.state.next_pos + len(r.state.pending) + d - 1 if lengths[i] > d else PAD_POS
                                          for i, r in enumerate(batch)] for d in range(1, levels + 1)],
                                   emitted if along else None)
 
@@ -231,7 +231,7 @@ class SparrowProposer:
         plain_q = spec.draft_mass >= 1.0 and spec.draft_max_candidates == 0
         return self.is_chain and all(
             r.sampling.greedy or (r.noise is not None and plain_q and r.sampling.top_k == 0 and r.sampling.top_p >= 1.0
-                                  and not self.runner.compiled)
+                                  and not self.levels.compiled)
             for r in batch)
 
     def _chains(self, batch: list[DraftRequest], run: DraftBatch) -> list[Proposal]:
@@ -247,7 +247,7 @@ class SparrowProposer:
                     for r in batch] + [(0.0, 0, 0)] * (bb - n)
             temps, seeds, positions = zip(*rows)
             seeded = Seeded(torch.tensor(temps, dtype=torch.float64), torch.tensor(seeds), torch.tensor(positions))
-        host, start = self.runner.greedy_chains(run, hidden, seeded)
+        host, start = self.levels.greedy_chains(run, hidden, seeded)
         host = host[:n].tolist()     # tokens | scores | keys seen
         if run.emitted is not None:
             self._keep_emitted(run, [r.state for r in batch], start)
@@ -301,9 +301,9 @@ class SparrowProposer:
                 parents[i * rows + r] = tree.parent_hidden[node.index]
                 tree.slots[node.index] = (depth - 1) * rows + r
         device = zero.device
-        if self.runner.tree:
+        if self.levels.tree:
             run.allow(torch.tensor(self._tree_rule(trees, feed, bb, rows, depth), device=device))
-        hidden, logits, _, _ = self.runner.level(run, depth, torch.tensor(tokens, device=device),
+        hidden, logits, _, _ = self.levels.level(run, depth, torch.tensor(tokens, device=device),
                                                  torch.stack(parents).view(bb, rows, -1),
                                                  torch.tensor(real, device=device))
         for i, nodes in feed.items():
@@ -334,7 +334,7 @@ class SparrowProposer:
         counts = [len(state.pending) for state in states]
         for state, m in zip(states, counts):
             state.kv.reserve(m)
-        kernel = self.runner.kernel()
+        kernel = self.levels.kernel()
         if kernel is not None:            # every request's copies in one kernel call
             kernel.scatter(run.pos, run.keys, run.values, s, counts, [state.kv for state in states])
         for b, (state, m) in enumerate(zip(states, counts)):
@@ -352,11 +352,11 @@ class SparrowProposer:
             state.pending, state.pending_features = [], []
 
     def commit(self, states: list[SparrowState], results: list[StepResult]) -> None:
-        """The draft learns what each request's step emitted. With a static runner the entries
+        """The draft learns what each request's step emitted. With a static levels the entries
         wait (`SparrowState.pending`) for the next propose, whose greedy chain runs them in its
         own call (one draft call a step, not two); else, or past `emitted_rows` waiting, they
         run now (`_run_commit`). Speculative entries are dropped now either way."""
-        if self.runner is None or not self.runner.emitted_rows:
+        if self.levels is None or not self.levels.emitted_rows:
             self._run_commit(states, results)
             return
         late = []
@@ -365,7 +365,7 @@ class SparrowProposer:
             m = len(res.tokens)
             state.pending = state.pending + list(res.tokens)
             state.pending_features = state.pending_features + [res.features[:m]]
-            if len(state.pending) > self.runner.emitted_rows:
+            if len(state.pending) > self.levels.emitted_rows:
                 late.append(state)
         self._flush(late)
 
@@ -412,12 +412,12 @@ class SparrowProposer:
         sizes run in now, on synthetic contexts, rather than on the first requests that meet
         them (a server calls this before it serves). Returns the seconds it took (0: nothing to
         compile). The other shapes (sampled levels, other buckets) still compile on first use."""
-        if self.runner is None or not self.runner.compiled:
+        if self.levels is None or not self.levels.compiled:
             return 0.0
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(0)
         prompt = self.spec.anchors + self.spec.window
-        for bucket in sorted({self.runner.bucket(n) for n in batch_sizes} - {None}):
+        for bucket in sorted({self.levels.bucket(n) for n in batch_sizes} - {None}):
             states = [self.begin_context(DraftContext.synthetic(self.draft, prompt, self.spec.glimpse, g),
                                          self.spec.num_draft_tokens + 1) for _ in range(bucket)]
             self.propose([DraftRequest(s, self.spec.num_draft_tokens, SamplingParams(), g) for s in states])
@@ -432,8 +432,8 @@ class SparrowProposer:
         self.commit([state], [StepResult(None, list(tokens), features)])
 
 
-def static_runner(draft: SparrowDraft, spec: SpecConfig) -> DraftRunner | None:
-    """The static runner (SpecConfig.draft_step "static" or "compiled") of this draft and spec,
+def static_levels(draft: SparrowDraft, spec: SpecConfig) -> DraftLevels | None:
+    """The static levels (SpecConfig.draft_step "static" or "compiled") of this draft and spec,
     or None for the reference path: asked for, or the context is not "text" (a full-attention
     context grows with the video: no fixed shape), or the attention backend takes no batched mask."""
     if spec.draft_step == "reference" or spec.draft_context != "text" or draft.attention_backend not in STATIC_BACKENDS:
@@ -444,7 +444,7 @@ def static_runner(draft: SparrowDraft, spec: SpecConfig) -> DraftRunner | None:
     slots = spec.glimpse + spec.anchors + 2 * spec.window + 1 + (spec.num_draft_tokens - 1) * rows
     # Greedy chains also run the last steps' emitted entries (at most k + 1 a step) first.
     emitted = 0 if tree else spec.num_draft_tokens + 1
-    return DraftRunner(draft, spec.window, -(-(slots + emitted) // 16) * 16, rows, tree,
+    return DraftLevels(draft, spec.window, -(-(slots + emitted) // 16) * 16, rows, tree,
                        compiled=spec.draft_step == "compiled", emitted_rows=emitted)
 
 

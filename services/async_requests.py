@@ -22,7 +22,7 @@ class RunningRequest:
     """One request in the engine. Iterate (async) for TokenDelta items, then one
     GenerationOutput; `abort()` is safe from any thread."""
 
-    def __init__(self, engine: Engine, runner: "EngineRunner", video, prompt: str, sampling, options, *,
+    def __init__(self, engine: Engine, runner: "AsyncRequests", video, prompt: str, sampling, options, *,
                  video_key: str | None, num_draft_tokens: int | None, deadline: float | None = None):
         self._runner = runner
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -69,7 +69,7 @@ class RunningRequest:
             await asyncio.shield(self._ended.wait())     # the scheduler has let go of the request
 
 
-class EngineRunner:
+class AsyncRequests:
     """Starts requests on an Engine and counts those the engine still holds."""
 
     def __init__(self, engine: Engine, max_concurrent: int):
