@@ -26,12 +26,12 @@ $(STUBS): $(PROTOS) $(VENV)/.installed
 	$(PY) -m sparrow.services.protogen
 
 demo: setup
-	$(PY) -m sparrow.services.cli demo
+	$(PY) -m sparrow.cli demo
 
 # The long-video case: a ~25k-visual-token world video, the answer streamed with prefill progress,
 # then plain vs EAGLE-style vs Sparrow timed in the same run, and a plot (a few minutes on a CPU).
 demo-long: setup
-	$(PY) -m sparrow.services.cli demo --long
+	$(PY) -m sparrow.cli demo --long
 
 # What the tests need beyond Python: a redis-server binary (the fixtures start it on a free
 # loopback port), an ffmpeg binary (it publishes a file as an RTSP stream on loopback) and
@@ -60,7 +60,7 @@ test-fast: setup test-services
 	PATH="$(CURDIR)/.tools:$$PATH" $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 serve: setup
-	$(PY) -m sparrow.services.cli serve
+	$(PY) -m sparrow.cli serve
 
 bench: setup
 	$(PY) -m benchmarks.core --quick --out BENCHMARKS.md

@@ -83,7 +83,7 @@ def _free_port() -> int:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sparrow.services.cli", *args]
+    return [sys.executable, "-m", "sparrow.cli", *args]
 
 
 def _peak_rss_mb(pid: int) -> float | None:

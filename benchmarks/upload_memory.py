@@ -89,7 +89,7 @@ def start_server(upload_dir: Path, *extra: str, target: str = "tiny:qwen2_5_vl",
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "sparrow.services.cli", "serve", "--target", target, "--draft", "none",
+        [sys.executable, "-m", "sparrow.cli", "serve", "--target", target, "--draft", "none",
          "--host", "127.0.0.1", "--port", str(port), "--upload-dir", str(upload_dir), "--log-level", "WARNING",
          *extra], env=env, stdout=subprocess.DEVNULL)
     address, end = f"127.0.0.1:{port}", time.monotonic() + timeout_s

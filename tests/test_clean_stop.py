@@ -22,7 +22,7 @@ STOP_WITHIN_S = 5.0
 
 def _serve(tmp_path, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
-    proc = subprocess.Popen([sys.executable, "-m", "sparrow.services.cli", "serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "sparrow.cli", "serve", "--port", "0",
                              "--target", "tiny:qwen2_5_vl", "--draft", "tiny", "--log-format", "text",
                              "--log-level", "INFO", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from sparrow.services.cli import build_parser, main
-from sparrow.services.cli_serve import app_settings, models_line
-from sparrow.world.demo import DEFAULT_MODELS
+from sparrow.cli.main import build_parser, main
+from sparrow.cli.serve import app_settings, models_line
+from sparrow.world.pair_demo import DEFAULT_MODELS
 
 WORLD = DEFAULT_MODELS / "target" / "config.json"
 needs_world = pytest.mark.skipif(not WORLD.is_file(), reason="the committed world pair is not in this checkout")
@@ -135,7 +135,7 @@ def test_serve_out_of_the_box_answers_with_the_world_pair(tmp_path):
     from sparrow.world.scenes import WorldVideo, caption
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "sparrow.services.cli", "serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "sparrow.cli", "serve", "--port", "0",
                              "--log-format", "text", "--log-level", "WARNING"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

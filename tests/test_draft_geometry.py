@@ -13,11 +13,11 @@ import yaml
 from sparrow import Engine, SpecConfig
 from sparrow.models.draft import CONFIG_NAME, GEOMETRY_KEYS, SparrowDraft
 from sparrow.services import ray_entry
-from sparrow.services.cli import build_parser
-from sparrow.services.cli_serve import app_settings, models_line
+from sparrow.cli.main import build_parser
+from sparrow.cli.serve import app_settings, models_line
 from sparrow.services.settings import AppSettings, build_engine
 from sparrow.tiny import tiny_draft
-from sparrow.world.demo import DEFAULT_MODELS
+from sparrow.world.pair_demo import DEFAULT_MODELS
 
 TRAINED = {"window": 6, "anchors": 5, "glimpse": 2, "num_draft_tokens": 3, "draft_context": "text"}
 

@@ -113,8 +113,8 @@ def test_a_webhook_url_at_the_prefixs_origin_and_under_its_path_is_allowed(prefi
 
 
 def test_webhook_prefixes_are_checked_when_the_server_is_configured(capsys):
-    from sparrow.services.cli import build_parser, main
-    from sparrow.services.cli_serve import app_settings
+    from sparrow.cli.main import build_parser, main
+    from sparrow.cli.serve import app_settings
 
     for bad in ("http://127.0.0.1:", "http://127.0.0.1:0", "http://127.0.0.1:70000", "ftp://h/",
                 "http://user@h/", "https://h/hooks?x=1", "https://h/a/../b"):

@@ -80,5 +80,5 @@ def test_kernels_are_leaves():
 def test_the_import_scan_sees_imports_inside_functions(tmp_path):
     """The scans above would pass vacuously if they missed a lazy import: they must not."""
     src = tmp_path / "mod.py"
-    src.write_text("def f():\n    from ..training.unroll import unroll\n    import sparrow.services.cli\n")
-    assert {"sparrow.training.unroll", "sparrow.services.cli"} <= imported_modules(src, "sparrow.speculative")
+    src.write_text("def f():\n    from ..training.unroll import unroll\n    import sparrow.cli.main\n")
+    assert {"sparrow.training.unroll", "sparrow.cli.main"} <= imported_modules(src, "sparrow.speculative")

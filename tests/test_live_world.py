@@ -259,7 +259,7 @@ def test_a_pooled_clip_is_the_clip_through_the_tower():
 
 def test_train_live_target_command_trains_saves_and_reports(tmp_path, capsys):
     from sparrow.models import TargetModel
-    from sparrow.services.cli import main
+    from sparrow.cli.main import main
 
     out = tmp_path / "live"
     code = main(["world", "train-live-target", "--out", str(out), "--steps", "2", "--stages", "present_now@1:1",

@@ -38,7 +38,7 @@ FRAMES = 8
 
 
 def world_pair():
-    from sparrow.services.cli_serve import _target_spec, _draft_spec      # the pair `sparrow serve` serves by default
+    from sparrow.cli.serve import _target_spec, _draft_spec      # the pair `sparrow serve` serves by default
     import argparse
 
     args = argparse.Namespace(target=None, draft=None)

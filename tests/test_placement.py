@@ -9,8 +9,8 @@ import yaml
 from sparrow.errors import InvalidRequest
 from sparrow.models.placement import check_placement, parse_device, parse_dtype
 from sparrow.services import ray_entry
-from sparrow.services.cli import build_parser
-from sparrow.services.cli_serve import app_settings, models_line
+from sparrow.cli.main import build_parser
+from sparrow.cli.serve import app_settings, models_line
 from sparrow.services.models import load_draft, load_heads, load_target
 from sparrow.services.settings import AppSettings, build_engine
 from sparrow.tiny import tiny_draft

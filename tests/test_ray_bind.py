@@ -93,7 +93,7 @@ def served(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
     # An empty extension directory: the replica's C++ kernels are still building when SIGTERM comes.
     env.update(RAY_AUTH_TOKEN_PATH=str(tmp / "token"), OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(tmp / "ext"))
-    cli = subprocess.Popen([sys.executable, "-m", "sparrow.services.cli", "serve", "--ray", "--host", "127.0.0.1",
+    cli = subprocess.Popen([sys.executable, "-m", "sparrow.cli", "serve", "--ray", "--host", "127.0.0.1",
                             "--port", str(port), "--http-port", str(http_port), "--target", "tiny:qwen2_5_vl",
                             "--draft", "tiny", "--log-format", "text"],
                            env=env, stdout=subprocess.PIPE, stderr=(tmp / "stderr").open("w"), text=True, cwd=tmp)

@@ -245,7 +245,7 @@ def test_health_reflection_and_model_info(client):
 
 
 def test_cli_generate_prints_the_answer(server, clips, reference_engine, capsys):
-    from sparrow.services.cli import main
+    from sparrow.cli.main import main
 
     assert main(["generate", "--server", server.address, str(clips.path("b")), PROMPTS[0],
                  "--max-new-tokens", "10"]) == 0

@@ -123,7 +123,7 @@ def _next(it, want):
 
 
 def test_sparrow_live_rule_prints_incidents_and_posts_them(server, hook_port, tmp_path, capsys):
-    from sparrow.services import cli
+    from sparrow.cli import main as cli
     from sparrow.video import write_synthetic_video
 
     path = tmp_path / "clip.mp4"

@@ -54,7 +54,7 @@ def test_malformed_or_oversized_history_gets_its_code(client, clips, history, co
 
 
 def test_cli_generate_sends_earlier_turns(server, clips, reference_engine, capsys):
-    from sparrow.services.cli import main
+    from sparrow.cli.main import main
 
     assert main(["generate", "--server", server.address, str(clips.path("b")), PROMPTS[1], "--max-new-tokens", "8",
                  "--turn", "user", PROMPTS[0], "--turn", "assistant", ANSWER]) == 0

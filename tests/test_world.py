@@ -162,7 +162,7 @@ def test_world_moves_are_plainly_left_or_right_and_rectangles_tall(seed):
 
 @needs_pair
 def test_demo_streams_lossless_answers_with_real_acceptance(world_pair):
-    from sparrow.world.demo import run_world_demo
+    from sparrow.world.pair_demo import run_world_demo
 
     lines = []
     report = run_world_demo(seed=2 * 10**9 + 11, print_fn=lambda *a, **kw: lines.append(" ".join(map(str, a))))
@@ -275,7 +275,7 @@ def test_tune_target_trains_on_from_a_saved_target_and_keeps_its_report(tmp_path
 def test_world_target_commands_train_then_tune_with_the_preset(tmp_path):
     import json
 
-    from sparrow.services.cli import build_parser
+    from sparrow.cli.main import build_parser
     from sparrow.world.target_model import TUNE
 
     tiny = ["--hidden", "64", "--layers", "1", "--heads", "2", "--intermediate", "64", "--batch", "2", "--pool", "4",

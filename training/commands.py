@@ -1,4 +1,4 @@
-"""Command-line entry points, registered on the `sparrow` parser by sparrow.services.cli:
+"""Command-line entry points, registered on the `sparrow` parser by sparrow.cli.main:
 
     sparrow train-draft --target DIR --data MANIFEST|FOLDER|STORE --out DIR [--store DIR] [--heldout ...]
     sparrow build-features --target DIR --data MANIFEST|FOLDER --out STORE     the target's signals, once
@@ -232,7 +232,7 @@ def _cmd_world_compare_drafts(args: argparse.Namespace) -> int:
 
 
 def _cmd_world_demo(args: argparse.Namespace) -> int:
-    from sparrow.world.demo import DEFAULT_MODELS, run_world_demo
+    from sparrow.world.pair_demo import DEFAULT_MODELS, run_world_demo
 
     report = run_world_demo(args.seed, args.models or DEFAULT_MODELS, k=args.k,
                             print_fn=lambda *a, **kw: print(*a, **kw, flush=True), dtype=args.dtype,

@@ -33,7 +33,7 @@ from sparrow.progress import ProgressLine, watch_prefill
 from sparrow.video import ProcessedVideo, prepare_video
 
 from sparrow.world.scenes import CAPTION_PROMPTS, LONGEST_VIDEO_TOKENS, WorldVideo, caption
-from sparrow.world.demo import DEFAULT_MODELS, check_world_video
+from sparrow.world.pair_demo import DEFAULT_MODELS, check_world_video
 
 DEFAULT_EAGLE = DEFAULT_MODELS.parent / "bench" / "draft-eagle"
 METHODS = ("plain", "eagle-style", "sparrow")

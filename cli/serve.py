@@ -46,7 +46,7 @@ def _target_spec(args: argparse.Namespace) -> str:
     """--target, else the committed world pair's target (random tiny: models only by name)."""
     if args.target is not None:
         return args.target
-    from sparrow.world.demo import DEFAULT_MODELS
+    from sparrow.world.pair_demo import DEFAULT_MODELS
 
     if not (DEFAULT_MODELS / "target" / "config.json").is_file():
         raise InvalidRequest(f"no --target given and no committed world pair at {DEFAULT_MODELS}: "
@@ -60,7 +60,7 @@ def _draft_spec(args: argparse.Namespace) -> str | None:
     if args.draft is not None:
         return None if args.draft == "none" else args.draft
     if args.target is None:
-        from sparrow.world.demo import DEFAULT_MODELS
+        from sparrow.world.pair_demo import DEFAULT_MODELS
 
         return str(DEFAULT_MODELS / "draft")
     return "tiny" if args.target.startswith("tiny:") else None

@@ -20,7 +20,7 @@ import sys
 
 from sparrow.errors import InvalidRequest
 
-from . import cli_demo, cli_generate, cli_live, cli_serve
+from sparrow.cli import demo, generate, live, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     common = verbose_option()
-    for command in (cli_demo, cli_serve, cli_generate, cli_live):
+    for command in (demo, serve, generate, live):
         command.add_command(sub, common)
     from sparrow.training.commands import add_commands as _add_training   # train-draft, world
     _add_training(sub, common)

@@ -15,7 +15,7 @@ def run(args: argparse.Namespace) -> int:
     """The committed synthetic-world pair when it is there (a trained target and draft: a right
     answer and real acceptance), else tiny random models (plumbing only). Every option is
     honoured by the mode that runs, or refused: none is silently ignored."""
-    from sparrow.world.demo import DEFAULT_MODELS
+    from sparrow.world.pair_demo import DEFAULT_MODELS
 
     _check_demo_options(args)
     models = Path(args.models) if args.models else DEFAULT_MODELS
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequest(f"no trained world pair at {models} (no target/config.json)")
         print(f"no trained world pair at {models}: falling back to random weights (--random)")
         return _random_demo(args)
-    from sparrow.world.demo import run_world_demo
+    from sparrow.world.pair_demo import run_world_demo
 
     report = run_world_demo(args.seed, models, k=args.k or 4, print_fn=lambda *a, **kw: print(*a, **kw, flush=True),
                             dtype=args.dtype, device=args.device, num_frames=args.frames or 8, size=args.size or 84,
