@@ -25,13 +25,11 @@ beforehand). A ratio > 1 is faster than real time.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import statistics
 import sys
 import time
 
-import av
 import numpy as np
 
 from sparrow.config import SamplingParams, SpecConfig
@@ -41,6 +39,7 @@ from sparrow.live.window import LiveConfig
 from sparrow.models.target import TargetModel
 from sparrow.video import VideoOptions
 from sparrow.video.options import Frames
+from sparrow.video.encode import encode_ts
 
 from benchmarks.report import write_section
 
@@ -111,17 +110,7 @@ def run_stream(engine: Engine, seed: int, window_s: float, points: list[float], 
 def ts_rtf(engine: Engine, seed: int, seconds: int) -> float:
     render = live_stream(seed)
     frames = render(0, int(seconds * FPS))
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mpegts") as container:
-        stream = container.add_stream("libx264", rate=int(FPS))
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        stream.options = {"g": str(int(FPS)), "preset": "veryfast"}
-        for f in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    data = buf.getvalue()
+    data = encode_ts(frames, int(FPS), "libx264")
     chunk = max(188, len(data) // seconds // 188 * 188)      # about a second a chunk
     session = LiveSession(engine, LiveConfig(fps=FPS, window_s=60, max_lag_s=1e9,
                                              options=VideoOptions(min_pixels=28 * 28)))

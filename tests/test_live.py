@@ -19,6 +19,7 @@ from sparrow.live.window import LiveConfig
 from sparrow.tiny import synthetic_frames, tiny_draft, tiny_target
 from sparrow.video import VideoOptions
 from sparrow.video.options import Frames
+from sparrow.video.encode import encode_ts
 
 OPTIONS = VideoOptions(min_pixels=28 * 28, max_pixels=84 * 112)      # 84x112 frames: 3x4 = 12 tokens a pair
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
@@ -203,16 +204,7 @@ def test_ingest_behind_real_time_drops_pairs(engine):
 
 
 def _ts_bytes(frames: np.ndarray, fps: int = 4) -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mpegts") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt, stream.gop_size = frames.shape[2], frames.shape[1], "yuv420p", fps
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    return encode_ts(frames, fps)
 
 
 def _decoded(data: bytes) -> tuple[np.ndarray, np.ndarray]:

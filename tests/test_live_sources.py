@@ -12,11 +12,9 @@ resized; answers carry the source PTS and arrival wall time of their newest fram
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 
-import av
 import numpy as np
 import pytest
 
@@ -29,6 +27,7 @@ from sparrow.tiny import synthetic_frames, tiny_target
 from sparrow.video import VideoOptions
 from sparrow.video.options import Frames
 from sparrow.video.ts_framing import TsFraming
+from sparrow.video.encode import encode_ts
 
 OPTIONS = VideoOptions(min_pixels=28 * 28, max_pixels=84 * 112)      # 84x112 frames: 12 visual tokens a pair
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -83,16 +82,7 @@ def one_shot(engine, frames: np.ndarray) -> list[int]:
 
 
 def ts_bytes(frames: np.ndarray, codec: str = "mpeg4", fps: int = 4) -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mpegts") as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt, stream.gop_size = frames.shape[2], frames.shape[1], "yuv420p", fps
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    return encode_ts(frames, fps, codec)
 
 
 def feed_all(session: LiveSession, data: bytes, chunk: int = 1000) -> None:

@@ -15,13 +15,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
-import io
 import json
 import socket
 import threading
 import time
 
-import av
 import grpc
 import numpy as np
 import pytest
@@ -39,6 +37,7 @@ from sparrow.services.servicer import SparrowService
 from sparrow.services.settings import AppSettings, build_engine
 from sparrow.tiny import synthetic_frames, tiny_target
 from sparrow.video import write_synthetic_video
+from sparrow.video.encode import encode_ts
 
 MiB = 1 << 20
 PIXELS = dict(min_pixels=28 * 28, max_pixels=84 * 112)       # 84x112 frames: 3x4 = 12 visual tokens a pair
@@ -74,16 +73,7 @@ def client(server):
 
 
 def ts_bytes(frames: np.ndarray, fps: int = 4, codec: str = "mpeg4") -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mpegts") as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt, stream.gop_size = frames.shape[2], frames.shape[1], "yuv420p", fps
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    return encode_ts(frames, fps, codec)
 
 
 class Reader:
