@@ -103,7 +103,6 @@ def main() -> int:
     args = ap.parse_args()
 
     from benchmarks.machine import machine
-    from sparrow import Engine
     from sparrow.services.config import ServiceConfig
     from sparrow.services.server import BackgroundServer
     from sparrow.services.servicer import SparrowService

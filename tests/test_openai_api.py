@@ -300,6 +300,15 @@ def test_disconnect_mid_stream_frees_the_slot_within_one_second(server, client):
     assert ask(client, world_video(12), max_tokens=3)[3] == "length"
 
 
+def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_its_slot(server):
+    with openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=1.0) as impatient:
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model=MODEL, messages=video_message("file://w12.mp4"), max_tokens=2000,
+                                              extra_body={"ignore_eos": True})
+        gone = time.monotonic()
+    wait_freed(server, since=gone)
+
+
 # ----- 4. limits: a full replica is 429 with Retry-After; a stopping one 503 ---------------------------
 @pytest.fixture
 def small_server(tiny_model_dirs, clips):
