@@ -41,10 +41,12 @@ def app(ray_instance, tiny_model_dirs, clips):
         service=ServiceConfig(max_new_tokens=2000, max_video_bytes=2 * MiB, max_frames=64, media_root=str(clips.root)),
         target_deployment={"ray_actor_options": {"num_cpus": 0}}, served_model_name=MODEL)
     grpc_port, http_port = free_port(), free_port()
+    serve.shutdown()          # Serve started by an earlier module keeps its proxies' ports: start afresh on ours
     ray_app.start(settings, grpc_port=grpc_port, http_port=http_port)
     yield {"grpc": f"127.0.0.1:{grpc_port}", "http": f"http://127.0.0.1:{http_port}",
            "target": serve.get_deployment_handle("TargetDeployment", app_name="sparrow")}
     serve.delete("sparrow")
+    serve.shutdown()
 
 
 @pytest.fixture
