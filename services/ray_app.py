@@ -1,6 +1,7 @@
-"""The Ray host (`sparrow serve --ray`): a Ray Serve application behind Serve's gRPC proxy.
+"""The Ray host (`sparrow serve --ray`): a Ray Serve application behind Serve's gRPC and HTTP proxies.
 
     gRPC client -> Serve gRPC proxy -> TargetDeployment (ingress: the servicer + engine)
+    HTTP client -> Serve HTTP proxy ---^  (the OpenAI-compatible API, services.openai_api)
                                             |  one call per step for all its requests (client affinity)
                                             v
                                        DraftDeployment (draft replicas, no video, no target)
@@ -47,6 +48,7 @@ SERVICER_FUNCTIONS = [
 
 
 @serve.deployment(name="TargetDeployment")
+@serve.ingress()            # HTTP: the OpenAI-compatible API (services.openai_api) on the replica's own service
 class TargetDeployment(SparrowMethods):
     def __init__(self, settings: AppSettings, draft=None):
         quiet_client_errors("ray.serve")     # Serve logs what a method raises with a traceback
@@ -55,6 +57,15 @@ class TargetDeployment(SparrowMethods):
         placement = "remote" if client is not None else settings.placement
         self.service = SparrowService(engine, cache, settings.service, host="ray", draft_placement=placement)
         self.metrics = prom.Recorder(prom.RaySink(), model_name=settings.target)
+        self.model_name = settings.model_name
+
+    def __serve_build_asgi_app__(self):
+        """What Serve's HTTP proxy reaches: the routes of the embedded host over this replica's
+        service (its requests are the gRPC calls' neighbours in its slots and metrics)."""
+        from .openai_api.backends import EmbeddedBackend
+        from .openai_api.routes import create_app
+
+        return create_app(EmbeddedBackend(self.service, self.model_name, self.metrics))
 
     def _deadline(self, grpc_context) -> float | None:
         # Serve's proxy passes no gRPC deadline on: ours (services.ray_proxy) adds it to the
@@ -206,8 +217,10 @@ def start(settings: AppSettings, *, grpc_port: int, http_host: str = "127.0.0.1"
     """Start Serve's proxies and deploy the app on the connected Ray cluster; returns the
     ingress handle. HTTP listens on http_host; Serve's gRPC proxy on all interfaces, unless the job's
     runtime_env is ray_bind.runtime_env(host) (as `sparrow serve --ray` makes it). proxy_location:
-    Serve's (None: its default, a proxy on every node; "HeadOnly" where several nodes share a host)."""
+    Serve's (None: its default, a proxy on every node; "HeadOnly" where several nodes share a host).
+    The HTTP proxy serves the OpenAI-compatible API (services.openai_api) of the TargetDeployment."""
     where = {} if proxy_location is None else {"proxy_location": proxy_location}
     serve.start(grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS),
                 http_options=HTTPOptions(host=http_host, port=http_port), **where)
-    return serve.run(build_app(settings), name=name, route_prefix=f"/{name}")
+    # The OpenAI-compatible API at the HTTP proxy's root (/v1/...) for the default application.
+    return serve.run(build_app(settings), name=name, route_prefix="/" if name == APP_NAME else f"/{name}")

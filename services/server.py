@@ -115,12 +115,12 @@ async def serve_forever(service: SparrowService, host: str, port: int | None,
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
     for signum in stop_on:
         loop.add_signal_handler(signum, stop.set)
+    if http is not None:          # first: the gRPC line ends the start-up (scripts wait for it)
+        log.info("sparrow serving HTTP on %s:%d (embedded)", host, http.port)
+        print(f"sparrow: serving the OpenAI-compatible API on http://{host}:{http.port}/v1 (embedded)", flush=True)
     if server is not None:
         log.info("sparrow serving on %s:%d (embedded)", host, bound)
         print(f"sparrow: serving sparrow.v1.Sparrow on {host}:{bound} (embedded)", flush=True)
-    if http is not None:
-        log.info("sparrow serving HTTP on %s:%d (embedded)", host, http.port)
-        print(f"sparrow: serving the OpenAI-compatible API on http://{host}:{http.port}/v1 (embedded)", flush=True)
     waits = [asyncio.ensure_future(stop.wait())]
     if server is not None:
         waits.append(asyncio.ensure_future(server.wait_for_termination()))

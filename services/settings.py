@@ -58,6 +58,8 @@ class AppSettings:
     draft_session_idle_s: float = 30.0         # a draft replica frees a session idle this long
     target_deployment: dict = field(default_factory=dict)
     draft_deployment: dict = field(default_factory=dict)
+    # The model name the OpenAI-compatible API serves (GET /v1/models; a request's `model`); None: the target spec.
+    served_model_name: str | None = None
     # Where the models load (sparrow.models.placement): dtype float32 | bfloat16 | float16 | auto;
     # device cpu | cuda[:N] | auto; device_map "auto" splits a target too large for one GPU across
     # the visible ones (needs accelerate). The draft goes on the target's device, in its dtype.
@@ -88,6 +90,10 @@ class AppSettings:
         """The spec a server runs `draft` with: the geometry it was trained with (its checkpoint's
         trained_with) wherever the settings do not set the field."""
         return self.spec.with_geometry(draft.trained_with, self.spec_given)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.target
 
     @property
     def placement(self) -> str:

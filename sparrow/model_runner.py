@@ -7,8 +7,8 @@ and each decode step's phases over a batch,
     propose  one batched draft pass for the requests that draft (after catching the draft up
              on steps it sat out)
     verify   one ragged target forward over every request's last token + its draft tree,
-             then acceptance through accept.py with the request's own generator, and the
-             target's cache kept to the accepted path
+             then the batch's acceptance in one tensor program (accept_batch.py, each request
+             with its own generator), and every target cache kept to its accepted path
     commit   the draft learns what each step emitted
 
 timing each into `StepTimes`, which the scheduler's draft policy reads. It owns the target,
@@ -35,10 +35,9 @@ from .models.target import TargetModel
 from .output import GenerationOutput, OutputProcessor
 from .prefix_cache import PrefixCache, PrefixEntry
 from .request import Request
-from .speculative.accept import AcceptResult, accept_tree_greedy, accept_tree_speculative
+from .speculative.accept_batch import accept_all
 from .speculative.proposer import BeginInput, DraftRequest, Proposal, Proposer, StepResult
 from .speculative.sampling import PositionNoise, draw_token, logits_to_probs, new_generator
-from .speculative.tree import DraftTree
 from .video import ProcessedVideo, VideoOptions, prepare_video
 
 MAX_DRAFT_TOKENS = 32
@@ -231,10 +230,12 @@ class ModelRunner:
         layers = self.proposer.needs.feature_layers if drafts else ()
         logits, feats = self.target.verify([r.state for r in batch], [t.to(device) for t in tokens], layers,
                                            trees=proposals)
+        # the whole batch's acceptance in one tensor program, its KV kept to the accepted paths in one move
+        accepts = accept_all(proposals, logits, [r.sampling for r in batch], [r.generator for r in batch],
+                             [r.noise for r in batch])
+        self.target.keep_paths([r.state for r in batch], [lg.shape[0] for lg in logits], [list(a.path) for a in accepts])
         results = []
-        for request, proposal, lg, ft in zip(batch, proposals, logits, feats):
-            accept = _accept(proposal, lg, request.sampling, request.generator, request.noise)
-            self.target.keep_path(request.state, lg.shape[0], list(accept.path))
+        for proposal, accept, ft in zip(proposals, accepts, feats):
             emitted = accept.tokens(proposal.tokens if proposal is not None else _NO_DRAFT)
             # The target's features before each emitted token: at the root, then at each accepted node.
             rows = [0] + [i + 1 for i in accept.path]
@@ -303,24 +304,6 @@ def _features(results: list[StepResult]) -> torch.Tensor | None:
     if results[0].features is None:
         return None
     return torch.cat([res.features for res in results])
-
-
-def _accept(proposal: Proposal | None, logits: torch.Tensor, sampling: SamplingParams,
-            generator: torch.Generator, noise: PositionNoise | None) -> AcceptResult:
-    """The one acceptance path (trees, chains included); a step without drafts is acceptance
-    of an empty tree. A seeded request (noise) is greedy over its Gumbel-perturbed scores,
-    row 0 at the next position and the row after a node at depth d, d positions on: its
-    tokens are those of plain decoding with the same seed, whatever was drafted."""
-    tree = proposal if proposal is not None else DraftTree.chain(_NO_DRAFT)
-    if sampling.greedy:
-        return accept_tree_greedy(tree, logits)
-    p = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    if noise is None:
-        return accept_tree_speculative(tree, p, generator)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
-    result = accept_tree_greedy(tree, noise.scores(p, offsets))
-    noise.position += result.num_accepted + 1
-    return result
 
 
 def _first_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,

@@ -48,7 +48,7 @@ pytest_plugins = ["conftest_services"]
 # `make test-fast` (pytest -m "not slow") leaves these out: whole modules that start Ray clusters,
 # servers in subprocesses, C++ builds or 7B-wide models, and the engine-level sampling statistics.
 SLOW_MODULES = {"test_ray_serve", "test_ray_autoscale", "test_ray_bind", "test_smoke_7b", "test_native_build",
-                "test_clean_stop", "test_host_faults", "test_train_draft", "test_packaging"}
+                "test_clean_stop", "test_host_faults", "test_train_draft", "test_packaging", "test_openai_api_ray"}
 SLOW_NAMES = ("distribution_end_to_end", "bf16_speculative_sampling", "ray_sink", "through_a_real_ray")
 
 

@@ -200,7 +200,7 @@ def test_the_validators_can_fail():
 
     rayservice = copy.deepcopy(one(docs, "RayService"))
     rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscalling"] = True                     # typo
-    worker_group(rayservice)["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+    worker_group(rayservice)["template"]["spec"]["containers"][0]["livenessProbe"]["grpc"]["port"] = "grpc"
     errors = crd_errors(crd_validator("ray.io_rayservices.yaml"), rayservice)
     assert any("enableInTreeAutoscalling" in e for e in errors) and any("'grpc' is not of type" in e for e in errors)
 
@@ -335,19 +335,32 @@ def test_settings_reject_unknown_keys_and_merge_inline_args(tmp_path):
 # ----- probes, ports, services -----------------------------------------------------------------------
 @pytest.mark.parametrize("directory", SERVING)
 def test_probes_are_grpc_health_checks_on_the_serve_grpc_port(directory):
+    """Startup and liveness: Kubernetes' gRPC probe on the gRPC proxy; readiness: GET /health of
+    the OpenAI-compatible API on the HTTP proxy (services.openai_api), so both ports are probed."""
     docs = render(directory)
     rayservice = one(docs, "RayService")
-    grpc_port = serve_config(rayservice)["grpc_options"]["port"]
+    config = serve_config(rayservice)
+    grpc_port, http_port = config["grpc_options"]["port"], config["http_options"]["port"]
     group = worker_group(rayservice)
     container = group["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports["serve-grpc"] == grpc_port
-    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+    assert ports["serve-grpc"] == grpc_port and ports["serve"] == http_port
+    for kind in ("startupProbe", "livenessProbe"):
         probe = container[kind]
         handlers = {"grpc", "httpGet", "exec", "tcpSocket"} & set(probe)
         assert handlers == {"grpc"}, f"{kind} must be Kubernetes' native gRPC probe, got {handlers}"
         assert probe["grpc"]["port"] == grpc_port, kind
         assert probe["grpc"].get("service", "") in ("", "sparrow.v1.Sparrow")
+    ready = container["readinessProbe"]
+    assert {"grpc", "httpGet", "exec", "tcpSocket"} & set(ready) == {"httpGet"}
+    assert ready["httpGet"]["path"] == "/health" and ports[ready["httpGet"]["port"]] == http_port
+    (app,) = config["applications"]
+    assert app["route_prefix"] == "/"                     # /health and /v1/... at the proxy's root
+
+    http = one(docs, "Service", "sparrow-http")
+    (port,) = http["spec"]["ports"]
+    assert port["port"] == http_port and port["targetPort"] == "serve"
+    assert http["spec"]["selector"] == one(docs, "Service", "sparrow-grpc")["spec"]["selector"]
 
     service = one(docs, "Service", "sparrow-grpc")
     (port,) = service["spec"]["ports"]

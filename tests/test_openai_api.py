@@ -300,6 +300,15 @@ def test_disconnect_mid_stream_frees_the_slot_within_one_second(server, client):
     assert ask(client, world_video(12), max_tokens=3)[3] == "length"
 
 
+def test_a_client_that_gives_up_on_a_non_streamed_answer_frees_its_slot(server):
+    with openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=1.0) as impatient:
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model=MODEL, messages=video_message("file://w12.mp4"), max_tokens=2000,
+                                              extra_body={"ignore_eos": True})
+        gone = time.monotonic()
+    wait_freed(server, since=gone)
+
+
 # ----- 4. limits: a full replica is 429 with Retry-After; a stopping one 503 ---------------------------
 @pytest.fixture
 def small_server(tiny_model_dirs, clips):
@@ -387,3 +396,47 @@ def test_live_event_hub_publishes_incidents_and_standing_answers_until_the_sessi
     assert passed == messages                                        # the Live call's own stream is unchanged
     assert [e["event"] for e in got] == ["standing_chunk", "incident", "standing_done", "ended"]
     assert got[1]["data"]["ruleId"] == "r1" and got[0]["data"]["text"] == "a cat"
+
+
+def test_a_live_sessions_standing_answers_stream_over_sse(small_server):
+    """A dashboard subscribes by session id while a gRPC Live call streams frames: it gets the
+    standing answers the Live call gets, then `ended` when the session closes."""
+    import threading
+
+    from sparrow.tiny import synthetic_frames
+
+    frames, times = synthetic_frames(8, 84, 112, seed=6), [i / 2.0 for i in range(8)]
+    opening = dict(fps=2.0, window_s=60.0, max_lag_s=100.0, min_pixels=28 * 28, max_pixels=84 * 112)
+    events: list[tuple[str, dict]] = []
+    with SparrowClient(small_server.address, max_message_bytes=4 * MiB) as c, \
+            c.live(standing=[("red", "is there a red shape ?", 2.0)], standing_sampling=dict(max_new_tokens=4),
+                   stats_every_s=0, **opening) as live:
+        session_id = live.opened().session_id
+        url = small_server.http_url.removesuffix("/v1") + f"/v1/live/{session_id}/events"
+        response = urllib.request.urlopen(url, timeout=60)
+        assert response.status == 200 and response.headers["content-type"].startswith("text/event-stream")
+
+        def read():                                   # the SSE stream, parsed as a dashboard would
+            name = None
+            for line in response:
+                line = line.decode().rstrip("\n")
+                if line.startswith("event: "):
+                    name = line[len("event: "):]
+                elif line.startswith("data: "):
+                    events.append((name, json.loads(line[len("data: "):])))
+                    if name == "ended":
+                        return
+        reader = threading.Thread(target=read)
+        reader.start()
+        for i in range(0, 8, 2):
+            live.send_frames(frames[i:i + 2], times[i:i + 2])
+        live.close()
+        grpc_standing = [r.done for r in live if r.HasField("done") and r.done.standing]
+        reader.join(60)
+        response.close()
+    assert not reader.is_alive()
+    names = [name for name, _ in events]
+    assert names[0] == "subscribed" and names[-1] == "ended"
+    done = [data for name, data in events if name == "standing_done"]
+    assert len(done) == len(grpc_standing) >= 2 and all(d["questionId"] == "red" for d in done)
+    assert [d["endS"] for d in done] == [g.end_s for g in grpc_standing]

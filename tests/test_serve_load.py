@@ -29,6 +29,9 @@ def smoke(tmp_path_factory):
     out, raw, figure = tmp / "BENCH.md", tmp / "load.json", tmp / "load.png"
     status = main(["--smoke", "--threads", "1", "--seed", "123", "--json", str(raw), "--out", str(out),
                    "--plot", str(figure)])
+    again = tmp / "AGAIN.md"                 # the same run reported from its JSON
+    assert main(["--from-json", str(raw), "--out", str(again), "--plot", str(figure)]) == 0
+    assert again.read_text().split("| load |")[1] == out.read_text().split("| load |")[1]
     return status, json.loads(raw.read_text()), out.read_text(), figure
 
 

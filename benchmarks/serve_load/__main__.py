@@ -76,17 +76,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", help=f"the plot's path (default {PLOT} with --out, else none)")
     ap.add_argument("--out", help="write the serve-load section of this markdown file (BENCHMARKS.md)")
     ap.add_argument("--json", help="raw results, every request's measures included")
+    ap.add_argument("--from-json", help="report (and --out, --plot) a run saved with --json instead of running")
     args = ap.parse_args(argv)
     command = "python -m benchmarks.serve_load " + " ".join(argv if argv is not None else sys.argv[1:])
     torch.set_num_threads(args.threads)
-    cfg_args = args
-    with tempfile.TemporaryDirectory(prefix="sparrow-tiny-") as tmp:
-        if args.smoke:
-            cfg_args.models = str(save_tiny_models(tmp))
-        result = run_timed(lambda: run_benchmark(config_from_args(cfg_args)))
-    if result is None:
-        return 2
-    result["command"] = command
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+    else:
+        with tempfile.TemporaryDirectory(prefix="sparrow-tiny-") as tmp:
+            if args.smoke:
+                args.models = str(save_tiny_models(tmp))
+            result = run_timed(lambda: run_benchmark(config_from_args(args)))
+        if result is None:
+            return 2
+        result["command"] = command
     figure = args.plot or (PLOT if args.out else None)
     if figure:
         plot(result, figure)
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
     if args.out:
         write_section(args.out, "serve-load", "Serving under load (issue 46): plain vs Sparrow at request rates",
-                      command, text)
+                      result["command"], text)
     return 0 if not any(r["failed"] for r in result["runs"]) else 1
 
 

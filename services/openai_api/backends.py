@@ -1,9 +1,12 @@
 """What the HTTP routes call: a Backend answers in sparrow.v1 terms, whichever host runs it.
 
     EmbeddedBackend   the SparrowService of this process, on this event loop (`sparrow serve`)
-    RayBackend        the TargetDeployment through a Serve handle (services.openai_api.ray_ingress)
 
-Both raise the service's typed exceptions (services.errors), which the routes turn into HTTP
+Under Ray Serve the TargetDeployment is the HTTP ingress itself (services.ray_app): each replica
+serves these routes over its own SparrowService, with its RaySink recorder, so an HTTP request
+takes no extra hop and is routed, autoscaled and drained as a gRPC call is.
+
+It raises the service's typed exceptions (services.errors), which the routes turn into HTTP
 statuses; both count requests on the host's prom.Recorder as the gRPC handlers do.
 """
 
@@ -46,10 +49,11 @@ def body_limit(max_message_bytes: int) -> int:
 
 
 class EmbeddedBackend:
-    """The in-process service (the same object the grpc.aio server serves)."""
+    """The in-process service (the same object the grpc.aio server serves); recorder: where
+    its metrics go (default: the process's, prom.get_recorder())."""
 
-    def __init__(self, service: SparrowService, model_name: str):
-        self.service, self.model_name = service, model_name
+    def __init__(self, service: SparrowService, model_name: str, recorder: prom.Recorder | None = None):
+        self.service, self.model_name, self._recorder = service, model_name, recorder
         self.max_video_bytes = service.config.max_video_bytes
         self.max_body_bytes = body_limit(service.config.max_message_bytes)
 
@@ -63,7 +67,7 @@ class EmbeddedBackend:
         return self.service.ready
 
     def recorder(self) -> prom.Recorder:
-        return prom.get_recorder()
+        return self._recorder or prom.get_recorder()
 
     def metrics_text(self) -> tuple[bytes, str] | None:
         import prometheus_client as pc

@@ -326,6 +326,29 @@ class TargetModel:
                     buf[:, :, root + 1: root + 1 + len(path)] = buf[:, :, src]    # gathers first: no overlap hazard
         self.rollback(state, verified - 1 - len(path))
 
+    def keep_paths(self, states: list[TargetState], verified: list[int], paths: list[list[int]]) -> None:
+        """`keep_path` for a whole step: every request's accepted tree nodes moved in ONE gather and
+        scatter per layer over the KV arena (requests in slots of one arena); a chain's accepted
+        prefix is in place already and only its length moves."""
+        moves = [i for i, path in enumerate(paths) if path != list(range(len(path)))]
+        arena = [getattr(states[i].kv.layers[0], "arena", None) for i in moves]
+        if len(moves) > 1 and all(a is not None for a in arena) and len({id(a[0]) for a in arena}) == 1:
+            src, dst = [], []
+            for i, a in zip(moves, arena):
+                root = a[2] + states[i].length - verified[i]       # the root's position in the arena
+                src += [root + 1 + j for j in paths[i]]
+                dst += range(root + 1, root + 1 + len(paths[i]))
+            src_t, dst_t = (torch.tensor(x, device=self.device) for x in (src, dst))
+            for layer in states[moves[0]].kv.layers:
+                for buf in layer.arena[:2]:                         # the arena's (1, Hkv, tokens, D) k and v
+                    buf.index_copy_(2, dst_t, buf.index_select(2, src_t))    # gathers first: no overlap hazard
+            moves = []
+        for i, (state, n, path) in enumerate(zip(states, verified, paths)):
+            if i in moves:
+                self.keep_path(state, n, path)
+            else:
+                self.rollback(state, n - 1 - len(path))
+
     def rollback(self, state: TargetState, n_remove: int) -> None:
         """Drop the last n_remove tokens (rejected drafts) from the KV cache."""
         if n_remove > 0:

@@ -14,6 +14,11 @@ Sampling: Leviathan et al. / Chen et al. speculative sampling. Draft token x_i ~
 accepted with probability min(1, p_i(x_i) / q_i(x_i)); on rejection the recovered token is
 drawn from norm(max(0, p_i - q_i)). The emitted tokens are distributed exactly as the
 target's p. A deterministic draft (no q) counts as q = one-hot(x_i).
+
+Randomness: a step draws its uniforms up front, one per node (node i's try reads u[i]; a node is
+tried at most once) and one for the last draw (u[N], by inverse CDF: `draw_with`), so the
+per-request functions here and the batched ones (accept_batch.py) read the same numbers from a
+request's generator and agree token for token.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def accept_tree_speculative(tree: DraftTree, target_probs: torch.Tensor, generat
     token is drawn from p as it stands. Each try is a Leviathan/Chen step against the residual
     of the last, so the emitted tokens have exactly the target's distribution; a chain is the
     case of one child per node."""
+    uniforms = step_uniforms(tree.size, generator, target_probs.device)          # (N+1,)
     tokens, children = tree.tokens.tolist(), tree.children()
     node, path = -1, []
     while True:
@@ -75,15 +81,27 @@ def accept_tree_speculative(tree: DraftTree, target_probs: torch.Tensor, generat
             x = tokens[c]
             q = tree.probs[tree.draw_row(c)].to(p.device) if tree.probs is not None else None
             qx = float(q[x]) if q is not None else 1.0
-            u = float(torch.rand(1, generator=generator, device=p.device))
-            if u * qx <= float(p[x]):                   # u < p/q  <=>  accept
+            if float(uniforms[c]) * qx <= float(p[x]):  # u < p/q  <=>  accept
                 accepted = c
                 break
             p = _residual(p, q, x)
         if accepted is None:
-            return AcceptResult(len(path), int(torch.multinomial(p, 1, generator=generator)), tuple(path))
+            return AcceptResult(len(path), int(draw_with(p, uniforms[-1])), tuple(path))
         path.append(accepted)
         node = accepted
+
+
+def step_uniforms(nodes: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """(nodes + 1,) uniforms of one sampled step: one per node's try, then the last draw's."""
+    return torch.rand(nodes + 1, generator=generator, device=device)
+
+
+def draw_with(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(..., V) probabilities, (...) uniforms in [0, 1) -> (...) tokens by inverse CDF: the first
+    token whose cumulative mass reaches (1 - u) x the row's mass (never a token of zero mass)."""
+    cdf = p.cumsum(-1)
+    reach = (1 - u).unsqueeze(-1) * cdf[..., -1:]
+    return (cdf < reach).sum(-1).clamp(max=p.shape[-1] - 1)
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
