@@ -3,6 +3,7 @@
     sparrow train-draft --target DIR --data MANIFEST|FOLDER|STORE --out DIR [--store DIR] [--heldout ...]
     sparrow build-features --target DIR --data MANIFEST|FOLDER --out STORE     the target's signals, once
     sparrow world make-data    --out DIR [--videos N]          synthetic videos + JSONL manifest
+    sparrow world make-data-v2 --out DIR [--split S]           world v2 (several objects, narrations)
     sparrow world train-target --out DIR [--steps N]           tiny Qwen2.5-VL from scratch
     sparrow world tune-target  --target DIR --out DIR          its later stages (presence, direction)
     sparrow world train-live-target --out DIR                  a target for live streams (real time, "now")
@@ -257,6 +258,13 @@ def _ladder(text: str) -> dict[tuple[int, int], int]:
     return out
 
 
+def _cmd_world_make_data_v2(args: argparse.Namespace) -> int:
+    from sparrow.world.v2.dataset_v2 import make_data_v2
+
+    print(f"wrote {make_data_v2(args.out, args.split, args.videos, args.seconds, args.first, args.questions_per_video)}")
+    return 0
+
+
 def _sizes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(int(x) for x in part.split("x")) for part in text.split(","))
 
@@ -311,6 +319,16 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--ladder", type=_ladder, help="videos by length instead of --videos/--frames: SIDExFRAMES:N,... "
                                                   "(168x1392 is 25,056 visual tokens)")
     p.set_defaults(func=_cmd_world_make_data)
+
+    p = wsub.add_parser("make-data-v2", parents=parents, help="world v2 videos + a JSONL manifest (docs/world-v2.md)")
+    p.add_argument("--out", required=True, help="folder for the videos, manifest.jsonl and scenes.jsonl")
+    p.add_argument("--split", default="train", help="train, test or benchmark: whose seeds (default train)")
+    p.add_argument("--videos", type=int, default=16, help="videos to render (default 16)")
+    p.add_argument("--seconds", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8, 30),
+                   help="video lengths in seconds, comma-separated, in turn (default 8,30; 784 is 50k visual tokens)")
+    p.add_argument("--first", type=int, default=0, help="index of the first seed within the split")
+    p.add_argument("--questions-per-video", type=int, default=4, help="questions per video besides its narration")
+    p.set_defaults(func=_cmd_world_make_data_v2)
 
     p = wsub.add_parser("train-target", parents=parents, help="train a tiny Qwen2.5-VL target on the world from scratch")
     p.add_argument("--out", required=True, help="where the target goes (save_pretrained form)")
