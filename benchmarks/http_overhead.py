@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")      # before torch: no spin
 import torch  # noqa: E402
 
 QUESTION = "describe the video ."
-LENGTHS = {"0.5k": (168, 28), "25k": (168, 1392)}          # sparrow.training.world.LADDER: 504 and 25,056 tokens
+LENGTHS = {"0.5k": (168, 28), "25k": (168, 1392)}          # sparrow.world.scenes.LADDER: 504 and 25,056 tokens
 MiB = 1 << 20
 
 
@@ -107,8 +107,8 @@ def main() -> int:
     from sparrow.services.server import BackgroundServer
     from sparrow.services.servicer import SparrowService
     from sparrow.services.settings import AppSettings, build_engine
-    from sparrow.training.world import WorldVideo
-    from sparrow.training.world_demo import DEFAULT_MODELS
+    from sparrow.world.scenes import WorldVideo
+    from sparrow.world.pair_demo import DEFAULT_MODELS
 
     media = Path(tempfile.mkdtemp(prefix="sparrow-http-bench-"))
     config = ServiceConfig(max_new_tokens=4096, max_video_bytes=512 * MiB, max_message_bytes=64 * MiB,
