@@ -50,8 +50,8 @@ def make_data_v2(out: str | Path, split: str = "train", videos: int = 16, second
         rng = random.Random(f"sparrow-world-v2-questions:{seed}")
         meta = {"kind": None, "seed": seed, "split": split, "seconds": length, "visual_tokens": video.visual_tokens}
         asked = [("narrate", *ask(video.scene, "narrate", rng))] if "narrate" in kinds else []
-        for kind in rng.sample(others, min(questions_per_video, len(others))):
-            qa = ask(video.scene, kind, rng)
+        for kind in rng.sample(others, len(others)):    # kinds in a random order, until enough are asked
+            qa = ask(video.scene, kind, rng) if len(asked) < questions_per_video + ("narrate" in kinds) else None
             asked += [(kind, *qa)] if qa is not None else []
         name = video.path.name
         rows += [{"video": name, "prompt": q, "answer": a, **meta, "kind": k} for k, q, a in asked]
