@@ -35,6 +35,7 @@ import numpy as np
 
 from sparrow.errors import InvalidRequest
 from sparrow.video.synthetic import BACKGROUND, PALETTE, SHAPES, draw_shape
+from sparrow.video.encode import default_codec
 
 LIVE_FPS = 4.0          # the stream's own frame rate
 SESSION_FPS = 2.0       # what a live session samples (one frame pair a second)
@@ -214,7 +215,7 @@ class LiveStream:
         if start < 0 or (end is not None and end <= start) or chunk_frames < 1:
             raise InvalidRequest(f"need 0 <= start < end and chunk_frames >= 1, got {start}, {end}, {chunk_frames}")
         sink = _Sink()
-        codec = codec or ("libx264" if "libx264" in av.codecs_available else "mpeg4")
+        codec = codec or default_codec()
         with av.open(sink, mode="w", format="mpegts") as container:
             stream = container.add_stream(codec, rate=Fraction(self.fps).limit_denominator(1001))
             stream.width, stream.height, stream.pix_fmt = self.size, self.size, "yuv420p"

@@ -6,14 +6,12 @@ from __future__ import annotations
 import io
 import os
 import pathlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from fractions import Fraction
 
-import av
 import numpy as np
 
 from sparrow.errors import InvalidRequest
+from sparrow.video.encode import default_codec, encode_mp4
 
 PALETTE: dict[str, tuple[int, int, int]] = {
     "red": (230, 40, 40),
@@ -111,7 +109,7 @@ def write_synthetic_video(
     events = _events(actors, num_frames, fps)
     frames = (_render(actors, i, width, height) for i in range(num_frames))
     target = io.BytesIO() if path is None else pathlib.Path(path)
-    _encode(target, frames, width, height, fps, codec or _default_codec())
+    encode_mp4(target, frames, width, height, fps, codec or default_codec())
     return SyntheticVideo(
         path=None if path is None else pathlib.Path(path),
         data=target.getvalue() if path is None else None,
@@ -243,31 +241,3 @@ def draw_shape(canvas: np.ndarray, shape: str, cx: float, cy: float, radius: int
         box[(xs - cx) ** 2 + (ys - cy) ** 2 <= r * r] = rgb
     else:
         box[:] = rgb
-
-
-def _default_codec() -> str:
-    return "libx264" if "libx264" in av.codecs_available else "mpeg4"
-
-
-def _encode(
-    target: io.BytesIO | pathlib.Path, frames: Iterable[np.ndarray], width: int, height: int, fps: float, codec: str
-) -> None:
-    rate = Fraction(fps).limit_denominator(1001)
-    in_memory = isinstance(target, io.BytesIO)
-    # Files get their index (moov) up front, as web video does; that needs a second pass
-    # over the file, so in-memory mp4 keeps it at the end.
-    faststart = not in_memory and target.suffix.lower() in (".mp4", ".mov", ".m4v")
-    options = {"movflags": "faststart"} if faststart else {}
-    with av.open(target, mode="w", format="mp4" if in_memory else None, options=options) as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.codec_context.gop_size = max(1, min(12, round(fps)))  # seeking lands near its target
-        if codec == "libx264":
-            stream.options = {"preset": "ultrafast", "crf": "18"}
-        else:
-            stream.codec_context.bit_rate = max(200_000, int(width * height * float(rate) * 2))
-        for index, picture in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
-            frame.pts = index  # in units of 1/rate, the codec's time base
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())  # flush delayed packets

@@ -20,7 +20,8 @@ import numpy as np
 
 from sparrow.errors import InvalidRequest
 from sparrow.video import VideoOptions
-from sparrow.video.synthetic import BACKGROUND, PALETTE, _default_codec, _encode, draw_shape
+from sparrow.video.encode import default_codec, encode_mp4
+from sparrow.video.synthetic import BACKGROUND, PALETTE, draw_shape
 from sparrow.world.pair_demo import check_world_video
 
 from sparrow.world.v2.scenes_v2 import Scene, make_scene
@@ -84,8 +85,8 @@ def write_video(scene: Scene, path: str | pathlib.Path | None, side: int = SIDE,
     tokens = visual_tokens(scene.seconds, side, fps)
     frames = int(scene.seconds * fps)
     target = io.BytesIO() if path is None else pathlib.Path(path)
-    _encode(target, (render_frame(scene, i / fps, side) for i in range(frames)), side, side, fps,
-            codec or _default_codec())
+    encode_mp4(target, (render_frame(scene, i / fps, side) for i in range(frames)), side, side, fps,
+            codec or default_codec())
     return V2Video(scene, None if path is None else pathlib.Path(path), target.getvalue() if path is None else None,
                    side, float(fps), frames, tokens)
 
