@@ -10,9 +10,11 @@ A batch of B requests, request b with N_b draft nodes (0: it did not draft), N =
     parents (B, N)        -1: a child of the root; also -1 past N_b (masked by `valid`)
     kids    (B, N+1, W)   kids[b, u+1]: the children of node u (u = -1: the root) in order, -1 pads
     logits  (B, N+1, V)   row 0 scores the token after the root, row i+1 the token after node i
+    q       (sum M_b, V)  the draft distributions of every request, one after another (not padded)
 
 The loops run over depth and sibling slots (host constants of the batch's shape), never over
-requests, and read nothing back to the host; `accept_all` reads the outcome once per step.
+requests, and read nothing back to the host; a batch of chains needs no loop at all (every
+node's test at once, one residual). `accept_all` reads the outcome once per step.
 Every draft kind (chain, tree, any proposer) comes here as a DraftTree.
 """
 
@@ -40,16 +42,17 @@ class PaddedTrees:
     parents: torch.Tensor            # (B, N) long
     valid: torch.Tensor              # (B, N) bool
     kids: torch.Tensor               # (B, N+1, W) long
-    draw: torch.Tensor               # (B, N) long: the q row each node was drawn from
-    q: torch.Tensor | None           # (B, M, V) draft distributions; None when no request has one
+    draw: torch.Tensor               # (B, N) long: the row of q each node was drawn from
+    q: torch.Tensor | None           # (sum M_b, V) every request's draft distributions, one after another
     has_q: torch.Tensor              # (B,) bool: request b's draft has distributions
+    chains: bool                     # every tree is a chain (node i the child of node i-1)
 
     @classmethod
     def of(cls, trees: list[DraftTree], device: torch.device | str, vocab: int) -> "PaddedTrees":
         """The structure is host metadata (a tree's parents); tokens and q are gathered as they are."""
         sizes = [t.size for t in trees]
         n = max(sizes, default=0)
-        parents, draw, kids, depth = [], [], [], 0
+        parents, draw, kids, depth, offset = [], [], [], 0, 0
         for t in trees:
             par = t.parent_list()
             d = [0] * t.size
@@ -57,23 +60,23 @@ class PaddedTrees:
                 d[i] = 1 if p < 0 else d[p] + 1
             depth = max([depth, *d])
             parents.append(par + [-1] * (n - t.size))
-            draw.append([t.draw_row(i) if t.probs is not None else 0 for i in range(t.size)] + [0] * (n - t.size))
+            draw.append([offset + t.draw_row(i) if t.probs is not None else 0 for i in range(t.size)] + [0] * (n - t.size))
+            offset += t.probs.shape[0] if t.probs is not None else 0
             kids.append([list(c) for c in t.children()] + [[] for _ in range(n - t.size)])
         width = max((len(c) for row in kids for c in row), default=0)
         kids = [[c + [-1] * (width - len(c)) for c in row] for row in kids]
         tokens = torch.zeros(len(trees), n, dtype=torch.long, device=device)
-        rows = max((t.probs.shape[0] for t in trees if t.probs is not None), default=0)
-        q = torch.zeros(len(trees), rows, vocab, device=device) if rows else None
         for b, t in enumerate(trees):
             tokens[b, :t.size] = t.tokens.to(device)
-            if t.probs is not None:
-                q[b, :t.probs.shape[0]] = t.probs.to(device)
+        given = [t.probs.to(device) for t in trees if t.probs is not None]
+        q = torch.cat(given) if given else None                 # no padding: V is large, rows are few
         as_long = dict(dtype=torch.long, device=device)
         return cls(sizes, depth, tokens, torch.tensor(parents, **as_long).view(len(trees), n),
                    torch.arange(n, device=device)[None, :] < torch.tensor(sizes, **as_long)[:, None],
                    torch.tensor(kids, **as_long).view(len(trees), n + 1, width),
                    torch.tensor(draw, **as_long).view(len(trees), n), q,
-                   torch.tensor([t.probs is not None for t in trees], dtype=torch.bool, device=device))
+                   torch.tensor([t.probs is not None for t in trees], dtype=torch.bool, device=device),
+                   all(t.is_chain for t in trees))
 
 
 def greedy_batch(trees: PaddedTrees, best: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +102,8 @@ def speculative_batch(trees: PaddedTrees, p: torch.Tensor, u: torch.Tensor) -> t
     """p (B, N+1, V) the target's probabilities after each request's truncation; u (B, N+1) the
     step's uniforms (accept.step_uniforms: u[b, i] node i's try, u[b, N_b] the last draw).
     accept_tree_speculative's walk for every request at once. Returns accepted (B, N), next (B,)."""
+    if trees.chains:
+        return _speculative_chains(trees, p, u)
     b_idx = torch.arange(p.shape[0], device=p.device)
     cur = torch.full((p.shape[0],), -1, dtype=torch.long, device=p.device)       # the node the walk is at
     dist = p[:, 0]                                                                 # (B, V)
@@ -114,7 +119,7 @@ def speculative_batch(trees: PaddedTrees, p: torch.Tensor, u: torch.Tensor) -> t
             x = trees.tokens[b_idx, c]
             px = dist.gather(1, x[:, None])[:, 0]
             if trees.q is not None:
-                q = trees.q[b_idx, trees.draw[b_idx, c]]                                # (B, V)
+                q = trees.q[trees.draw[b_idx, c]]                                       # (B, V)
                 qx = torch.where(trees.has_q, q.gather(1, x[:, None])[:, 0], torch.ones_like(px))
                 minus = torch.where(trees.has_q[:, None], q, torch.zeros_like(q))
             else:
@@ -133,6 +138,36 @@ def speculative_batch(trees: PaddedTrees, p: torch.Tensor, u: torch.Tensor) -> t
         accepted[b_idx, chosen.clamp(min=0)] |= walking
         cur = torch.where(walking, chosen, cur)
         dist = torch.where(walking[:, None], p[b_idx, cur + 1], dist)
+    last = u.gather(1, torch.tensor(trees.sizes, device=p.device)[:, None])[:, 0]
+    return accepted, draw_with(dist, last)
+
+
+def _speculative_chains(trees: PaddedTrees, p: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """speculative_batch when every tree is a chain: node i is tried iff nodes 0..i-1 were
+    accepted, so every node's test runs at once, and only the first rejection's residual (or
+    the bonus row) is ever drawn from: no loop, one (B, V) residual."""
+    n = trees.tokens.shape[1]
+    b_idx = torch.arange(p.shape[0], device=p.device)
+    px = p[:, :n].gather(2, trees.tokens[:, :, None])[:, :, 0]                      # (B, N)
+    qx = torch.ones_like(px)
+    if trees.q is not None:
+        qx = torch.where(trees.has_q[:, None], trees.q[trees.draw, trees.tokens], qx)
+    ok = (u[:, :n].double() * qx.double() <= px.double()) & trees.valid
+    accepted = ok.long().cumprod(1).bool()                                            # the accepted prefix
+    count = accepted.sum(1)                                                           # (B,)
+    dist = p[b_idx, count]                                                            # (B, V): row after the prefix
+    rejected = count < torch.tensor(trees.sizes, device=p.device)
+    at = count.clamp(max=max(n - 1, 0))
+    if n:
+        x = trees.tokens[b_idx, at]
+        if trees.q is not None:
+            q = trees.q[trees.draw[b_idx, at]]
+            residual = torch.where(trees.has_q[:, None], (dist - q).clamp(min=0), dist.scatter(1, x[:, None], 0.0))
+        else:
+            residual = dist.scatter(1, x[:, None], 0.0)
+        total = residual.sum(-1, keepdim=True)
+        residual = torch.where(total > 1e-12, residual / total, dist)
+        dist = torch.where(rejected[:, None], residual, dist)
     last = u.gather(1, torch.tensor(trees.sizes, device=p.device)[:, None])[:, 0]
     return accepted, draw_with(dist, last)
 
