@@ -157,8 +157,11 @@ def _serve_ray(args: argparse.Namespace, settings) -> int:
     ray.init(**cluster, runtime_env=ray_bind.runtime_env(args.host, env))
     _stop_on_sigterm()          # after ray.init, which sets its own (exit at once, its core worker aborting)
     print(f"sparrow: Ray: {where}", flush=True)
-    ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=http_port(args))
+    web = 8000 if args.http_port is None else args.http_port        # Serve's proxies take no port 0
+    ray_app.start(settings, grpc_port=args.port, http_host=args.host, http_port=web)
     deployments = "TargetDeployment" + (" + DraftDeployment" if settings.placement == "remote" else "")
+    print(f"sparrow: serving the OpenAI-compatible API on http://{args.host}:{web}/v1 (Ray Serve HTTP proxy)",
+          flush=True)
     print(f"sparrow: serving sparrow.v1.Sparrow on {args.host}:{args.port} (Ray Serve gRPC proxy: {deployments}); "
           f"draft {settings.placement}; Ctrl-C or SIGTERM stops", flush=True)
     try:

@@ -48,7 +48,12 @@ def accept_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> AcceptRe
     without such a child ends the path and the argmax there is the next token. The emitted
     tokens are exactly the target's greedy continuation, whatever the tree."""
     best = target_logits.argmax(dim=-1).tolist()                       # (N+1,) one host read
-    tokens, children = tree.tokens.tolist(), tree.children()
+    return greedy_walk(tree.tokens.tolist(), tree.children(), best)
+
+
+def greedy_walk(tokens: list[int], children: list[list[int]], best: list[int]) -> AcceptResult:
+    """accept_tree_greedy over values already on the host: the nodes' tokens, their children
+    (DraftTree.children()) and the target's argmax of each row (N+1)."""
     node, path = -1, []
     while True:
         want = best[node + 1]
