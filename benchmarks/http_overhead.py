@@ -161,7 +161,7 @@ def main() -> int:
     settings = AppSettings(target=str(DEFAULT_MODELS / "target"), draft=str(DEFAULT_MODELS / "draft"), service=config)
     engine, cache = build_engine(settings)
     service = SparrowService(engine, cache, config)
-    load = os.getloadavg()[0]
+    load, where = os.getloadavg()[0], machine()           # before the run: its load average
     rows = []
     streams_list = [int(n) for n in args.streams.split(",")]
     clients = ProcessPoolExecutor(max(streams_list), mp_context=multiprocessing.get_context("spawn"))
@@ -194,8 +194,8 @@ def main() -> int:
     lines = ["| visual tokens | streams | path | ms / token (median) | vs in-process | vs gRPC |", "|---|---|---|---|---|---|"]
     for length, streams, path, sec, vs_engine, vs_grpc in rows:
         lines.append(f"| {length} | {streams} | {path} | {1000 * sec:.2f} | {100 * vs_engine:+.1f}% | {100 * vs_grpc:+.1f}% |")
-    body = (f"Machine: {machine()}; load average {end_load:.1f} at the end. The machine is shared with other "
-            f"engineers' test runs (2 cores): the load was {load:.1f} at the start, so rows are noisy and the three "
+    body = (f"Machine: {where}; load average {end_load:.1f} at the end. The machine is shared with other "
+            f"engineers' test runs: the load was {load:.1f} at the start, so rows are noisy and the three "
             f"paths are interleaved round by round. Committed world pair (models/world), its draft's trained "
             f"geometry; {args.tokens} new tokens (ignore_eos) per request; video prefill cached (decode only); "
             f"median over {args.rounds} rounds (x streams requests). In-process: Engine.stream on the server's own "
