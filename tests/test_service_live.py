@@ -27,7 +27,8 @@ from conftest_services import SPEC_KWARGS
 
 from sparrow import SpecConfig
 from sparrow.live.session import LiveSession
-from sparrow.services import cli, prom
+from sparrow.cli import main as cli
+from sparrow.services import prom
 from sparrow.services.client import SparrowClient
 from sparrow.services.live.messages import live_config
 from sparrow.services.protos import pb, pb_grpc
