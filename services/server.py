@@ -113,8 +113,12 @@ async def serve_forever(service: SparrowService, host: str, port: int | None,
             await server.stop(grace=None)
         raise
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
+
+    def on_signal() -> None:
+        stopping.arm()          # the grace counts from the signal, however busy the loop is after it
+        stop.set()
     for signum in stop_on:
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
     if http is not None:          # first: the gRPC line ends the start-up (scripts wait for it)
         log.info("sparrow serving HTTP on %s:%d (embedded)", host, http.port)
         print(f"sparrow: serving the OpenAI-compatible API on http://{host}:{http.port}/v1 (embedded)", flush=True)
@@ -130,8 +134,6 @@ async def serve_forever(service: SparrowService, host: str, port: int | None,
         for signum in stop_on:
             loop.remove_signal_handler(signum)
         waits[0].cancel()       # (not the termination wait: cancelling it cancels grpc's shutdown)
-        if stop.is_set():
-            stopping.arm()      # the stop ends within the grace, whatever is still running
         service.close()
         stops = [] if server is None else [server.stop(grace=1)]       # inside the stop's grace (stopping.py)
         if http is not None:
