@@ -52,20 +52,25 @@ SLOW_MODULES = {"test_ray_serve", "test_ray_autoscale", "test_ray_bind", "test_s
 SLOW_NAMES = ("distribution_end_to_end", "bf16_speculative_sampling", "ray_sink", "through_a_real_ray")
 
 
-# `make test` runs on two pytest-xdist workers (--dist loadgroup). A module with module-scoped
-# fixtures (a server, a cluster) runs whole on one worker; the modules that share the session's
-# Ray instance run on one worker together (Ray allows one instance a process, and two at once
-# would halve a 2-core machine for both); any other module's tests spread over the workers.
-SHARED_RAY_MODULES = {"test_ray_serve", "test_host_faults", "test_openai_api_ray"}
+# `make test` runs in two phases. First every test not marked serial, on two pytest-xdist workers
+# (--dist loadgroup): a module with module-scoped fixtures (a server) runs whole on one worker, any
+# other module's tests spread over both. Then the serial tests, in one process as before: tests
+# that bound a wall time (a stop within 5 s, a failover within its budget, a deadline) or run Ray
+# clusters and servers, whose timing another worker's load beside them would decide.
+SERIAL_MODULES = {
+    "test_alerts", "test_autotune", "test_clean_stop", "test_cpu_prefix_kernel", "test_draft_failover",
+    "test_edges", "test_faults", "test_host_faults", "test_live_fairness", "test_live_sources",
+    "test_native_build", "test_openai_api", "test_openai_api_ray", "test_prefill_together", "test_prom",
+    "test_ray_autoscale", "test_ray_bind", "test_ray_proxy", "test_ray_serve", "test_rtsp", "test_scheduler",
+    "test_service", "test_service_limits", "test_service_live", "test_step_graph", "test_step_graph_safety",
+    "test_train_draft", "test_video_fuzz", "test_video_sources",
+}
 
 
 def _xdist_group(item) -> str | None:
-    name = item.module.__name__.rsplit(".", 1)[-1]
-    if name in SHARED_RAY_MODULES:
-        return "ray-instance"
-    source = getattr(item.module, "__file__", None)
-    with open(source) as f:
-        return name if 'scope="module"' in f.read() else None
+    """The module's name when its tests must share one worker (module-scoped fixtures), else None."""
+    with open(item.module.__file__) as f:
+        return item.module.__name__.rsplit(".", 1)[-1] if 'scope="module"' in f.read() else None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -74,6 +79,8 @@ def pytest_collection_modifyitems(config, items):
         name = item.module.__name__.rsplit(".", 1)[-1]
         if name in SLOW_MODULES or any(n in item.name for n in SLOW_NAMES):
             item.add_marker(pytest.mark.slow)
+        if name in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
         if name not in groups:
             groups[name] = _xdist_group(item)
         if groups[name] is not None:
