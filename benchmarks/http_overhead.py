@@ -209,7 +209,7 @@ def main() -> int:
     print(body)
     if args.out:
         from benchmarks.report import write_section
-        write_section(args.out, "http_overhead", "Front-door overhead per token (HTTP/SSE vs gRPC vs in-process)",
+        write_section(args.out, "http-overhead", "Front-door overhead per token (HTTP/SSE vs gRPC vs in-process)",
                       "python -m benchmarks.http_overhead " + " ".join(sys.argv[1:]), body)
     return 0
 

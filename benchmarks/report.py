@@ -121,7 +121,9 @@ def refresh_index(text: str) -> str:
 
 def write_section(path: str | Path, key: str, title: str, command: str, body: str) -> None:
     """Write one harness's section into the report at `path`: in place when the section is
-    there, else at the end; then rebuild the index."""
+    there, else at the end; then rebuild the index. `key`: lower-case letters, digits and '-'."""
+    if not re.fullmatch(r"[a-z0-9-]+", key):
+        raise ValueError(f"section key {key!r}: lower-case letters, digits and '-' only (the report reads no other)")
     path = Path(path)
     text = path.read_text() if path.exists() else HEADER
     begin, end = markers(key)
