@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/ is a repo folder, not installed
-from benchmarks.concurrency.harness import harness as cb, results as cr, streams as cs  # noqa: E402
-from benchmarks.concurrency.harness import stream_videos as cv  # noqa: E402
+from benchmarks.concurrency import harness as cb, results as cr, streams as cs  # noqa: E402
+from benchmarks.concurrency import stream_videos as cv  # noqa: E402
 from benchmarks.concurrency.plan import PATHS, ConcurrencyConfig  # noqa: E402
 from benchmarks.tiny_models import save_tiny_models  # noqa: E402
 
