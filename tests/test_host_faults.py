@@ -97,9 +97,15 @@ def reference(engine, video: bytes, **sampling) -> list[int]:
 
 
 def code_of(call) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code()
+    try:
+        got = call()
+    except grpc.RpcError as exc:
+        return exc.code()
+    # What came back instead of an error (a rare Ray-mode run ended a 20 ms deadline's call OK):
+    # the last response says how the host ended it.
+    last = got[-1] if isinstance(got, list) and got else got
+    pytest.fail(f"the call ended without an error; {len(got) if isinstance(got, list) else 1} responses, "
+                f"the last: {last!r:.300}")
 
 
 def wait_freed(host: Host, within: float) -> float:
