@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 log = logging.getLogger(__name__)
@@ -73,15 +74,23 @@ def _guard_unary(handler: Callable) -> Callable:
 
 
 def _guard_stream(handler: Callable) -> Callable:
-    """A call with a response stream: its responses come through a ResponsePump."""
+    """A call with a response stream: its responses come through a ResponsePump. A stream
+    that ends without an error after the call's deadline (gRPC's or `sparrow-timeout-ms`)
+    ends DEADLINE_EXCEEDED here, as a gRPC deadline would end it: the deadline the proxy
+    forwards is enforced at the proxy too, whatever way the replica's stream ended."""
     async def stream(request, context):
-        pump = ResponsePump(handler(request, ProxyCallContext(context)))
+        call = ProxyCallContext(context)
+        pump = ResponsePump(handler(request, call))
         context.add_done_callback(lambda _: pump.stop())     # the call is over, whatever gRPC's task was doing
         try:
             async for response in pump:
                 yield response
         finally:
             pump.stop()
+        if call.deadline is not None and time.monotonic() >= call.deadline:
+            import grpc
+
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
     return stream
 
 
@@ -95,19 +104,22 @@ class ResponsePump:
 
     def __init__(self, responses: AsyncIterator):
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._stopped = False
         self._task = asyncio.ensure_future(self._pull(responses))
 
     async def _pull(self, responses: AsyncIterator) -> None:
         try:
             async for response in responses:
                 self._queue.put_nowait(response)
-        except asyncio.CancelledError:
-            pass                      # stopped: the reader is gone
+        except asyncio.CancelledError as exc:
+            if not self._stopped:     # cancelled inside Serve, not by stop(): the reader sees an error, not an end
+                self._queue.put_nowait(_Raised(exc))
         except Exception as exc:  # noqa: BLE001 - handed to the reader, raised there
             self._queue.put_nowait(_Raised(exc))
         self._queue.put_nowait(self._END)
 
     def stop(self) -> None:
+        self._stopped = True
         self._task.cancel()           # a no-op once the responses have ended
 
     def __aiter__(self) -> "ResponsePump":
@@ -142,6 +154,7 @@ class ProxyCallContext:
     def __init__(self, context):
         self._context = context
         self._metadata = _with_deadline(tuple(context.invocation_metadata() or ()), context.time_remaining())
+        self.deadline = _deadline(self._metadata)        # time.monotonic(), or None
         self._peer, self._auth_context = context.peer(), context.auth_context()
         self._peer_identities, self._peer_identity_key = context.peer_identities(), context.peer_identity_key()
 
@@ -173,6 +186,15 @@ def _with_deadline(metadata: tuple, remaining: float | None) -> tuple:
     except ValueError:
         return metadata
     return tuple((k, v) for k, v in metadata if k != TIMEOUT_METADATA) + ((TIMEOUT_METADATA, str(timeout_ms)),)
+
+
+def _deadline(metadata: tuple) -> float | None:
+    """The earliest `sparrow-timeout-ms` deadline in `metadata`, as time.monotonic()."""
+    try:
+        ms = [int(value) for key, value in metadata if key == TIMEOUT_METADATA]
+    except ValueError:
+        return None                   # malformed: the replica refuses it
+    return time.monotonic() + max(0, min(ms)) / 1000 if ms else None
 
 
 __all__ = ["ProxyCallContext", "ResponsePump", "TIMEOUT_METADATA", "guarded_handlers"]

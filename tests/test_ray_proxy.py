@@ -141,3 +141,55 @@ def test_a_server_that_is_not_serves_is_left_alone():
     with guarded_handlers(server):
         pass
     assert not hasattr(server, "service_handler_factory")
+
+
+class EndingProxy:
+    """A stand-in whose 'replica' stream sends one response, waits `wait_s`, then ends as `how`
+    says: normally ("ok") or with a CancelledError from inside Serve ("cancelled")."""
+
+    def __init__(self, wait_s: float, how: str):
+        self.wait_s, self.how = wait_s, how
+
+    def service_handler_factory(self, service_method: str, streaming_type):
+        async def stream(request, context):
+            yield b"first"
+            await asyncio.sleep(self.wait_s)
+            if self.how == "cancelled":
+                raise asyncio.CancelledError()
+        return stream
+
+
+async def call_code(proxy, metadata=(), timeout=30.0) -> grpc.StatusCode:
+    with guarded_handlers(proxy):
+        handler = proxy.service_handler_factory(METHOD, "unary_stream")
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "t.Proxy", {"Stream": grpc.unary_stream_rpc_method_handler(handler)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream(METHOD)(b"", timeout=timeout, metadata=metadata)
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return await call.code()
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("wait_s, expected", [(0.3, grpc.StatusCode.DEADLINE_EXCEEDED), (0.0, grpc.StatusCode.OK)])
+def test_a_stream_that_ends_past_the_metadata_deadline_ends_deadline_exceeded(wait_s, expected):
+    """The replica's stream ends without an error after the call's `sparrow-timeout-ms` (the
+    gRPC deadline far off): the proxy ends the call DEADLINE_EXCEEDED, as gRPC would have.
+    Ended before it: OK."""
+    got = asyncio.run(call_code(EndingProxy(wait_s, "ok"), metadata=((TIMEOUT_METADATA, "100"),)))
+    assert got == expected
+
+
+def test_a_cancellation_inside_serve_is_not_an_ok_end():
+    """A CancelledError from inside Serve's stream (not the pump stopped by the call's end) is
+    an error the caller sees, never a stream that ended OK."""
+    assert asyncio.run(call_code(EndingProxy(0.0, "cancelled"))) != grpc.StatusCode.OK
