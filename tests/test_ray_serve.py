@@ -14,6 +14,7 @@ the same cases on both hosts.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -184,27 +185,41 @@ def test_draft_calls_stay_on_one_draft_replica(app, client, clips, remote_refere
 
 
 # ----- 3. a draft replica dies mid-stream --------------------------------------------------------------------
+def each_draft_replica(app, n: int = 2, within: float = 20.0) -> dict[int, str]:
+    """A routing key for each of the n running draft replicas, by process id. A call with a
+    multiplexed id goes where the rendezvous router ranks it first (services/routing.py), so a
+    key addresses one replica; a call without one goes where Serve's own choice puts it,
+    which favours the idlest replica and may never reach a busy one."""
+    keys, deadline = {}, time.monotonic() + within
+    for i in itertools.count():
+        if len(keys) == n:
+            return keys
+        assert time.monotonic() < deadline, f"found {len(keys)} draft replicas of {n}"
+        key = f"probe-{i}"
+        keys.setdefault(describe(app, key)["pid"], key)
+
+
+def describe(app, key: str) -> dict:
+    return app.drafts().options(multiplexed_model_id=key).describe.remote().result(timeout_s=30)
+
+
 def serving_replica(app, within: float = 20.0) -> dict:
     """The draft replica serving the one running stream: the one where its draft session
-    was used last (asking both replicas through the handle, whose routing is random)."""
+    was used last (asking each replica)."""
     (session,) = app.stats()["draft_sessions"]
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        found = [app.drafts().describe.remote().result(timeout_s=30) for _ in range(6)]
+        found = [describe(app, key) for key in each_draft_replica(app).values()]
         ages = [(d["sessions"][session], i) for i, d in enumerate(found) if session in d["sessions"]]
         if ages:
             return found[min(ages)[1]]
+        time.sleep(0.05)
     raise AssertionError(f"no draft replica holds session {session}")
 
 
 def draft_replicas(app, n: int = 2, within: float = 20.0) -> list[dict]:
-    """describe() of each of the n running draft replicas (the handle routes calls at random)."""
-    found, deadline = {}, time.monotonic() + within
-    while len(found) < n and time.monotonic() < deadline:
-        d = app.drafts().describe.remote().result(timeout_s=30)
-        found[d["pid"]] = d
-    assert len(found) == n, f"found {len(found)} draft replicas of {n}"
-    return list(found.values())
+    """describe() of each of the n running draft replicas."""
+    return [describe(app, key) for key in each_draft_replica(app, n, within).values()]
 
 
 def stream_through_a_kill(app, client, clips, remote_reference_engine, kill) -> tuple[dict, dict, float]:
