@@ -16,7 +16,7 @@ import pytest
 from sparrow.errors import InvalidRequest
 from sparrow.video.synthetic import PALETTE
 from sparrow.world.v2.narration import event_recall, facts, narration, parse_narration
-from sparrow.world.v2.questions_v2 import QUESTION_KINDS_V2, ask, askable_events, questions
+from sparrow.world.v2.questions_v2 import QUESTION_KINDS_V2, QUESTIONS_V2, ask, askable_events, questions, where
 from sparrow.world.v2.render_v2 import SIDE, make_video, render_frame, visual_tokens
 from sparrow.world.v2.scenes_v2 import (DIRECTIONS, EVENT_KINDS, MAX_OBJECTS, MAX_SPEED, MIN_GAP, SIZES, TOKEN, gap,
                                         make_scene)
@@ -111,19 +111,28 @@ def test_answers_are_true_to_the_scene(scenes):
     for s in scenes:
         rng = random.Random(s.seed)
         asked = {k: (q, a) for k, q, a in questions(s, rng)}
-        assert asked["count_start"][1] == str(s.count(0.5))
-        assert asked["count_enter"][1] == str(sum(e.kind == "enter" for e in s.events))
-        assert asked["count_collide"][1] == str(sum(e.kind == "collide" for e in s.events))
+        assert asked["count_start"][1].split()[0] == str(s.count(0.5))      # "3" or "3 in all"
+        assert asked["count_enter"][1].split()[0] == str(sum(e.kind == "enter" for e in s.events))
+        assert asked["count_collide"][1].split()[0] == str(sum(e.kind == "collide" for e in s.events))
+        assert asked["duration"][1].endswith(f"0 : {s.seconds}")
         if "when" in asked:
             q, a = asked["when"]
-            assert a.startswith("at ") and any(f"at {e.t // 60} : {e.t % 60:02d}" == a for e in askable_events(s))
+            assert any(a.endswith(f"at {e.t // 60} : {e.t % 60:02d}") for e in askable_events(s))
+            assert a.startswith("at ") or a.startswith("it happens at ")
+        if "size" in asked:
+            obj = asked["size"][0].split("the ")[-1].split(" ?")[0].split(" small")[0]
+            colour, shape = obj.split()[:2]
+            sizes = {o.size for o in s.objects if o.shape == shape and any(c == colour for _, c in o.colours)}
+            assert sizes == {asked["size"][1].split()[-1]}, (obj, asked["size"])
         assert asked["narrate"][1] == narration(s)
     answers = [ask(make_scene(seed, 30), "yesno", random.Random(seed))[1] for seed in range(40)]
     assert 12 <= answers.count("yes") <= 28                       # drawn yes or no with equal chance
     kinds = {k for s in scenes for k, _, _ in questions(s, random.Random(0))}
     assert kinds == set(QUESTION_KINDS_V2)
-    wordings = {q for seed in range(30) for q, _ in [ask(scenes[0], "count_start", random.Random(seed))]}
-    assert len(wordings) == 3
+    wordings = {q for seed in range(60) for q, _ in [ask(scenes[0], "count_start", random.Random(seed))]}
+    assert len(wordings) == len(QUESTIONS_V2["count_start"]) >= 6
+    forms = {a for seed in range(60) for _, a in [ask(scenes[0], "count_start", random.Random(seed))]}
+    assert len(forms) == 2                                          # "N" and "N in all", by wording
 
 
 def test_narrations_are_long_and_stay_within_bounds(tok):
@@ -139,7 +148,7 @@ def test_narrations_are_long_and_stay_within_bounds(tok):
 # ----- vocabulary and tokenizer -----------------------------------------------------------------------
 def test_the_vocabulary_covers_every_question_and_answer(tok):
     unk = tok.convert_tokens_to_ids("<unk>")
-    assert len(tok) >= 200
+    assert len(tok) >= 280
     for seed in range(60):
         scene = make_scene(seed, (8, 30, 125, 784)[seed % 4])
         for _, q, a in questions(scene, random.Random(seed)):
@@ -257,3 +266,26 @@ def test_make_data_v2_writes_real_videos_a_manifest_and_the_truth(tmp_path):
                 dict(seconds=(7,), questions_per_video=1)):
         with pytest.raises(InvalidRequest):
             make_data_v2(tmp_path / "bad", **{"split": "train", "videos": 1, **bad}, fps=1.0)
+
+
+def test_where_names_the_third_of_the_frame_the_pixels_show(scenes):
+    """"where" is read off the first frame: the object's pixels' centre lies in the named third
+    (across and down), and an object near a border is not asked about."""
+    cells = {"top": (None, 0), "bottom": (None, 2), "left": (0, None), "right": (2, None), "middle": (1, 1)}
+    checked = 0
+    for s in [*scenes, *(make_scene(seed, 8) for seed in range(40, 60))]:
+        frame = render_frame(s, 0.0)
+        for o in s.present(0):
+            answer = where(s, o.ident)
+            if answer is None:
+                x, y = o.centre(0)
+                assert min(abs(v - b) for v in (x, y) for b in (1 / 3, 2 / 3)) < TOKEN / 2
+                continue
+            ys, xs = np.nonzero(np.all(frame == PALETTE[o.colour(0)], axis=-1))
+            column, row = int(xs.mean() / SIDE * 3), int(ys.mean() / SIDE * 3)
+            words = answer.split()
+            want_col = next((cells[w][0] for w in words if cells[w][0] is not None), 1)
+            want_row = next((cells[w][1] for w in words if cells[w][1] is not None), 1)
+            assert (column, row) == (want_col, want_row), (s.seed, o.ident, answer)
+            checked += 1
+    assert checked >= 20

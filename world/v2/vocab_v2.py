@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from sparrow.world.scenes import world_tokenizer
 from sparrow.world.v2.narration import VERBS
-from sparrow.world.v2.questions_v2 import QUESTIONS_V2, YES_NO
+from sparrow.world.v2.questions_v2 import ANSWER_FORMS, COLUMNS, QUESTIONS_V2, ROWS, YES_NO
 from sparrow.world.v2.scenes_v2 import COLOURS, DIRECTIONS, SHAPES, SIDES, SIZES
 
 # every word the narration and the answers use besides the scene's own names (narration.py,
@@ -28,8 +28,10 @@ def v2_words() -> list[str]:
     words = set(NARRATION_WORDS.split()) | set(COLOURS) | set(SHAPES) | set(SIZES) | set(SIDES)
     words |= {w for d in DIRECTIONS for w in d.split()} | {w for forms in VERBS.values() for w in forms}
     words |= {str(n) for n in range(60)} | {f"{n:02d}" for n in range(10)}
-    for wording in (*(q for qs in QUESTIONS_V2.values() for q in qs), *(q for qs in YES_NO.values() for q in qs)):
-        words |= {w for w in wording.split() if not w.startswith("{")}
+    words |= set(COLUMNS) | set(ROWS)
+    for wording in (*(q for qs in QUESTIONS_V2.values() for q in qs), *(q for qs in YES_NO.values() for q in qs),
+                    *ANSWER_FORMS.values()):
+        words |= {w for w in wording.split() if "{" not in w}
     return sorted(words)
 
 
