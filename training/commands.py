@@ -4,6 +4,8 @@
     sparrow build-features --target DIR --data MANIFEST|FOLDER --out STORE     the target's signals, once
     sparrow world make-data    --out DIR [--videos N]          synthetic videos + JSONL manifest
     sparrow world make-data-v2 --out DIR [--split S]           world v2 (several objects, narrations)
+    sparrow world train-target-v2 --out DIR [--stage S]        world v2's target, resumable stages
+    sparrow world eval-v2 --target DIR                         its held-out scores per kind and length
     sparrow world train-target --out DIR [--steps N]           tiny Qwen2.5-VL from scratch
     sparrow world tune-target  --target DIR --out DIR          its later stages (presence, direction)
     sparrow world train-live-target --out DIR                  a target for live streams (real time, "now")
@@ -329,6 +331,8 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     p.add_argument("--first", type=int, default=0, help="index of the first seed within the split")
     p.add_argument("--questions-per-video", type=int, default=4, help="questions per video besides its narration")
     p.set_defaults(func=_cmd_world_make_data_v2)
+    from sparrow.world.v2.commands_v2 import add_v2_commands
+    add_v2_commands(wsub, parents, _add_config_options, _config)
 
     p = wsub.add_parser("train-target", parents=parents, help="train a tiny Qwen2.5-VL target on the world from scratch")
     p.add_argument("--out", required=True, help="where the target goes (save_pretrained form)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -32,9 +33,15 @@ def lr_factor(c: WorldTargetConfig, stages: list[Stage], step: int) -> float:
 
 def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None = None,
                        target: TargetModel | None = None, out: str | Path | None = None,
-                       data: WorldData | None = None) -> tuple[TargetModel, list[dict]]:
+                       data: WorldData | None = None, checkpoint: str | Path | None = None,
+                       deadline: float | None = None) -> tuple[TargetModel, list[dict]]:
     """Deterministic under c.seed: the videos of step i come from seeds derived from (c.seed, i).
-    `data`: what to train on (default: the world, WorldData(c))."""
+    `data`: what to train on (default: the world, WorldData(c)).
+    `checkpoint`: a folder for the resumable state (the weights, the optimizer and schedule, the
+    step, the log), written every c.save_every steps; a run given one that holds a state goes on
+    from its step (`target` must then be the checkpoint's weights: `resume_target`), and the
+    steps after it are the ones an unbroken run takes. `deadline` (time.time()): past it the run
+    writes the checkpoint and stops early, its history ending with {"stopped": step}."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     data = data if data is not None else WorldData(c)
     target = target or new_world_target(c)
@@ -57,7 +64,14 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(c, stages, s))
     total = sum(s.steps for s in stages)
     history, t0, run = [], time.perf_counter(), 0.0
-    for step in range(total):
+    first = 0
+    if checkpoint is not None and Path(checkpoint, STATE_FILE).is_file():
+        state = torch.load(Path(checkpoint, STATE_FILE), weights_only=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        first, run, history = state["step"], state["run"], state["history"]
+        log(f"resumed at step {first}/{total} from {checkpoint}")
+    for step in range(first, total):
         rng = random.Random(c.seed * 1_000_003 + step)
         stage = stage_at(stages, step)
         focus = focus_step(stage, rng)
@@ -81,8 +95,40 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
             log(f"  held-out accuracy {acc['accuracy']:.3f} ({kinds_acc})")
         if out is not None and c.save_every and (step + 1) % c.save_every == 0:
             target.save_pretrained(out)
+        late = deadline is not None and time.time() > deadline and step + 1 < total
+        if checkpoint is not None and (late or c.save_every and (step + 1) % c.save_every == 0):
+            save_checkpoint(checkpoint, target, opt, sched, step + 1, run, history)
+        if late:
+            history.append({"stopped": step + 1})
+            log(f"stopped at step {step + 1}/{total} (deadline); the checkpoint resumes there")
+            break
     hf.eval()
     return target, history
+
+
+STATE_FILE = "train_state.pt"
+
+
+def save_checkpoint(folder: str | Path, target: TargetModel, opt, sched, step: int, run: float, history: list[dict]) -> None:
+    """The resumable state after `step` steps: the weights (save_pretrained) and STATE_FILE,
+    written beside `folder` and swapped in whole, so a run stopped while saving leaves the
+    previous checkpoint."""
+    folder = Path(folder)
+    fresh, old = folder.with_name(folder.name + ".new"), folder.with_name(folder.name + ".old")
+    shutil.rmtree(fresh, ignore_errors=True)
+    target.save_pretrained(fresh)
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step, "run": run,
+                "history": history}, fresh / STATE_FILE)
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.rename(old)
+    fresh.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def resume_target(checkpoint: str | Path) -> TargetModel | None:
+    """The weights to go on from when `checkpoint` holds a resumable state, else None."""
+    return TargetModel.from_pretrained(checkpoint) if Path(checkpoint, STATE_FILE).is_file() else None
 
 
 def train_world_target_cli(c: WorldTargetConfig, out: str | Path, eval_videos: int = 40,

@@ -1,0 +1,92 @@
+"""World v2's target recipe (issue 47): a stage stopped at its checkpoint and resumed takes the
+unbroken run's steps exactly; the commands train, checkpoint, report and score a tiny target;
+the scores are per kind and per length and the narration is scored by event recall."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from sparrow.models import TargetModel
+from sparrow.world.target_train import STATE_FILE, resume_target, train_world_target
+from sparrow.world.v2.target_v2 import SHORT_KINDS, V2Data, V2TargetConfig, new_v2_target, scene_pool
+
+# 56 px frames: 2 x 2 visual tokens a frame pair, so an 8 s video is 32 tokens
+TINY = dict(hidden=64, layers=1, heads=2, intermediate=64, batch=2, pool=3, side=56, seconds=(8,), eval_every=0,
+            log_every=1)
+
+
+def _weights(target: TargetModel) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in target.hf.state_dict().items()}
+
+
+def test_a_stopped_stage_resumes_to_the_unbroken_runs_weights(tmp_path):
+    c = V2TargetConfig(steps=4, save_every=2, **TINY)
+    cache = tmp_path / "pool.pt"
+    whole, _ = train_world_target(c, log=lambda _: None, target=new_v2_target(c), data=V2Data(c, cache))
+    whole = _weights(whole)
+    # a deadline already past: the run checkpoints after its first step and stops
+    ckpt = tmp_path / "checkpoint"
+    _, history = train_world_target(c, log=lambda _: None, target=new_v2_target(c), data=V2Data(c, cache),
+                                    checkpoint=ckpt, deadline=time.time() - 1)
+    assert history[-1] == {"stopped": 1} and torch.load(ckpt / STATE_FILE, weights_only=False)["step"] == 1
+    resumed, history = train_world_target(c, log=lambda _: None, target=resume_target(ckpt), data=V2Data(c, cache),
+                                          checkpoint=ckpt)
+    assert [h["step"] for h in history if "loss" in h] == [1, 2, 3, 4]
+    after = _weights(resumed)
+    assert after.keys() == whole.keys()
+    for k in whole:
+        assert torch.equal(after[k], whole[k]), k
+    assert torch.load(ckpt / STATE_FILE, weights_only=False)["step"] == 4
+    assert resume_target(tmp_path / "nothing-here") is None
+
+
+def test_the_pool_is_train_split_scenes_cached_between_runs(tmp_path):
+    from sparrow.world.v2.splits_v2 import split_of
+
+    c = V2TargetConfig(**TINY)
+    target = new_v2_target(c)
+    lines: list[str] = []
+    pool = scene_pool(target, c, lines.append, tmp_path / "pool.pt")
+    assert len(pool) == 3 and {split_of(v.scene.seed) for v in pool} == {"train"}
+    assert all(v.embeds.shape == (32, 64) for v in pool)
+    again = scene_pool(target, c, lines.append, tmp_path / "pool.pt")
+    assert all(torch.equal(a.embeds, b.embeds) and a.scene == b.scene for a, b in zip(pool, again))
+    other = scene_pool(target, V2TargetConfig(**{**TINY, "seed": 1}), lines.append, tmp_path / "pool.pt")
+    assert any("rendering again" in line for line in lines)
+    assert {v.scene.seed for v in other}.isdisjoint({v.scene.seed for v in pool})
+    with pytest.raises(ValueError, match="unknown question kinds"):
+        V2Data(V2TargetConfig(**{**TINY, "kinds": ("poem",)}))
+
+
+def test_train_target_v2_and_eval_v2_commands(tmp_path):
+    from sparrow.cli.main import build_parser
+
+    out, card = tmp_path / "target", tmp_path / "MODEL_CARD.md"
+    tiny = ["--hidden", "64", "--layers", "1", "--heads", "2", "--intermediate", "64", "--batch", "2", "--pool", "2",
+            "--side", "56", "--seconds", "8", "--eval-every", "0", "--save-every", "1", "--final-eval-scenes", "1"]
+    args = build_parser().parse_args(["world", "train-target-v2", "--out", str(out), "--steps", "2", *tiny])
+    assert args.func(args) == 0
+    report = json.loads((out / "world_target_v2.json").read_text())
+    assert report["stage"] == "short" and report["config"]["side"] == 56 and report["config"]["steps"] == 2
+    held = report["heldout"]
+    assert held["split"] == "test" and held["scenes"] == 1 and set(held["per_seconds"]) == {"8", "30"}
+    assert set(held["per_kind"]) <= {*SHORT_KINDS, "narrate", "story"} and "narrate" in held["per_kind"]
+    assert 0.0 <= held["event_recall"] <= 1.0 and held["questions"] >= 10
+    runs = [json.loads(line) for line in (out / "train_runs.jsonl").read_text().splitlines()]
+    assert runs[-1]["last_step"] == 2 and not runs[-1]["stopped"]
+    assert TargetModel.from_pretrained(out).processor.temporal_positions is None      # real time
+    card.write_text("# card\n\nbefore\n")
+    args = build_parser().parse_args(["world", "eval-v2", "--target", str(out), "--scenes", "1", "--seconds", "8",
+                                      "--side", "56", "--kinds", "count_start,yesno", "--card", str(card),
+                                      "--json", str(tmp_path / "eval.json")])
+    assert args.func(args) == 0
+    scores = json.loads((tmp_path / "eval.json").read_text())
+    assert set(scores["per_kind"]) == {"count_start", "yesno"} and scores["event_recall"] is None
+    text = card.read_text()
+    assert text.startswith("# card\n\nbefore\n") and "| count_start |" in text and "| yesno |" in text
+    args.func(args)                                       # again: the section is replaced, not added
+    assert card.read_text().count("eval-v2 begin") == 1
