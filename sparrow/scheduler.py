@@ -1,6 +1,7 @@
 """The scheduler: one per engine, owning every running request (continuous batching).
 
-    submit -> prepare (a worker thread: video decode, prompt, prefix-cache lookup)
+    submit -> prepare (a worker thread: video decode, prompt, prefix-cache lookup; a request
+              whose video's first prefill is running waits for it, then reads the cache)
            -> waiting (admission: a KV-arena slot of prompt + max new + k + 1 tokens)
            -> prefilling (a chunk per loop turn, between decode steps)
            -> running (one batched step per loop turn) -> done
@@ -38,7 +39,7 @@ from .draft_policy import DraftPolicy, TreeTrim
 from .errors import ResourceExhausted
 from .model_runner import ModelRunner
 from .output import TokenDelta
-from .prefix_cache import PrefixEntry
+from .prefix_cache import PrefillsInFlight, PrefixEntry
 from .request import Request
 from .step_costs import CostModel
 
@@ -71,6 +72,7 @@ class Scheduler:
         self._prefilling: deque[Request] = deque()
         self._running: list[Request] = []
         self._to_prepare: deque[Request] = deque()   # submitted, not yet prepared
+        self._in_flight = PrefillsInFlight()         # video keys being prefilled, and who waits for them
         # call_soon work (live ingest), one queue per key (a live session), served round-robin
         self._tasks: dict[Any, deque[tuple[Callable[[], Any], Future]]] = {}
         self._preparers = 0                          # worker threads preparing them
@@ -82,10 +84,11 @@ class Scheduler:
         # to wait for KV memory, prefill slices run, prefills finished in a shared forward (with
         # others); requests that ended (abort, deadline) before their preparation began, while it
         # ran (stopped at the next packet, or before the patchify), or after its last check (the
-        # patchify or prompt build then wasted).
+        # patchify or prompt build then wasted); requests that waited for their video's running
+        # prefill instead of prefilling it again.
         self.stats = {"steps": 0, "max_batch": 0, "waited_for_memory": 0, "prefill_slices": 0, "tasks": 0,
                       "prefills_together": 0, "ended_before_prepare": 0, "ended_while_preparing": 0,
-                      "prepared_dead": 0}
+                      "prepared_dead": 0, "waited_for_prefill": 0}
 
     # ----- submission (any thread) ---------------------------------------------------------------
     def submit(self, video, prompt: str, sampling: SamplingParams, options, video_key: str | None,
@@ -96,14 +99,18 @@ class Scheduler:
         if self._closed:
             raise RuntimeError("the engine is closed")
         with self._cv:
-            queued = len(self._to_prepare) + len(self._waiting) + len(self._ready)
+            queued = len(self._to_prepare) + len(self._waiting) + len(self._ready) + len(self._in_flight)
             if queued >= self.config.max_waiting + self.config.max_running:
                 raise ResourceExhausted(f"{queued} requests are already waiting; try again later")
             self._to_prepare.append(request)
-            if self._preparers < self.config.prepare_threads:
-                self._preparers += 1
-                self._start(threading.Thread(target=self._prepare_loop, name="sparrow-prepare", daemon=True))
+            self._add_preparers(1)
         return request
+
+    def _add_preparers(self, n: int) -> None:
+        """Under _cv: a worker thread for each of `n` requests just queued, up to prepare_threads."""
+        for _ in range(min(n, self.config.prepare_threads - self._preparers)):
+            self._preparers += 1
+            self._start(threading.Thread(target=self._prepare_loop, name="sparrow-prepare", daemon=True))
 
     def call_soon(self, fn: Callable[[], Any], key: Any = None) -> Future:
         """Run `fn` on the scheduler thread between steps (work that uses the target model
@@ -134,7 +141,8 @@ class Scheduler:
         """Close and abort every request it holds (their threads then end at the next step)."""
         self.close()
         with self._cv:
-            held = [*self._to_prepare, *self._ready, *self._waiting, *self._prefilling, *self._running]
+            held = [*self._to_prepare, *self._in_flight.waiting(), *self._ready, *self._waiting,
+                    *self._prefilling, *self._running]
         for request in held:
             request.abort()
 
@@ -151,6 +159,8 @@ class Scheduler:
                     self._preparers -= 1
                     return
                 request = self._to_prepare.popleft()
+                if self._waits_for_prefill(request):
+                    continue
             # An ended request costs nothing more: not prepared at all, or its decode stopped at
             # the next packet (RequestAborted); admission then finishes it as "abort".
             if request.aborted.is_set():
@@ -161,6 +171,7 @@ class Scheduler:
                 except BaseException as exc:  # noqa: BLE001 - handed to the request's reader
                     if not request.aborted.is_set():
                         request.sink(exc)
+                        self._settle(request, finished=False)
                         continue
                     self.stats["ended_while_preparing"] += 1
                 else:
@@ -170,6 +181,30 @@ class Scheduler:
                 self._ready.append(request)
                 self._ensure_thread()
                 self._cv.notify_all()
+
+    def _waits_for_prefill(self, request: Request) -> bool:
+        """Under _cv: True when the request's video is being prefilled for another request (it
+        waits for that prefill, then reads the prefix cache); otherwise a request whose video
+        is not cached leads its key, and later requests for it wait for this one."""
+        cache, key = self.runner.prefix_cache, request.video_key
+        if cache is None or key is None or request.entry is not None or request.aborted.is_set():
+            return False
+        if self._in_flight.join(key, request, cached=key in cache):
+            self.stats["waited_for_prefill"] += 1
+            self._ensure_thread()                     # its loop ends a waiter that aborts
+            return True
+        return False
+
+    def _settle(self, request: Request, finished: bool) -> None:
+        """The request's video prefill is done (`finished`: its prefix went to the cache if it
+        fits there) or will never be: whoever waited for it goes on to be prepared, first in
+        line (an ended leader's first waiter leads and prefills the video itself)."""
+        with self._cv:
+            key = self._in_flight.leads(request)
+            cached = finished and key is not None and key in self.runner.prefix_cache
+            going = self._in_flight.settle(request, finished, cached)
+            self._to_prepare.extendleft(reversed(going))
+            self._add_preparers(len(going))
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -183,11 +218,15 @@ class Scheduler:
             with self._cv:
                 self._waiting.extend(self._ready)
                 self._ready.clear()
+                ended = self._in_flight.drop(lambda r: r.aborted.is_set())    # admission ends them
+                self.stats["ended_before_prepare"] += len(ended)
+                self._waiting.extend(ended)
                 busy = bool(self._waiting or self._prefilling or self._running or self._tasks)
                 if not busy:
-                    # An idle scheduler lets its thread go (a later submit starts another).
+                    # An idle scheduler lets its thread go (a later submit starts another), unless
+                    # requests wait for a prefill still being prepared (an abort ends them here).
                     idle_since = idle_since or time.monotonic()
-                    if self._closed or time.monotonic() - idle_since > 2.0:
+                    if not len(self._in_flight) and (self._closed or time.monotonic() - idle_since > 2.0):
                         self._thread = None
                         return
                     self._cv.wait(timeout=0.5)
@@ -349,6 +388,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001
             self._finish(request, error=exc)
             return
+        self._settle(request, finished=True)
         self._running.append(request)
         self._emit(request, [first])
 
@@ -397,7 +437,7 @@ class Scheduler:
         if self.trim is not None:
             proposals = self.trim.cut(batch, proposals, self.policy.linear_costs(batch))
         results = self.runner.verify(batch, proposals)
-        self.runner.commit(batch, ks, results)
+        self.runner.commit(batch, results)
         self._record(batch, ks, proposals, results)
         for request, result in zip(batch, results):
             self._emit(request, result.tokens)
@@ -432,6 +472,7 @@ class Scheduler:
         if request.done:
             return
         request.done = True
+        self._settle(request, finished=False)
         final = self.runner.final(request, finish) if error is None else error
         for queue in (self._running, self._prefilling, self._waiting):
             if request in queue:
