@@ -46,10 +46,6 @@ _NEG_INF = float("-inf")
 # 16k+ the masked kernel is the slower one (1.3x at 16k, 1.75x at 25k with 13 tokens). Measured
 # on the 2-core CPU, one thread, 2 kv heads of dim 32 (kernels/README.md).
 DENSE_PREFIX = 8192
-# With the compiled prefix kernel (cpu_prefix.py) ready, the split pays from fewer keys: at 8,064
-# keys 5- and 13-token verify steps 15-17% faster than the one masked call (BENCHMARKS.md, the
-# hot path after the CPU prefix kernel). Below this many keys the masked call stays.
-KERNEL_DENSE_PREFIX = 2048
 # A ragged batch on a CPU: every request of a layer in one call of the compiled kernel
 # (verify_attention_ragged) where it is built. At 8 requests over 0.5k keys a 5-token step's
 # attention is 172 us a layer against 314 us for one call a request (one thread; at 25k keys the
@@ -181,15 +177,13 @@ def _bench(q_shape: tuple, k_shape: tuple, dtype: torch.dtype, prefix_len: int):
 
 
 def default_path(q: torch.Tensor, prefix_len: int) -> str:
-    """Today's rule where nothing is measured: the kernel where it is built past a few thousand keys
-    (every decode step), the one dense call over short caches, torch's flash op past DENSE_PREFIX."""
-    kernel = q.device.type == "cpu" and cpu_prefix.ready()
-    if q.shape[2] == 1:
-        return "kernel" if kernel else "dense"
-    dense = min(DENSE_PREFIX, KERNEL_DENSE_PREFIX) if kernel else DENSE_PREFIX
-    if prefix_len <= dense:
+    """The rule where nothing is measured yet: torch's ops only (the one dense call over short
+    caches and every decode step, torch's flash op past DENSE_PREFIX). The compiled kernel serves
+    only where it was measured fastest on this machine: tuned on one CPU, it was 3-10x slower than
+    torch's ops on another (BENCHMARKS.md, attention paths)."""
+    if q.shape[2] == 1 or prefix_len <= DENSE_PREFIX:
         return "dense"
-    return "kernel" if kernel else "flash"
+    return "flash"
 
 
 def run_path(path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
@@ -239,8 +233,8 @@ def verify_attention_ragged(query: torch.Tensor, views: list[tuple[torch.Tensor,
         return None
     longest = max(range(len(views)), key=lambda s: views[s][0].shape[2])
     (start, end), k = bounds[longest], views[longest][0]
-    if cpu_path(query[:, :, start:end], k, k.shape[2] - (end - start)) == "flash":
-        return None          # where torch's op was measured faster than the kernel: one call a request
+    if FORCED_PATH != "kernel" and cpu_path(query[:, :, start:end], k, k.shape[2] - (end - start)) != "kernel":
+        return None          # the kernel only where it was measured fastest (or forced): one call a request
     out = cpu_prefix.ragged_attention(query, [k for k, _ in views], [v for _, v in views], [b[0] for b in bounds],
                                       [b[1] for b in bounds], trees, query.shape[-1] ** -0.5)
     return None if out is None else out.to(query.dtype).unsqueeze(0)

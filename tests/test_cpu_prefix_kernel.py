@@ -24,7 +24,7 @@ from test_verify_attention import PROMPT, _hf_greedy
 
 import sparrow.kernels.packed as packed
 from sparrow import Engine, SamplingParams, SpecConfig
-from sparrow.kernels import cpu_prefix, native
+from sparrow.kernels import autotune, cpu_prefix, native
 from sparrow.kernels.native import NativeExtension
 from sparrow.kernels.packed import verify_attention_packed
 from sparrow.kernels.reference import verify_attention_ref
@@ -38,6 +38,14 @@ def kernel():
     module = cpu_prefix.load()
     assert module is not None, "the CPU prefix kernel did not build (see the log)"
     return module
+
+
+@pytest.fixture(autouse=True)
+def kernel_forced(monkeypatch):
+    """The kernel serves wherever it can (SPARROW_ATTENTION_PATH=kernel): unforced, it serves only
+    where the tuner measured it fastest, and the tests run with the tuner off."""
+    monkeypatch.setattr(autotune, "FORCED", "kernel")
+    monkeypatch.setattr(packed, "FORCED_PATH", "kernel")
 
 
 @pytest.fixture
