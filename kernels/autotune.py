@@ -12,8 +12,12 @@ shape; the choice is kept for the process and in a file beside the extension bui
 CPU, torch and the kernels' build keys, so the next process starts with it. cuBLAS, oneDNN and
 Triton's autotuner all work this way.
 
-    SPARROW_ATTENTION_PATH=kernel|flash|dense   force one path wherever it can serve (no timing)
+    SPARROW_ATTENTION_PATH=kernel|flash|dense   force one attention path wherever it can serve (no timing)
     SPARROW_AUTOTUNE=0                          no timing: the callers' defaults serve
+
+The draft's levels are chosen the same way (kernels/draft_chain.py: torch's levels or the C++
+kernel, per draft geometry, window, key slots and batch-rows bucket), by a tuner of their own
+with its own override (SPARROW_DRAFT_NATIVE) and its own file here.
 """
 
 from __future__ import annotations
@@ -71,8 +75,12 @@ Bench = Callable[[], Callable[[str], Callable[[], object]]]
 class PathTuner:
     """Chooses among named paths per key by timing them; `choice` never waits on a measurement."""
 
-    def __init__(self, name: str, store: Callable[[], Path | None]):
-        self.name, self._store = name, store
+    def __init__(self, name: str, store: Callable[[], Path | None],
+                 forced: Callable[[], str | None] | None = None, clock: Callable[[], float] = time.perf_counter):
+        # forced: the path an override names (None: none), by default SPARROW_ATTENTION_PATH's;
+        # clock: what a run costs (wall time; time.thread_time for paths that run on the calling
+        # thread alone, so a busy serving thread's hold on the GIL is not charged to them)
+        self.name, self._store, self._forced, self._clock = name, store, forced, clock
         self._chosen: dict[Key, str] = {}
         self._times: dict[Key, dict[str, float]] = {}
         self._pending: set[Key] = set()
@@ -82,11 +90,15 @@ class PathTuner:
         self._stop = threading.Event()
         self._loaded = False
 
-    def choice(self, key: Key, candidates: tuple[str, ...], bench: Bench) -> str | None:
+    def choice(self, key: Key, candidates: tuple[str, ...], bench: Bench,
+               snapshot: Callable[[], object] | None = None) -> str | None:
         """The fastest of `candidates` for `key`, if measured; else None (the caller's default
-        serves) and the measurement is queued. A forced path wins where it is a candidate."""
-        if FORCED is not None:
-            return FORCED if FORCED in candidates else None
+        serves) and the measurement is queued. A forced path wins where it is a candidate.
+        snapshot: called on this thread only when the measurement is queued (copies of live
+        inputs the bench times on); its value is then bench's one argument."""
+        forced = FORCED if self._forced is None else self._forced()
+        if forced is not None:
+            return forced if forced in candidates else None
         if len(candidates) < 2:
             return candidates[0] if candidates else None
         full = (*key, candidates)
@@ -102,6 +114,15 @@ class PathTuner:
             if full in self._pending or self._stop.is_set():
                 return None
             self._pending.add(full)
+            if snapshot is not None:
+                try:
+                    bench = functools.partial(bench, snapshot())
+                except Exception as exc:  # noqa: BLE001 - nothing to time on: the default serves
+                    log.warning("%s: could not copy the inputs of %s (%s: %s); the default serves", self.name,
+                                full, type(exc).__name__, exc)
+                    self._pending.discard(full)
+                    self._chosen[full] = candidates[0]
+                    return None
             self._queue.put((full, candidates, bench))
             if self._worker is None or not self._worker.is_alive():
                 # A daemon only waits and times small ops; it holds no file or lock, and an exit
@@ -114,11 +135,15 @@ class PathTuner:
         """The measured ms of each candidate for key (None: not measured in this process)."""
         return self._times.get((*key, candidates))
 
+    def measured(self) -> dict[Key, tuple[str, dict[str, float]]]:
+        """What this process measured: per key (the candidates last) the choice and each one's ms."""
+        return {full: (self._chosen[full], dict(ms)) for full, ms in list(self._times.items())}
+
     def measure(self, key: Key, candidates: tuple[str, ...], bench: Bench) -> str:
         """Time the candidates now, on this thread; the choice is kept and returned."""
         full = (*key, candidates)
         make = bench()
-        ms = _time({name: make(name) for name in candidates})
+        ms = _time({name: make(name) for name in candidates}, self._clock)
         best = min(ms, key=ms.get)
         self._chosen[full], self._times[full] = best, ms
         log.info("%s %s: %s (%s)", self.name, key, best, ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()))
@@ -181,7 +206,14 @@ class PathTuner:
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            entries = [{"key": list(_listed(k)), "choice": c} for k, c in list(self._chosen.items())]
+            kept = {}                   # what another process (or tuner) kept there meanwhile stays
+            if path.exists():
+                try:
+                    kept = {_untuple(e["key"]): e["choice"] for e in json.loads(path.read_text())}
+                except (ValueError, KeyError, TypeError):
+                    kept = {}
+            kept.update(self._chosen)
+            entries = [{"key": list(_listed(k)), "choice": c} for k, c in list(kept.items())]
             tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
             tmp.write_text(json.dumps(entries))
             tmp.replace(path)
@@ -197,10 +229,11 @@ def _untuple(key):
     return tuple(tuple(k) if isinstance(k, list) else k for k in key)
 
 
-def _time(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Median ms of each run() after a warm-up, the candidates interleaved in every round (a load
-    that comes and goes moves them alike), MIN_REPS..MAX_REPS rounds within about BUDGET_S a
-    candidate; CLOSE_FACTOR times that where the two fastest came within CLOSE of each other."""
+def _time(runs: dict[str, Callable[[], object]], clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median ms of each run() by `clock` after a warm-up, the candidates interleaved in every
+    round (a load that comes and goes moves them alike), MIN_REPS..MAX_REPS rounds within about
+    BUDGET_S (wall) a candidate; CLOSE_FACTOR times that where the two fastest came within CLOSE
+    of each other."""
     for run in runs.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -208,9 +241,9 @@ def _time(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
     start = time.perf_counter()
     while True:
         for name, run in runs.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             run()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
         done = len(times[next(iter(runs))])
         if done < MIN_REPS or (done < rounds and time.perf_counter() - start < budget):
             continue
@@ -221,12 +254,12 @@ def _time(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
         rounds, budget, extended = rounds * CLOSE_FACTOR, budget * CLOSE_FACTOR, True
 
 
-def store_path(*parts: str) -> Path | None:
-    """A file beside the extension builds, named by the CPU, torch and `parts` (build keys)."""
+def store_path(*parts: str, kind: str = "attention") -> Path | None:
+    """A file beside the extension builds, named by `kind`, the CPU, torch and `parts` (build keys)."""
     try:
         from .native import cpu_tag, extensions_root
         tag = "_".join([cpu_tag(), torch.__version__.replace("+", "-"), *parts])
-        return extensions_root() / "sparrow_tuned" / f"attention_{tag}.json"
+        return extensions_root() / "sparrow_tuned" / f"{kind}_{tag}.json"
     except Exception:  # noqa: BLE001 - no place to keep them: measured again next process
         return None
 
@@ -240,8 +273,9 @@ TUNERS: list[PathTuner] = []
 atexit.register(_stop_all)
 
 
-def tuner(name: str, store: Callable[[], Path | None]) -> PathTuner:
+def tuner(name: str, store: Callable[[], Path | None], forced: Callable[[], str | None] | None = None,
+          clock: Callable[[], float] = time.perf_counter) -> PathTuner:
     """A registered PathTuner (stopped at exit)."""
-    made = PathTuner(name, store)
+    made = PathTuner(name, store, forced, clock)
     TUNERS.append(made)
     return made

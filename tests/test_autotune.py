@@ -97,3 +97,61 @@ def test_packed_attention_serves_the_measured_path(monkeypatch):
     torch.testing.assert_close(packed.packed_attention(q, k, v, 900), want, **FP32)
     assert served == [min(times, key=times.get)]
     packed.TUNER.stop()
+
+
+def test_inputs_are_copied_only_when_a_measurement_is_queued(tmp_path, monkeypatch):
+    """snapshot runs on the caller's thread once, when the shape is queued; never for a known,
+    pending or forced shape; its value is what the bench times on."""
+    monkeypatch.setattr(autotune, "ENABLED", True)
+    tuner = autotune.PathTuner("test", lambda: None)
+    copies: list[int] = []
+    got: list[object] = []
+
+    def bench(inputs):
+        got.append(inputs)
+        return _slow_and_fast(20)()
+    for _ in range(3):
+        tuner.choice(("k",), ("slow", "fast"), bench, lambda: copies.append(1) or "copied")
+    assert tuner.wait(30) and copies == [1] and got == ["copied"]
+    assert tuner.choice(("k",), ("slow", "fast"), bench, lambda: pytest.fail("copied again")) == "fast"
+    forced = autotune.PathTuner("test", lambda: None, lambda: "slow")
+    assert forced.choice(("k",), ("slow", "fast"), bench, lambda: pytest.fail("copied for a forced path")) == "slow"
+    tuner.stop()
+
+
+def test_two_tuners_on_one_file_keep_each_others_choices(tmp_path, monkeypatch):
+    """A second tuner (or process) saving its choices leaves the first one's in the file."""
+    monkeypatch.setattr(autotune, "ENABLED", True)
+    store = tmp_path / "choices.json"
+    a, b = autotune.PathTuner("a", lambda: store), autotune.PathTuner("b", lambda: store)
+    a.forget()
+    b.forget()                        # neither read the file: each saves only what it measured
+    a.measure(("a",), ("slow", "fast"), _slow_and_fast(20))
+    b.measure(("b",), ("fast", "slow"), _slow_and_fast(20))
+    again = autotune.PathTuner("c", lambda: store)
+    never = lambda: pytest.fail("a kept choice was timed again")   # noqa: E731
+    assert again.choice(("a",), ("slow", "fast"), never) == "fast"
+    assert again.choice(("b",), ("fast", "slow"), never) == "fast"
+
+
+def test_a_tuner_with_its_own_override_ignores_the_attention_one(monkeypatch):
+    monkeypatch.setattr(autotune, "FORCED", "slow")
+    monkeypatch.setattr(autotune, "ENABLED", False)
+    own = autotune.PathTuner("test", lambda: None, lambda: None)
+    assert own.choice(("k",), ("slow", "fast"), lambda: pytest.fail("timed")) is None
+
+
+def test_a_cpu_time_clock_does_not_charge_waiting(monkeypatch):
+    """With time.thread_time a path that waits (a sleep, a GIL held by another thread) is charged
+    only its own work: a 30 ms sleep beats 5 ms of computing; by the wall clock it loses."""
+    def spin():
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.005:
+            pass
+
+    def bench():
+        return lambda name: (lambda: time.sleep(0.03)) if name == "waits" else spin
+    by_cpu = autotune.PathTuner("test", lambda: None, lambda: None, time.thread_time)
+    by_wall = autotune.PathTuner("test", lambda: None, lambda: None)
+    assert by_cpu.measure(("k",), ("waits", "works"), bench) == "waits"
+    assert by_wall.measure(("k",), ("waits", "works"), bench) == "works"

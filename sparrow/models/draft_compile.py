@@ -307,7 +307,8 @@ class DraftLevels:
     rule (`DraftBatch.allow`), not by position alone. compiled: the levels run compiled
     (CPU: inductor with `cpu_options`, default CPU_OPTIONS; CUDA: "reduce-overhead", i.e.
     CUDA graphs), each shape compiled on first use; else eagerly: by the C++ levels
-    (draft_kernel) for a small float32 draft on a CPU once they are built, torch until then.
+    (draft_kernel) for a small float32 draft on a CPU once built, where they measure faster than
+    torch's on this machine (draft_chain.serves: they serve until measured), torch's otherwise.
     emitted_rows: M, the most emitted entries a request may bring to a greedy chain (its last
     steps' commit, run in the same call; 0: never); capacity counts them.
     """
@@ -463,8 +464,8 @@ class DraftLevels:
 
     def _run(self, fn: Callable, batch: DraftBatch, args: tuple):
         if not self.compiled:
-            kernel = self.kernel()
-            if kernel is not None:                        # the C++ levels (where built; torch until then)
+            kernel = self.kernel()         # the C++ levels where built and measured faster here (or forced)
+            if kernel is not None and kernel.serves(fn, args):
                 return (kernel.greedy_chain if fn is greedy_chain else kernel.draft_level)(*args)
             return fn(*args)
         device, dtype = batch.pos.device, batch.keys[0].dtype
