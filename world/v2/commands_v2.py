@@ -6,8 +6,9 @@
 A stage checkpoints into OUT/checkpoint every --save-every steps and the same command resumes
 from there (deterministic under --seed: the resumed steps are the unbroken run's); --max-minutes
 stops it at a checkpoint. When the stage's steps are done the target is saved to OUT with its
-held-out scores (eval-v2 on --final-eval-scenes test scenes) in OUT/world_target_v2.json, and
-each run's span is appended to OUT/train_runs.jsonl.
+held-out scores (eval-v2 on --final-eval-scenes test scenes) in OUT/world_target_v2.json and the
+checkpoint is removed, so the next stage (`--stage narrate --init OUT --out OUT`) starts from
+OUT; each run's span is appended to OUT/train_runs.jsonl.
 """
 
 from __future__ import annotations
@@ -47,26 +48,32 @@ def train_target_v2(c, out: str | Path, stage: str, init: str | Path | None = No
     checkpoint = out / "checkpoint"
     if restart:
         shutil.rmtree(checkpoint, ignore_errors=True)
+    runs_file = out / "train_runs.jsonl"
+    last = json.loads(runs_file.read_text().splitlines()[-1]) if runs_file.is_file() and runs_file.read_text() else None
+    if checkpoint.is_dir() and last is not None and last["stage"] != stage:
+        raise ValueError(f"{checkpoint} is stage {last['stage']!r}'s, not {stage!r}'s: finish that stage, or "
+                         "--restart, or another --out")
     target = resume_target(checkpoint)
     if target is None:
         target = TargetModel.from_pretrained(init) if init is not None else new_v2_target(c)
     data = V2Data(c, cache=out / "data" / f"pool-{stage}-seed{c.seed}-{c.side}px-{c.pool}.pt")
     started, t0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.perf_counter()
-    deadline = time.time() + 60 * max_minutes if max_minutes else None
+    deadline = time.time() + 60 * max_minutes if max_minutes is not None else None
     target, history = train_world_target(c, log=log, target=target, data=data, checkpoint=checkpoint, deadline=deadline)
     steps = [h["step"] for h in history if "loss" in h]
     stopped = history[-1].get("stopped") if history else None
     run = {"stage": stage, "started": started, "seconds": time.perf_counter() - t0, "load": _load(),
            "last_step": stopped or (steps[-1] if steps else 0), "stopped": stopped is not None}
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "train_runs.jsonl", "a") as f:
+    with open(runs_file, "a") as f:
         f.write(json.dumps(run) + "\n")
     if stopped:
         log(f"stopped at step {stopped}: run the same command to resume from {checkpoint}")
         return run
     target.save_pretrained(out)
+    shutil.rmtree(checkpoint, ignore_errors=True)     # done: the next stage starts from OUT (--init)
     report = evaluate_v2(out, "test", final_eval_scenes, (8, 30), c.side, (*SHORT_KINDS, "narrate", "story"), log=log)
-    runs = [json.loads(line) for line in (out / "train_runs.jsonl").read_text().splitlines()]
+    runs = [json.loads(line) for line in runs_file.read_text().splitlines()]
     summary = {"stage": stage, "config": asdict(c), "init": None if init is None else str(init),
                "train_seconds": sum(r["seconds"] for r in runs if r["stage"] == stage),
                "final_loss": [h for h in history if "loss" in h][-1]["loss"], "lm_parameters": lm_parameters(target),
