@@ -113,13 +113,15 @@ def serves(fn: Callable, args: tuple) -> bool:
 
 def shape_key(fn: Callable, args: tuple) -> tuple:
     """What the two paths' speeds depend on: device, dtype, the draft's geometry (heads, kv heads,
-    head dim, hidden size, layers, vocabulary), its window, the key slots, the call, and the
-    batch's rows (requests x rows a level) by bucket."""
+    head dim, hidden size, layers, vocabulary), its window, the key slots, the call (a level, a
+    chain, a chain with a commit's emitted rows first), and the batch's rows (requests x rows a
+    level) by bucket."""
     level = fn.__name__ == "draft_level"
     dims, w, pos = args[0], args[1], args[8] if level else args[7]
     rows = pos.shape[0] * (args[2].shape[1] if level else 1)          # a level: (B, R) tokens; a chain: one row
+    call = fn.__name__ if level or args[11] is None else "greedy_chain+emitted"      # a commit's rows first
     return (pos.device.type, str(w[1].dtype), dims.heads, dims.kv_heads, dims.head_dim, w[1].shape[0], len(w[4]),
-            w[0].shape[0], dims.window, pos.shape[1], fn.__name__, autotune.rows_bucket(rows))
+            w[0].shape[0], dims.window, pos.shape[1], call, autotune.rows_bucket(rows))
 
 
 def _copied(args: tuple) -> tuple:

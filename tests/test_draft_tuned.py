@@ -126,7 +126,7 @@ def test_trees_and_seeded_chains_are_measured_and_exact(draft, tuned):  # noqa: 
                     seeded=True)
         assert tuner.wait(120)
     calls = {full[-3] for full in tuner.measured()}    # (..., call, rows bucket, candidates)
-    assert calls == {"draft_level", "greedy_chain"}
+    assert {"draft_level", "greedy_chain"} <= calls
     assert {c for c, _ in tuner.measured().values()} == {"torch"}
 
 
