@@ -4,12 +4,13 @@ The scheduler (scheduler.py) decides who runs and how many tokens each scores; t
 computes: a request's preparation (video, prompt, KV size), its prefill job and first token,
 and each decode step's phases over a batch,
 
-    propose  one batched draft pass for the requests that draft (after catching the draft up
-             on steps it sat out)
+    propose  one batched draft pass for the requests that draft (each proposer first runs what
+             its requests emitted since they last drafted: commits are deferred in the
+             proposer, proposer.py)
     verify   one ragged target forward over every request's last token + its draft tree,
              then the batch's acceptance in one tensor program (accept_batch.py, each request
              with its own generator), and every target cache kept to its accepted path
-    commit   the draft learns what each step emitted
+    commit   the draft learns what each step emitted (kept for its next propose)
 
 timing each into `StepTimes`, which the scheduler's draft policy reads. It owns the target,
 the proposer and the KV arena; it knows nothing of queues, admission or threads.
@@ -207,7 +208,6 @@ class ModelRunner:
         drafting = [i for i, k in enumerate(ks) if k > 0]
         proposals: list[Proposal | None] = [None] * len(batch)
         if drafting:
-            self._catch_up([batch[i] for i in drafting])
             cap = self.config.step_draft_nodes
             share = max(1, cap // len(drafting)) if cap else None
             calls = [DraftRequest(batch[i].draft_state, ks[i], batch[i].sampling, batch[i].generator, share,
@@ -243,32 +243,15 @@ class ModelRunner:
         self.times.verify_s += time.perf_counter() - t0
         return results
 
-    def commit(self, batch: list[Request], ks: list[int], results: list[StepResult]) -> None:
-        """The draft learns what each step emitted. A request that did not draft this step
-        keeps its results for later (`_catch_up`): plain steps cost the draft nothing."""
+    def commit(self, batch: list[Request], results: list[StepResult]) -> None:
+        """The draft learns what each step emitted, drafted or not. A commit runs no
+        draft pass: the proposer keeps the entries for the request's next propose (the
+        Proposer contract, proposer.py), so plain steps cost the draft nothing."""
         t0 = time.perf_counter()
-        pairs = []
-        for request, k, result in zip(batch, ks, results):
-            if request.draft_state is None:
-                continue
-            if k > 0:
-                pairs.append((request.draft_state, result))
-            else:
-                request.pending_commits.append(result)
+        pairs = [(r.draft_state, res) for r, res in zip(batch, results) if r.draft_state is not None]
         if pairs:
             self.proposer.commit([s for s, _ in pairs], [res for _, res in pairs])
         self.times.draft_s += time.perf_counter() - t0
-
-    def _catch_up(self, drafting: list[Request]) -> None:
-        """Before a request drafts again: the steps it decoded without drafting, in one commit."""
-        late = [r for r in drafting if r.pending_commits]
-        if not late:
-            return
-        merged = [StepResult(None, [t for res in r.pending_commits for t in res.tokens], _features(r.pending_commits))
-                  for r in late]
-        self.proposer.commit([r.draft_state for r in late], merged)
-        for r in late:
-            r.pending_commits.clear()
 
     # ----- a request's end -------------------------------------------------------------------------
     def final(self, request: Request, finish: str) -> GenerationOutput:
@@ -296,14 +279,6 @@ class ModelRunner:
             request.state = request.draft_state = request.job = request.inputs = request.processed = None
             request.embeds = None
             request.slot = None
-
-
-def _features(results: list[StepResult]) -> torch.Tensor | None:
-    """The target features of several steps' tokens, in order; None for a proposer that reads
-    none (SpecVLM's small VLM reads tokens only)."""
-    if results[0].features is None:
-        return None
-    return torch.cat([res.features for res in results])
 
 
 def _first_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,

@@ -179,13 +179,16 @@ def test_a_greedy_chain_propose_reads_the_host_once(draft, monkeypatch):
 
 
 def test_a_commit_runs_in_the_next_greedy_chains_call(draft, monkeypatch):
-    """With a static runner a step's commit runs no draft pass of its own: the next greedy chain
-    runs the emitted entries first, in its one call (and one host read). Entries that wait past
-    `emitted_rows`, or a propose that is not a greedy chain, run them alone first (the reference
-    pass), so nothing is lost; run_steps checks the proposals equal the reference's throughout."""
+    """A commit runs no draft pass of its own (the deferred commit, proposer.py): with a static
+    runner the next greedy chain runs the emitted entries first, in its one call (and one host
+    read). Entries that wait past `emitted_rows`, or a propose that is not a greedy chain, run
+    them alone first (the reference pass, one for all the steps waiting), so nothing is lost;
+    run_steps checks the proposals equal the reference's throughout. The reference path waits
+    too."""
     from sparrow.models.draft import SparrowDraft
 
-    static = proposers(draft, SPEC, compiled=False)["static"]
+    paths = proposers(draft, SPEC, compiled=False)
+    static = paths["static"]
     states = [static.begin_context(c, 40) for c in contexts(draft)]
     passes = []
     real = SparrowDraft.forward_packed
@@ -200,11 +203,19 @@ def test_a_commit_runs_in_the_next_greedy_chains_call(draft, monkeypatch):
     assert passes == [] and all(not s.pending for s in states)
     assert [(s.next_pos, len(s.kv)) for s in states] == [(n + 3, k + 3) for n, k in before]
     static.commit(states, [StepResult(None, [1, 2, 3], feats)] * 3)
-    static.commit(states, [StepResult(None, [4, 5, 6], feats)] * 3)      # 6 waiting > emitted_rows (5): run now
-    assert passes == [1] and all(not s.pending for s in states)
+    static.commit(states, [StepResult(None, [4, 5, 6], feats)] * 3)      # 6 waiting > emitted_rows (5)
     static.commit(states, [StepResult(None, [7], feats)] * 3)
+    assert passes == [] and [len(s.pending) for s in states] == [7] * 3
     static.propose([DraftRequest(s, 4, SamplingParams(temperature=1.0, seed=0), new_generator(0)) for s in states])
-    assert passes == [1, 1] and [s.next_pos for s in states] == [n + 10 for n, _ in before]
+    assert passes == [1] and [s.next_pos for s in states] == [n + 10 for n, _ in before]
+    reference = paths["reference"]
+    states = [reference.begin_context(c, 40) for c in contexts(draft)]
+    before = [s.next_pos for s in states]
+    passes.clear()
+    reference.commit(states, [StepResult(None, [1, 2, 3], feats)] * 3)
+    assert passes == [] and [s.next_pos for s in states] == before
+    reference.propose([DraftRequest(s, 1, SamplingParams(), new_generator(0)) for s in states])
+    assert passes == [1] and [s.next_pos for s in states] == [n + 3 for n in before]
 
 
 def test_warm_up_compiles_before_the_first_request(draft, monkeypatch):

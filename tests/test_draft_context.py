@@ -153,6 +153,7 @@ def test_all_context_keeps_every_entry_and_round_trips(qwen_target, small_video)
     assert len(state.kv) == s.glimpse + ctx.token_ids.shape[0]                      # nothing skipped
     proposer.propose_one(state, 3, SamplingParams(), new_generator(0))
     proposer.commit_one(state, [5, 6], torch.zeros(2, ctx.features.shape[1]))
+    proposer.propose_one(state, 1, SamplingParams(), new_generator(0))              # runs the commit
     assert len(state.kv) == s.glimpse + ctx.token_ids.shape[0] + 2                  # nothing evicted
     assert state.kv.max_visible == len(state.kv) and proposer.window == FULL_WINDOW
     text = build_context(qwen_target.prefill(inputs, 512, proposer.needs.feature_layers, proposer.needs.bridge_layer),

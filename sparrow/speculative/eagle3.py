@@ -33,7 +33,7 @@ default: every prompt entry, visual ones included, as EAGLE-3 runs on a VLM.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,7 +46,7 @@ from ..errors import InvalidRequest
 from ..models.prefill import FeatureNeeds
 from .draft_context import DraftContext, build_context
 from ..models.draft import DraftKV, RMSNorm, rope  # the Sparrow draft's cache, norm and rotary embedding
-from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
+from .proposer import BeginInput, DraftRequest, DraftState, Pending, Proposal, StepResult
 from .sampling import PositionNoise, draft_probs, sample
 
 WEIGHTS = "model.safetensors"
@@ -232,6 +232,7 @@ class Eagle3State(DraftState):
     kv: DraftKV
     committed: int               # entries in kv that hold target-verified inputs
     last_out: torch.Tensor       # (H,) pre-norm output at the last committed entry
+    pending: Pending = field(default_factory=Pending)   # emitted, run at the next propose (proposer.py)
 
     def kv_bytes(self) -> int:
         """The draft cache's key/value buffers as allocated (DraftKV.nbytes: capacity, not fill)."""
@@ -291,6 +292,7 @@ class Eagle3Proposer:
     @torch.inference_mode()
     def propose_one(self, state: Eagle3State, k: int, sampling: SamplingParams,
                     generator: torch.Generator, noise: PositionNoise | None = None) -> Proposal:
+        self._run_pending(state)
         d, out = self.draft, state.last_out
         tokens, probs = [], []
         for j in range(k):
@@ -315,13 +317,21 @@ class Eagle3Proposer:
         q = q_d.new_zeros(self.vocab_size).index_copy_(0, target_ids, q_d)                            # (V,)
         return (noise.pick(q, offset)[0] if noise is not None else sample(q, generator)), q
 
-    @torch.inference_mode()
     def commit_one(self, state: Eagle3State, tokens: list[int], features: torch.Tensor) -> None:
-        """tokens: (m,) emitted this step; features: (m, 3H) target features before each."""
-        d = self.draft
+        """tokens: (m,) emitted this step; features: (m, 3H) target features before each. The
+        speculative entries go now; the emitted ones wait for the next propose (`_run_pending`)."""
         state.kv.truncate(state.committed)
-        ids = torch.tensor(tokens, device=features.device)
-        out = d.forward_entries(ids, d.fc(features), state.kv)
+        state.pending.add(StepResult(None, tokens, features))
+
+    @torch.inference_mode()
+    def _run_pending(self, state: Eagle3State) -> None:
+        """Run the entries emitted since the last propose through the draft (one pass)."""
+        late = state.pending.take()
+        if late is None:
+            return
+        d = self.draft
+        ids = torch.tensor(late.tokens, device=late.features.device)
+        out = d.forward_entries(ids, d.fc(late.features), state.kv)
         state.committed = len(state.kv)
         state.last_out = out[-1]
 

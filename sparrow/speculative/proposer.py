@@ -7,10 +7,17 @@ from what that prefill produced (`begin`), drafts for a whole batch of requests 
 and the tokens the step emitted). Everything a proposer keeps for a request lives in the
 DraftState `begin` returned, so one proposer serves every request of an engine.
 
+Commits are deferred here, in the proposer, and nowhere else: the engine commits every step of
+every request that has a DraftState, drafted or not, and a commit runs no draft pass. It
+drops the step's speculative entries and keeps what the step emitted in the state's `Pending`;
+the request's next `propose` runs it first (in its own draft call where it can: Sparrow's
+greedy chain, SpecVLM's first feed, the remote draft's next RPC). A step that does not draft
+costs the draft nothing, and steps a request sat out run in one pass when it drafts again.
+
     needs                 FeatureNeeds: feature layers, bridge layer, visual features
     begin(start)          -> DraftState                per request, after its prefill
     propose(batch)        -> [Proposal]                one batched draft pass for the step
-    commit(states, steps) -> None                      what each step emitted
+    commit(states, steps) -> None                      what each step emitted (kept for the next propose)
     end(state)            -> None                      the request is over (done or not)
 
 The engine reads a DraftState through its two measures only (`kv_bytes`, `max_keys`), into
@@ -21,7 +28,7 @@ the request's metrics before `end`. Every proposal goes through the one acceptan
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -92,6 +99,33 @@ class StepResult:
     accept: AcceptResult
     tokens: list[int]
     features: torch.Tensor | None       # (len(tokens), F*H) or None when not asked for
+
+
+@dataclass(slots=True)
+class Pending:
+    """What a request's steps emitted since its draft last ran: the tokens, in order, and the
+    target's features before each ((n, F*H) pieces; none for a proposer that reads tokens
+    only). `commit` adds to it; the next `propose` takes it."""
+
+    tokens: list[int] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, result: StepResult) -> None:
+        m = len(result.tokens)
+        self.tokens.extend(int(t) for t in result.tokens)
+        if result.features is not None:
+            self.features.append(result.features[:m])
+
+    def take(self) -> StepResult | None:
+        """Everything pending as one StepResult (None when nothing is), and empty after."""
+        if not self.tokens:
+            return None
+        out = StepResult(None, self.tokens, torch.cat(self.features) if self.features else None)
+        self.tokens, self.features = [], []
+        return out
 
 
 @runtime_checkable

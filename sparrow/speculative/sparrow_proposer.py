@@ -20,7 +20,7 @@ from sparrow.models.draft_compile import STATIC_BACKENDS, DraftBatch, DraftLevel
 from sparrow.models.prefill import FeatureNeeds
 from sparrow.anchored_window import PAD_POS
 from sparrow.speculative.draft_context import DraftContext, build_context, draft_attention
-from sparrow.speculative.proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
+from sparrow.speculative.proposer import BeginInput, DraftRequest, DraftState, Pending, Proposal, StepResult
 from sparrow.speculative.tree_growth import Node, TreeGrowth
 
 
@@ -30,11 +30,10 @@ class SparrowState(DraftState):
     next_pos: int                # draft position of the next entry
     committed: int               # entries in kv that hold target-verified inputs
     last_hidden: torch.Tensor    # (H,) draft output at the last committed entry
-    # Emitted entries not yet run through the draft (tokens, the target's features before each):
-    # with a static levels, a commit is run by the next greedy chain's call (`_gather`), or
-    # alone (`_flush`) before any other propose. next_pos, committed, last_hidden exclude them.
-    pending: list[int] = field(default_factory=list)
-    pending_features: list[torch.Tensor] = field(default_factory=list)
+    # Emitted entries not yet run through the draft (proposer.Pending: commits wait there): the
+    # next greedy chain's call runs them (`_gather`), any other propose alone first (`_flush`).
+    # next_pos, committed, last_hidden exclude them.
+    pending: Pending = field(default_factory=Pending)
 
     def kv_bytes(self) -> int:
         """The draft cache's key/value buffers as allocated (DraftKV.nbytes: capacity, not fill)."""
@@ -217,7 +216,7 @@ class SparrowProposer:
             self._flush(states)
             if levels < 1 or not self.levels.fits(kvs, levels):
                 return None
-        emitted = [(s.pending, torch.cat(s.pending_features), s.next_pos) if s.pending else None for s in states]
+        emitted = [(s.pending.tokens, torch.cat(s.pending.features), s.next_pos) if s.pending else None for s in states]
         # each level's query position per request (a chain that is over: PAD_POS), after its emitted entries
         return self.levels.gather(kvs, [[r.state.next_pos + len(r.state.pending) + d - 1 if lengths[i] > d else PAD_POS
                                          for i, r in enumerate(batch)] for d in range(1, levels + 1)],
@@ -349,35 +348,22 @@ class SparrowProposer:
             state.next_pos += m
             self._evict(kv, state.next_pos, self.window)
             state.committed, state.last_hidden = len(kv), start[b, 0]
-            state.pending, state.pending_features = [], []
+            state.pending = Pending()
 
     def commit(self, states: list[SparrowState], results: list[StepResult]) -> None:
-        """The draft learns what each request's step emitted. With a static levels the entries
-        wait (`SparrowState.pending`) for the next propose, whose greedy chain runs them in its
-        own call (one draft call a step, not two); else, or past `emitted_rows` waiting, they
-        run now (`_run_commit`). Speculative entries are dropped now either way."""
-        if self.levels is None or not self.levels.emitted_rows:
-            self._run_commit(states, results)
-            return
-        late = []
+        """The draft learns what each request's step emitted, at its next propose (the contract's
+        deferred commit, proposer.py): the entries wait in `SparrowState.pending`, and a greedy
+        chain over static levels runs them in its own call (one draft call a step, not two), any
+        other propose alone first (`_flush`). Speculative entries are dropped now."""
         for state, res in zip(states, results):
             state.kv.truncate(state.committed)
-            m = len(res.tokens)
-            state.pending = state.pending + list(res.tokens)
-            state.pending_features = state.pending_features + [res.features[:m]]
-            if len(state.pending) > self.levels.emitted_rows:
-                late.append(state)
-        self._flush(late)
+            state.pending.add(res)
 
     def _flush(self, states: list[SparrowState]) -> None:
         """Run the pending entries of these requests now (one packed pass)."""
         late = [s for s in states if s.pending]
-        if not late:
-            return
-        results = [StepResult(None, s.pending, torch.cat(s.pending_features)) for s in late]
-        for s in late:
-            s.pending, s.pending_features = [], []
-        self._run_commit(late, results)
+        if late:
+            self._run_commit(late, [s.pending.take() for s in late])
 
     @torch.inference_mode()
     def _run_commit(self, states: list[SparrowState], results: list[StepResult]) -> None:

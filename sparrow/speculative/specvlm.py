@@ -23,13 +23,14 @@ VLM's visual tokens of recent keyed videos itself (`video_cache_entries`, LRU): 
 them; a hit on a key it no longer holds (evicted here, or a prefix made by another engine)
 raises InvalidRequest.
 
-Cache bookkeeping (lazy append, no extra forward in commit). The draft cache always holds a
-prefix of the request's sequence: kept prompt + emitted tokens, except a short `pending`
-tail of emitted tokens not fed yet. propose(k) feeds `pending` + d_1..d_{k-1} (d_k is never
-fed: nothing would read its keys before the verdict). commit(tokens = accepted a drafts +
-the target's correction/bonus token): the first min(a, k-1) fed drafts are right and stay,
-the other fed drafts are cropped off (`cache.crop(-n)`), and `pending` becomes the emitted
-tokens not in the cache: [correction] if a < k, [d_k, bonus] if a == k.
+Cache bookkeeping (lazy append, no extra forward in commit: the contract's deferred commit,
+proposer.py). The draft cache always holds a prefix of the request's sequence: kept prompt +
+emitted tokens, except a `pending` tail of emitted tokens not fed yet. propose(k) feeds
+`pending` + d_1..d_{k-1} (d_k is never fed: nothing would read its keys before the verdict).
+commit(tokens = accepted a drafts + the target's correction/bonus token): the first
+min(a, k-1) fed drafts are right and stay, the other fed drafts are cropped off
+(`cache.crop(-n)`), and the emitted tokens not in the cache join `pending`: [correction] if
+a < k, [d_k, bonus] if a == k, the one token of a step that did not draft.
 
 The draft cache is the target's kind (kv_cache.py: a preallocated buffer per layer plus a
 length, so a crop is a length move), sized at `begin` for the kept prompt + BeginInput.room;
@@ -51,7 +52,7 @@ from ..models.kv_cache import new_kv_cache
 from ..models.prefill import FeatureNeeds, PrefillOutput
 from ..models.target import TargetModel
 from .glimpse import text_to_visual_attention
-from .proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
+from .proposer import BeginInput, DraftRequest, DraftState, Pending, Proposal, StepResult
 from .prune import prune_budget, prune_visual
 from .sampling import PositionNoise, draw_token
 
@@ -63,7 +64,7 @@ class SpecVLMState(DraftState):
     cache: Cache | None              # the small VLM's KV: PreallocatedLayers (kv_cache.py); None once ended
     next_index: int                  # full-sequence index of the next token fed (position = index + rope_delta)
     rope_delta: int
-    pending: list[int]               # emitted tokens not yet fed to the draft
+    pending: Pending                 # emitted tokens not yet fed to the draft (proposer.py's deferred commit)
     num_visual: int                  # visual tokens in the target's prompt
     kept_visual: torch.Tensor        # (keep,) sorted indices of the visual tokens the draft sees
     prompt_entries: int              # draft cache entries after its prefill (text + kept visual)
@@ -186,7 +187,7 @@ class SpecVLMProposer:
         cache = new_kv_cache("static", small.num_layers, length + room)
         small.hf(inputs_embeds=embeds, position_ids=position_ids[..., keep_mask.to(position_ids.device)].to(dev),
                  cache=cache, use_cache=True, logits_to_keep=1)
-        return SpecVLMState(cache=cache, next_index=ids.shape[0], rope_delta=rope_delta, pending=[int(first_token)],
+        return SpecVLMState(cache=cache, next_index=ids.shape[0], rope_delta=rope_delta, pending=Pending([int(first_token)]),
                             num_visual=n_vis, kept_visual=kept.cpu(), prompt_entries=length, max_visible=length)
 
     def _visual_tokens(self, sm_inputs: dict[str, torch.Tensor], video_key: str | None) -> torch.Tensor:
@@ -255,8 +256,7 @@ class SpecVLMProposer:
             raise RuntimeError("this request's draft state was already released")
         if not state.pending:
             raise RuntimeError("propose called without a committed token to continue from")
-        feed, tokens, probs = state.pending, [], []
-        state.pending = []
+        feed, tokens, probs = state.pending.take().tokens, [], []
         for j in range(k):
             tok, q = draw_token(self._feed(state, feed), sampling, generator, self.draft_mass,
                                 self.draft_max_candidates, noise, j)
@@ -280,7 +280,7 @@ class SpecVLMProposer:
         if remove > 0:
             state.cache.crop(-remove)
             state.next_index -= remove
-        state.pending.extend(tokens[accepted:])
+        state.pending.add(StepResult(None, tokens[accepted:], None))
         state.drafted, state.fed_drafts = [], 0
 
     def end(self, state: SpecVLMState) -> None:
