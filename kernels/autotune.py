@@ -8,7 +8,7 @@ shape is timed once, off the serving path, per
 
 and the fastest serves from then on. A shape first seen is served by the caller's default (what
 it would do without measurements) while a worker thread times the candidates on tensors of that
-shape; the choice is kept for the process and in a file beside the extension builds, named by the
+shape (one worker for every tuner: one measurement at a time); the choice is kept for the process and in a file beside the extension builds, named by the
 CPU, torch and the kernels' build keys, so the next process starts with it. cuBLAS, oneDNN and
 Triton's autotuner all work this way.
 
@@ -84,9 +84,7 @@ class PathTuner:
         self._chosen: dict[Key, str] = {}
         self._times: dict[Key, dict[str, float]] = {}
         self._pending: set[Key] = set()
-        self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._worker: threading.Thread | None = None
         self._stop = threading.Event()
         self._loaded = False
 
@@ -123,12 +121,7 @@ class PathTuner:
                     self._pending.discard(full)
                     self._chosen[full] = candidates[0]
                     return None
-            self._queue.put((full, candidates, bench))
-            if self._worker is None or not self._worker.is_alive():
-                # A daemon only waits and times small ops; it holds no file or lock, and an exit
-                # hook stops it between two timings.
-                self._worker = threading.Thread(target=self._work, name=f"sparrow-tune-{self.name}", daemon=True)
-                self._worker.start()
+        WORKER.put((self, full, candidates, bench))
         return None
 
     def times(self, key: Key, candidates: tuple[str, ...]) -> dict[str, float] | None:
@@ -168,26 +161,20 @@ class PathTuner:
             self._loaded = True
 
     def stop(self) -> None:
+        """No more measurements for this tuner (one under way finishes); its choices stay."""
         self._stop.set()
-        worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join(timeout=1.0)
 
-    def _work(self) -> None:
-        while not self._stop.is_set():
-            try:
-                full, candidates, bench = self._queue.get(timeout=1.0)
-            except queue.Empty:
-                return                  # idle: the thread ends; the next queued shape starts another
-            try:
+    def _run_queued(self, full: Key, candidates: tuple[str, ...], bench: Bench) -> None:
+        try:
+            if not self._stop.is_set():
                 self.measure(full[:-1], candidates, bench)
-            except Exception as exc:  # noqa: BLE001 - a failed measurement leaves the default serving
-                log.warning("%s: could not time %s (%s: %s); the default serves", self.name, full,
-                            type(exc).__name__, exc)
-                self._chosen[full] = candidates[0]
-            finally:
-                with self._lock:
-                    self._pending.discard(full)
+        except Exception as exc:  # noqa: BLE001 - a failed measurement leaves the default serving
+            log.warning("%s: could not time %s (%s: %s); the default serves", self.name, full,
+                        type(exc).__name__, exc)
+            self._chosen[full] = candidates[0]
+        finally:
+            with self._lock:
+                self._pending.discard(full)
 
     def _load(self) -> None:
         self._loaded = True
@@ -264,9 +251,49 @@ def store_path(*parts: str, kind: str = "attention") -> Path | None:
         return None
 
 
+class _Worker:
+    """The one thread that times every tuner's queued measurements, one at a time (two measured at
+    once would each be timed under the other's load). A daemon that only waits and times small
+    ops: it holds no file or lock, ends when idle for a second, and the exit hook stops it between
+    two measurements."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def put(self, item: tuple) -> None:
+        with self._lock:
+            self._queue.put(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="sparrow-tune", daemon=True)
+                self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                tuner, full, candidates, bench = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                with self._lock:                  # idle: ends; the next queued shape starts another
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            tuner._run_queued(full, candidates, bench)
+
+
+WORKER = _Worker()
+
+
 def _stop_all() -> None:
     for tuner in list(TUNERS):
         tuner.stop()
+    WORKER.join(timeout=1.0)
 
 
 TUNERS: list[PathTuner] = []

@@ -155,3 +155,25 @@ def test_a_cpu_time_clock_does_not_charge_waiting(monkeypatch):
     by_wall = autotune.PathTuner("test", lambda: None, lambda: None)
     assert by_cpu.measure(("k",), ("waits", "works"), bench) == "waits"
     assert by_wall.measure(("k",), ("waits", "works"), bench) == "works"
+
+
+def test_two_tuners_never_measure_at_once(monkeypatch):
+    """Every tuner's measurements go through one worker, one at a time: a measurement is never
+    timed under another's load."""
+    monkeypatch.setattr(autotune, "ENABLED", True)
+    spans: list[tuple[str, float, float]] = []
+
+    def bench(tag):
+        def run():
+            t0 = time.perf_counter()
+            time.sleep(0.002)
+            spans.append((tag, t0, time.perf_counter()))
+        return lambda: (lambda name: run)
+    a = autotune.PathTuner("a", lambda: None, lambda: None)
+    b = autotune.PathTuner("b", lambda: None, lambda: None)
+    assert a.choice(("k",), ("x", "y"), bench("a")) is None
+    assert b.choice(("k",), ("x", "y"), bench("b")) is None
+    assert a.wait(60) and b.wait(60)
+    first = {tag: min(t0 for t, t0, _ in spans if t == tag) for tag in "ab"}
+    last = {tag: max(t1 for t, _, t1 in spans if t == tag) for tag in "ab"}
+    assert last["a"] <= first["b"] or last["b"] <= first["a"], "two measurements ran at once"
