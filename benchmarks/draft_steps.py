@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -57,10 +58,13 @@ def contexts(draft: SparrowDraft, n: int, glimpse: int, seed: int = 0) -> list[D
     return [DraftContext.synthetic(draft, 200 + 37 * i, glimpse, g) for i in range(n)]
 
 
-def step_ms(draft: SparrowDraft, spec: SpecConfig, batch: int, reps: int, emitted: int) -> tuple[float, float, float]:
-    """(first propose, median of `reps` steps after two, median of their commits alone) in ms; a
-    step: the commit of `emitted` tokens (the last step's draft tokens and the target's features
-    before them, random) then a greedy propose of k = spec.num_draft_tokens."""
+def stepper(draft: SparrowDraft, spec: SpecConfig, batch: int, reps: int, emitted: int,
+            impl: str) -> tuple[float, Callable[[], tuple[float, float]]]:
+    """(the first propose's ms, a function running one more step and returning its ms and its
+    commit's); a step: the commit of `emitted` tokens (the last step's draft tokens and the target's
+    features before them, random) then a greedy propose of k = spec.num_draft_tokens. impl: the
+    draft_chain.IMPL the proposer's calls run under (set before each, so steppers interleave)."""
+    draft_chain.IMPL = impl
     proposer = SparrowProposer(draft, spec)
     states = [proposer.begin_context(c, 4 * reps * emitted + 400) for c in contexts(draft, batch, spec.glimpse)]
     width = len(draft.config.feature_layers) * draft.config.hidden_size
@@ -72,6 +76,7 @@ def step_ms(draft: SparrowDraft, spec: SpecConfig, batch: int, reps: int, emitte
 
     def once() -> tuple[float, float]:
         nonlocal proposals
+        draft_chain.IMPL = impl
         t0 = time.perf_counter()
         proposer.commit(states, [StepResult(None, p.tokens[:emitted].tolist(), features) for p in proposals])
         t1 = time.perf_counter()
@@ -80,10 +85,10 @@ def step_ms(draft: SparrowDraft, spec: SpecConfig, batch: int, reps: int, emitte
         return 1e3 * (time.perf_counter() - t0), 1e3 * (t1 - t0)
 
     once()                  # (the first with a commit waiting: compiled, its own shape)
-    if draft_chain.IMPL == "auto":
-        draft_chain.TUNER.wait(300)      # the tuner's measurement of this shape, before the timed steps
-    timed = [once() for _ in range(reps)]
-    return first, statistics.median(t for t, _ in timed), statistics.median(c for _, c in timed)
+    if impl == "auto":
+        draft_chain.TUNER.wait(300)      # the tuner's measurement of these shapes, before the timed steps
+        once()
+    return first, once
 
 
 def decode_ms(target: TargetModel, side: int, frames: int, reps: int) -> tuple[int, float]:
@@ -119,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     autotune.ENABLED = True
     draft_chain.TUNER.forget()            # measured afresh in this run, as on a new machine
     head = (f"Machine: {machine()}. World draft, k = {args.k}, {geometry}, greedy, {args.emitted} tokens committed "
-            f"a step, one thread; median of {args.reps} steps after the first propose and one step."
+            f"a step, one thread; median of {args.reps} steps (one of each path in turn) after the first propose "
+            "and one step."
             + (f" World target decode step at {cached} cached tokens ({args.decode_at}): {decode:.2f} ms."
                if decode else ""))
     print(head + "\n")
@@ -127,14 +133,21 @@ def main(argv: list[str] | None = None) -> int:
              "x a decode step | first propose (compiles) |", "|---|---|---|---|---|---|"]
     print("\n".join(table), flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
+        runs = {}                         # every path's stepper, then their steps interleaved
         for step in DRAFT_STEPS:
             for impl, name in STATIC_PATHS if step == "static" else (("auto", step),):
-                draft_chain.IMPL = impl
                 spec = SpecConfig(num_draft_tokens=args.k, adaptive_k=False, draft_step=step, **geometry)
-                first, median, commit = step_ms(draft, spec, batch, args.reps, args.emitted)
-                share = f"{median / decode:.3f}x" if decode else "-"
-                table.append(f"| {batch} | {name} | {median:.2f} | {commit:.2f} | {share} | {first:.1f} ms |")
-                print(table[-1], flush=True)
+                runs[name] = stepper(draft, spec, batch, args.reps, args.emitted, impl)
+        timed: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+        for _ in range(args.reps):
+            for name, (_, once) in runs.items():
+                timed[name].append(once())
+        for name, (first, _) in runs.items():
+            median = statistics.median(t for t, _ in timed[name])
+            commit = statistics.median(c for _, c in timed[name])
+            share = f"{median / decode:.3f}x" if decode else "-"
+            table.append(f"| {batch} | {name} | {median:.2f} | {commit:.2f} | {share} | {first:.1f} ms |")
+            print(table[-1], flush=True)
     draft_chain.IMPL = "auto"
     tuned = ["| call | batch rows (bucket) | key slots | kernel (CPU ms a call) | torch (CPU ms a call) | chosen |",
              "|---|---|---|---|---|---|"]
@@ -147,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         body = "\n".join([
             head + f" Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) at the end. "
             "\"static, measured choice\" is what a server here serves: the path the tuner measured faster for "
-            "the shape (its measurement below, taken before that row's timed steps). Each row is its own run, "
-            "rows not interleaved: on a loaded machine compare the tuner's table (interleaved) first.", "",
+            "the shape (its measurement below, taken before the timed steps). The paths' steps are interleaved "
+            "(one step of each in turn, every round), so a load that comes and goes moves them alike.", "",
             *table, "", "The tuner's measurement: CPU time of one draft call on its worker thread, medians, "
             "paths interleaved.", "", *tuned])
         write_section(args.out, "draft-paths", "Draft paths chosen by measurement (this machine)",
