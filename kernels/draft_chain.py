@@ -90,13 +90,17 @@ def forced() -> str | None:
     return IMPL if IMPL != "auto" else None
 
 
-# Timed by the worker thread's CPU time: both paths run on the calling thread alone (the kernel's
-# loops; torch's ops on a draft this small stay under their parallel grain), and torch's ~80 ops a
-# level each give up the GIL, so wall time would charge them a busy serving thread's hold on it
-# (measured: 4x torch's idle time with a Python loop on the main thread).
+def clock() -> float:
+    """What a draft call costs: with one torch thread, the worker thread's CPU time (torch's ~80
+    ops a level each give up the GIL, so wall time would charge them a busy serving thread's hold
+    on it: 4x torch's idle time measured with a Python loop on the main thread; the kernel's loops
+    run on the calling thread); with more, wall time (torch's ops may run on its other threads)."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def new_tuner(store: Callable[[], Path | None]) -> autotune.PathTuner:
     """A tuner of the draft's paths keeping its choices at store() (TUNER's: beside the builds)."""
-    return autotune.tuner("draft levels", store, forced, time.thread_time)
+    return autotune.tuner("draft levels", store, forced, clock)
 
 
 TUNER = new_tuner(lambda: autotune.store_path(EXTENSION.build_name, kind="draft_levels"))
