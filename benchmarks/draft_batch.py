@@ -40,7 +40,7 @@ from sparrow.speculative.sparrow_proposer import SparrowProposer
 # What the measurements say, written under the table (read it against the table of the run).
 FINDINGS = (
     "Where batch 8's extra cost is: mostly the kernel's arithmetic, which grows with the rows (each "
-    "request's emitted entries and k levels through the draft layer and its head: ~6x from 1 to 8 "
+    "request's emitted entries and k levels through the draft layer and its head: ~5-6x from 1 to 8 "
     "requests, the weights read once for all rows already); the rest, per request, is ~30 small Python "
     "and torch calls of a few us each around it (each request's draft cache: truncate, reserve, advance, "
     "compaction, its pending entries' concatenation in the gather, its Proposal's tensors), none "
