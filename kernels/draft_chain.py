@@ -120,12 +120,19 @@ def shape_key(fn: Callable, args: tuple) -> tuple:
     head dim, hidden size, layers, vocabulary), its window, the key slots, the call (a level, a
     chain, a chain with a commit's emitted rows first), and the batch's rows (requests x rows a
     level) by bucket."""
+    global _geometry
     level = fn.__name__ == "draft_level"
     dims, w, pos = args[0], args[1], args[8] if level else args[7]
     rows = pos.shape[0] * (args[2].shape[1] if level else 1)          # a level: (B, R) tokens; a chain: one row
     call = fn.__name__ if level or args[11] is None else "greedy_chain+emitted"      # a commit's rows first
-    return (pos.device.type, str(w[1].dtype), dims.heads, dims.kv_heads, dims.head_dim, w[1].shape[0], len(w[4]),
-            w[0].shape[0], dims.window, pos.shape[1], call, autotune.rows_bucket(rows))
+    geometry = _geometry
+    if geometry[0] is not w or geometry[1] is not dims:               # (a call a level: made once a draft)
+        geometry = _geometry = (w, dims, (w[1].device.type, str(w[1].dtype), dims.heads, dims.kv_heads,
+                                          dims.head_dim, w[1].shape[0], len(w[4]), w[0].shape[0], dims.window))
+    return (*geometry[2], pos.shape[1], call, autotune.rows_bucket(rows))
+
+
+_geometry: tuple = (None, None, ())       # (weights, dims, their part of the key), replaced whole
 
 
 def _copied(args: tuple) -> tuple:
