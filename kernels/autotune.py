@@ -8,9 +8,9 @@ shape is timed once, off the serving path, per
 
 and the fastest serves from then on. A shape first seen is served by the caller's default (what
 it would do without measurements) while a worker thread times the candidates on tensors of that
-shape (one worker for every tuner: one measurement at a time); the choice is kept for the process and in a file beside the extension builds, named by the
-CPU, torch and the kernels' build keys, so the next process starts with it. cuBLAS, oneDNN and
-Triton's autotuner all work this way.
+shape (one worker for every tuner: one measurement at a time); the choice is kept for the process
+and in a file beside the extension builds, named by the CPU, torch and the kernels' build keys,
+so the next process starts with it. cuBLAS, oneDNN and Triton's autotuner all work this way.
 
     SPARROW_ATTENTION_PATH=kernel|flash|dense   force one attention path wherever it can serve (no timing)
     SPARROW_AUTOTUNE=0                          no timing: the callers' defaults serve
