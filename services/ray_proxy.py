@@ -85,6 +85,10 @@ def _guard_stream(handler: Callable) -> Callable:
         try:
             async for response in pump:
                 yield response
+        except ReplicaStreamCancelled:
+            import grpc
+
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica's stream was cancelled; retry the request")
         finally:
             pump.stop()
         if call.deadline is not None and time.monotonic() >= call.deadline:
@@ -111,9 +115,9 @@ class ResponsePump:
         try:
             async for response in responses:
                 self._queue.put_nowait(response)
-        except asyncio.CancelledError as exc:
+        except asyncio.CancelledError:
             if not self._stopped:     # cancelled inside Serve, not by stop(): the reader sees an error, not an end
-                self._queue.put_nowait(_Raised(exc))
+                self._queue.put_nowait(_Raised(ReplicaStreamCancelled()))
         except Exception as exc:  # noqa: BLE001 - handed to the reader, raised there
             self._queue.put_nowait(_Raised(exc))
         self._queue.put_nowait(self._END)
@@ -133,6 +137,11 @@ class ResponsePump:
         if isinstance(item, _Raised):
             raise item.exc
         return item
+
+
+class ReplicaStreamCancelled(Exception):
+    """The replica's stream was cancelled inside Serve while the call was still open (a
+    CancelledError raised into gRPC's handler would leave the call hanging to its deadline)."""
 
 
 class _Raised:
@@ -197,4 +206,4 @@ def _deadline(metadata: tuple) -> float | None:
     return time.monotonic() + max(0, min(ms)) / 1000 if ms else None
 
 
-__all__ = ["ProxyCallContext", "ResponsePump", "TIMEOUT_METADATA", "guarded_handlers"]
+__all__ = ["ProxyCallContext", "ReplicaStreamCancelled", "ResponsePump", "TIMEOUT_METADATA", "guarded_handlers"]

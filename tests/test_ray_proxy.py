@@ -191,5 +191,8 @@ def test_a_stream_that_ends_past_the_metadata_deadline_ends_deadline_exceeded(wa
 
 def test_a_cancellation_inside_serve_is_not_an_ok_end():
     """A CancelledError from inside Serve's stream (not the pump stopped by the call's end) is
-    an error the caller sees, never a stream that ended OK."""
-    assert asyncio.run(call_code(EndingProxy(0.0, "cancelled"))) != grpc.StatusCode.OK
+    an error the caller sees at once (UNAVAILABLE: retry), never a stream that ended OK nor one
+    left open to its deadline."""
+    start = time.monotonic()
+    assert asyncio.run(call_code(EndingProxy(0.0, "cancelled"))) == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - start < 5
