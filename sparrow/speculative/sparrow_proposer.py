@@ -118,8 +118,11 @@ class SparrowProposer:
         keep = anchor | (pos > n - 1 - window)
         g = ctx.glimpse.shape[0]
         visible = g + int(keep.sum())
-        # A sliding window keeps its cache bounded; full attention keeps every entry it is given.
-        grows = max_new_tokens if spec.draft_context != "text" else min(max_new_tokens, spec.window)
+        # A sliding window keeps its cache bounded: room for glimpse + anchors + two windows, so a
+        # step compacts it once a window of entries has come, not every step (at a request's start
+        # the window lies inside the anchors); full attention keeps every entry it is given.
+        grows = max_new_tokens if spec.draft_context != "text" else \
+            min(max_new_tokens, max(window, g + anchors + 2 * window - visible))
         kv = draft.new_kv(visible + grows + _STEP_ROOM)
         if g > 0:
             self._entries(draft.inputs_from_glimpse(ctx.glimpse), torch.full((g,), -1, device=device),
@@ -250,12 +253,13 @@ class SparrowProposer:
         host = host[:n].tolist()     # tokens | scores | keys seen
         if run.emitted is not None:
             self._keep_emitted(run, [r.state for r in batch], start)
-        out = []
-        for r, m, row in zip(batch, _chain_lengths(batch, self.spec), host):
+        # the batch's tokens and scores as two tensors, each request's chain a view of its row
+        tokens = torch.tensor([row[:width] for row in host], dtype=torch.long).unbind(0)
+        scores = torch.tensor([row[width: 2 * width] for row in host], dtype=torch.float32).unbind(0)
+        for r, row in zip(batch, host):
             r.state.kv.max_visible = max(r.state.kv.max_visible, int(row[-1]))
-            out.append(Proposal(torch.tensor([int(t) for t in row[:m]], dtype=torch.long), None,
-                                scores=torch.tensor(row[width: width + m], dtype=torch.float32)))
-        return out
+        return [Proposal(t[:m], None, scores=c[:m])
+                for t, c, m in zip(tokens, scores, _chain_lengths(batch, self.spec))]
 
     def _feed(self, batch: list[DraftRequest], trees: list["TreeGrowth"], feed: dict[int, list["Node"]],
               depth: int) -> None:
