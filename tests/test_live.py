@@ -246,8 +246,8 @@ def test_container_chunks_and_a_corrupt_chunk(engine):
 
 
 def test_a_container_stream_answers_as_its_frames_in_one_shot(engine):
-    """MPEG-TS chunks through the container decoder (video/live_decode.py) and the source clock
-    give the one-shot answer of the decoded frames; the answer carries its newest frame's PTS."""
+    """MPEG-TS chunks through the container decoder (growing_stream.LiveDecoder) and the source
+    clock give the one-shot answer of the decoded frames; the answer carries its newest frame's PTS."""
     data = _ts_bytes(synthetic_frames(10, 84, 112, seed=5), fps=2)          # 5 s at the session's 2 fps
     session = LiveSession(engine, LiveConfig(window_s=60, max_lag_s=100, options=OPTIONS))
     for i in range(0, len(data), 700):

@@ -3,7 +3,7 @@
     session.py        LiveSession: feed bytes or frames, ask, standing questions, stats
     window.py         the newest frame pairs in one KV cache (LiveConfig, FramePair)
     media_feed.py     container bytes as media: MPEG-TS framing checked, one decoder per media
-    decoder.py        one media's bytes decoded on a thread as they are fed
+                      (video/growing_stream.py's LiveDecoder: decoded on a thread as they are fed)
     events.py         what a session hands out: stats, answers, events
     source_health.py  the source's clock, camera time, and silence (STALE / RESUMED)
     questions.py      questions in flight per session: bounded, queued, refused

@@ -4,7 +4,7 @@
                    else another container: fragmented MP4), its packet framing checked
                 -> a change of the program's video stream (codec or PID): the old media's
                    decoder hands over its last frames, then a new media starts there
-                -> each segment to the media's LiveDecoder (decoder.py), frames to the session
+                -> each segment to the media's LiveDecoder (video/growing_stream.py), frames to the session
 
 The session's lock guards which decoder is current; chunks go in order under a lock of their
 own, so a media switch waits for the old decoder without holding the session."""
@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from sparrow.live.decoder import LiveDecoder
+from sparrow.video.growing_stream import LiveDecoder
 from sparrow.video.ts_framing import TS_SYNC, Segment, TsFraming
 
 

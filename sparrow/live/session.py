@@ -11,7 +11,7 @@ leave in steps of `evict_s`, and the kept ones are re-positioned so the window r
 that starts at time 0. Positions are real time, so a question asked now gets exactly the
 positions of the same frames prefilled in one shot.
 
-Time (live_source.py): stream seconds count from the first frame and stay continuous across
+Time (source_health.py): stream seconds count from the first frame and stay continuous across
 source timestamp resets and media switches (each an event); every frame also keeps its
 source PTS and the wall-clock time it arrived, and answers carry those of their newest
 frame. A source silent for `stale_after_s` is stale: an event, and answers marked stale.

@@ -1,29 +1,52 @@
-"""A live MPEG-TS stream, fed in chunks while it plays and sampled up to "now".
+"""A container byte stream that grows while it plays, fed in chunks split anywhere: the one
+home of ingesting one. It is read in one of two ways, by what the reader needs of the past:
 
-Chunks may split the stream anywhere. Each append demuxes only the bytes not yet indexed
-(no decoding) to learn where video packets start and when they play. A packet counts once
-the next one has started (or the stream is closed), so "now" is the end of the newest
-complete frame. Memory stays bounded: bytes older than `retention_s` before now are dropped,
-cut at a keyframe so what remains still decodes, and at most `max_bytes` are kept.
+    LiveSource   MPEG-TS, sampled later over any range it retains (a growing upload, a
+                 `Source` of load_frames / prepare_video): each append demuxes the new bytes
+                 to index its video packets (no decoding, on the caller's thread); the bytes
+                 are kept for `retention_s` and decoded only when a range is sampled.
+    LiveDecoder  any container PyAV reads as a stream (MPEG-TS, fragmented MP4), every frame
+                 decoded once as the bytes arrive (a live session's media,
+                 sparrow/live/media_feed.py): a thread decodes through a blocking pipe and
+                 hands the frames on; nothing is retained.
 
-Sampling (`load_frames(live, options)`) copies the retained bytes from the keyframe before
-the requested range, prefixed with the stream's first tables (PAT/PMT), and decodes that
-snapshot like a file. Times are seconds since the stream's first video packet.
+One cannot stand in for the other: a LiveSource decodes nothing until asked and must answer
+for past ranges (so it keeps bytes and an index, and owns no thread a caller could leak by
+never closing it); a LiveDecoder must decode every frame once, in order, from containers a
+re-scan of the new bytes cannot read (fragmented MP4), so it holds one demuxer open on a pipe.
+
+LiveSource. A packet counts once the next one has started (or the stream is closed), so "now"
+is the end of the newest complete frame. Memory stays bounded: bytes older than `retention_s`
+before now are dropped, cut at a keyframe so what remains still decodes, and at most
+`max_bytes` are kept. Sampling (`load_frames(live, options)`) copies the retained bytes from
+the keyframe before the requested range, prefixed with the stream's first tables (PAT/PMT),
+and decodes that snapshot like a file. Times are seconds since the stream's first video packet.
+
+LiveDecoder. Frames go to a callback with their source PTS (seconds, as the container stamps
+them), a batch at a time, decoded by the one frame loop (video/stream.py). The live session
+checks MPEG-TS framing before feeding it (video/ts_framing.py) and maps the PTS to its stream
+time (sparrow/live/source_health.py).
 """
 
 from __future__ import annotations
 
 import io
 import math
+import queue
 import threading
+import time
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from typing import Callable
 
 import av
+import numpy as np
 
 from sparrow.errors import InvalidRequest, NoFrames, NoVideoStream, VideoTooLarge, VideoUnreadable
 from sparrow.video.options import MiB, VideoOptions
+from sparrow.video.stream import decoded_frames, video_stream
 
+# ----- LiveSource: an MPEG-TS stream indexed as it grows, sampled on demand -------------------------
 # Demux options for indexing: streams come from the PMT, so no probing (and no decoding) is needed.
 _SCAN_OPTIONS = {"probesize": "32", "analyzeduration": "0", "fpsprobesize": "0"}
 
@@ -203,3 +226,141 @@ class LiveSource:
         del self._data[:offset]
         self._packets = [replace(p, pos=p.pos - offset) for p in self._packets[index:]]
         self._pending -= offset
+
+
+# ----- LiveDecoder: a media decoded as it is fed ---------------------------------------------------
+# Little probing: frames should flow from the first bytes of a live stream.
+_OPEN_OPTIONS = {"probesize": "4096", "analyzeduration": "0"}
+
+
+class LiveDecoder:
+    """Decodes a container stream fed in chunks (MPEG-TS, fragmented MP4) on its own thread and
+    hands RGB frames uint8 [T, H, W, 3] with their PTS (seconds in the stream's time base) to
+    `on_frames`; a decode failure goes to `on_error` and ends this media."""
+
+    def __init__(self, on_frames: Callable[[np.ndarray, np.ndarray], None],
+                 on_error: Callable[[BaseException], None], batch: int = 1):
+        self._pipe = _Pipe()
+        self._on_frames, self._on_error = on_frames, on_error
+        self._batch = batch
+        self._done = threading.Event()
+        self._aborted = False
+        self._progress = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="sparrow-live-decode", daemon=True)
+        self._thread.start()
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def feed(self, chunk: bytes) -> None:
+        """The media's next bytes, split anywhere."""
+        if chunk:
+            self._pipe.write_chunk(chunk)
+
+    def close(self) -> None:
+        self._pipe.write_chunk(None)
+
+    def abort(self) -> None:
+        self._aborted = True
+        self._pipe.write_chunk(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until the decoder has read every chunk fed so far (or finished)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._progress:
+            while not self._done.is_set() and self._pipe.waiting > 0:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._progress.wait(timeout=0.05 if left is None else min(0.05, left))
+
+    def _run(self) -> None:
+        frames, times = [], []
+        try:
+            with av.open(self._pipe, mode="r", options=_OPEN_OPTIONS) as container:
+                stream = video_stream(container, "the live media")
+                stream.thread_type = "AUTO"
+                for t, frame in decoded_frames(container, stream, origin_pts=0):
+                    if self._aborted:
+                        return
+                    if t is None:
+                        continue
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                    times.append(t)
+                    if len(frames) >= self._batch:
+                        self._flush(frames, times)
+                    with self._progress:
+                        self._progress.notify_all()
+            self._flush(frames, times)
+        except _SinkError as exc:             # the session refused the frames: its own error, as is
+            if not self._aborted:
+                self._on_error(exc.error)
+        except (av.error.FFmpegError, VideoUnreadable, ValueError) as exc:
+            try:
+                self._flush(frames, times)
+            except _SinkError:
+                pass
+            if not self._aborted:
+                error = exc if isinstance(exc, VideoUnreadable) else VideoUnreadable(
+                    f"the live media could not be decoded: {exc}")
+                self._on_error(error)
+        except BaseException as exc:  # noqa: BLE001 - e.g. the session closed under it
+            if not self._aborted:
+                self._on_error(exc)
+        finally:
+            self._done.set()
+            with self._progress:
+                self._progress.notify_all()
+
+    def _flush(self, frames: list, times: list) -> None:
+        if frames:
+            batch, stamps = np.stack(frames), np.array(times)
+            frames.clear()
+            times.clear()
+            try:
+                self._on_frames(batch, stamps)
+            except Exception as exc:  # noqa: BLE001 - told apart from a decode failure above
+                raise _SinkError(exc) from exc
+
+
+class _Pipe(io.RawIOBase):
+    """A blocking byte pipe: `write_chunk` from the feeding thread, `read` from the decoder's."""
+
+    def __init__(self):
+        self._chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self._buf = b""
+        self._eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    @property
+    def waiting(self) -> int:
+        """Chunks written and not yet read."""
+        return self._chunks.qsize()
+
+    def write_chunk(self, data: bytes | None) -> None:
+        self._chunks.put(data)
+
+    def readinto(self, b) -> int:
+        while not self._buf and not self._eof:
+            chunk = self._chunks.get()
+            if chunk is None:
+                self._eof = True
+            else:
+                self._buf = bytes(chunk)
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
+class _SinkError(Exception):
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+

@@ -1,7 +1,7 @@
 """A container's video stream, read frame by frame: the one PyAV demux/decode loop.
 
 Every reader of decoded frames goes through `decoded_frames`: a file sampled by
-`load_frames` (video/decode.py), container chunks fed to a live session (video/live_decode.py)
+`load_frames` (video/decode.py), container chunks fed to a live session (video/growing_stream.py's LiveDecoder)
 and a URL the server plays into one (services/live/call.py). What they need on top (a deadline, a
 byte budget, a stop flag) is their `on_packet` check or their loop body; how they report a
 failure is theirs (a request's error names its source).
