@@ -67,3 +67,33 @@ def test_a_batch_of_drafts_equals_each_request_alone(qwen_target, monkeypatch, i
             assert len(a.tokens) == KS[i], where
             torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=1e-5, msg=where)
             torch.testing.assert_close(a.scores, r.scores, atol=1e-5, rtol=1e-5, msg=where)
+
+
+
+def test_compacting_the_draft_cache_changes_no_proposal(qwen_target, monkeypatch):
+    """A draft cache compacted as it fills (entries no later query can see dropped) proposes what
+    one never compacted proposes, over enough steps for many compactions."""
+    from sparrow.models.draft import SparrowDraft
+
+    draft = tiny_draft(qwen_target, seed=1)
+    everyone = list(range(len(PROMPTS)))
+    dropped = []
+    real_evict = SparrowProposer._evict
+
+    def evict(self, kv, next_pos, window):
+        n = len(kv)
+        real_evict(self, kv, next_pos, window)
+        dropped.append(n - len(kv))
+
+    monkeypatch.setattr(SparrowProposer, "_evict", evict)
+    compacted = _run(draft, "static", everyone, steps=30)
+    assert sum(d > 0 for d in dropped) >= 2 * len(everyone)              # every cache compacted, more than once
+    real_new_kv = SparrowDraft.new_kv
+    monkeypatch.setattr(SparrowDraft, "new_kv", lambda self, capacity: real_new_kv(self, capacity + 1000))
+    dropped.clear()
+    whole = _run(draft, "reference", everyone, steps=30)
+    assert not any(dropped)
+    for i in everyone:
+        for t, (a, b) in enumerate(zip(compacted[i], whole[i])):
+            assert torch.equal(a.tokens, b.tokens), f"request {i}, step {t}"
+            torch.testing.assert_close(a.scores, b.scores, atol=1e-5, rtol=1e-5)
