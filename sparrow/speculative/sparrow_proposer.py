@@ -101,6 +101,8 @@ class SparrowProposer:
 
     def _evict(self, kv: DraftKV, next_pos: int, window: int) -> None:
         """kv.evict (room for a step), by the kernel where the static levels run."""
+        if len(kv) + _STEP_ROOM <= kv.capacity:         # room: nothing to do (the rule of both)
+            return
         kernel = self.levels.kernel() if self.levels is not None else None
         if kernel is not None:
             kernel.evict(kv, next_pos, window, _STEP_ROOM)
@@ -340,6 +342,7 @@ class SparrowProposer:
         kernel = self.levels.kernel()
         if kernel is not None:            # every request's copies in one kernel call
             kernel.scatter(run.pos, run.keys, run.values, s, counts, [state.kv for state in states])
+        last = start[:, 0].unbind(0)      # each request's last output, (H,) views
         for b, (state, m) in enumerate(zip(states, counts)):
             if not m:
                 continue
@@ -351,7 +354,7 @@ class SparrowProposer:
             kv.advance(m)
             state.next_pos += m
             self._evict(kv, state.next_pos, self.window)
-            state.committed, state.last_hidden = len(kv), start[b, 0]
+            state.committed, state.last_hidden = len(kv), last[b]
             state.pending = Pending()
 
     def commit(self, states: list[SparrowState], results: list[StepResult]) -> None:
