@@ -42,7 +42,7 @@ from sparrow.services.state_cache import StateCache
 from sparrow.config import SamplingParams, SpecConfig
 from sparrow.speculative.sparrow_proposer import SparrowProposer, SparrowState
 from sparrow.speculative.draft_context import DraftContext, build_context
-from sparrow.speculative.proposer import BeginInput, DraftRequest, DraftState, Proposal, StepResult
+from sparrow.speculative.proposer import BeginInput, DraftRequest, DraftState, Pending, Proposal, StepResult
 from sparrow.speculative.sampling import PositionNoise
 
 log = logging.getLogger(__name__)
@@ -277,8 +277,7 @@ class RemoteDraftState(DraftState):
     context: DraftContext                  # what begin() was given: the prompt part
     tokens: list[int] = field(default_factory=list)       # every token committed since
     recent: deque = field(default_factory=deque)          # features (F*H,) of the last `window` commits
-    pending_tokens: list[int] = field(default_factory=list)
-    pending_features: list[torch.Tensor] = field(default_factory=list)
+    pending: Pending = field(default_factory=Pending)     # committed, sent with the next call (proposer.py)
     rebuild: bool = True                   # the next call must carry the context
     inline: bool = False                   # ... as tensors: the state cache did not keep it
     cache_keys: list[str] = field(default_factory=list)
@@ -385,8 +384,7 @@ class RemoteDraftProposer:
             if state.local is None:     # goes with the request's next call
                 state.tokens.extend(result.tokens)
                 state.recent.extend(result.features)
-                state.pending_tokens.extend(result.tokens)
-                state.pending_features.append(result.features)
+                state.pending.add(result)
 
     def end(self, state: RemoteDraftState) -> None:
         """Free the request's state on the draft replica and in the cache (best effort:
@@ -429,7 +427,7 @@ class RemoteDraftProposer:
                     self._publish(state)     # the replica has not seen this request, or lost it
                 retry.append(i)
                 continue
-            state.pending_tokens, state.pending_features, state.rebuild = [], [], False
+            state.pending, state.rebuild = Pending(), False
             if reply.rng_state is not None:
                 batch[i].generator.set_state(reply.rng_state)
             probs = reply.probs.decode(self.device) if reply.probs is not None else None
@@ -455,8 +453,8 @@ class RemoteDraftProposer:
             context = self._context_now(state).to_tensors() if state.inline else None
             key = None if state.inline else state.cache_keys[-1]
             return DraftStep(state.session, state.length, [], None, k, sampling, rng, key, context, position)
-        features = torch.cat(state.pending_features) if state.pending_features else None
-        return DraftStep(state.session, state.length, list(state.pending_tokens), features, k, sampling, rng,
+        features = torch.cat(state.pending.features) if state.pending.features else None
+        return DraftStep(state.session, state.length, list(state.pending.tokens), features, k, sampling, rng,
                          noise_position=position)
 
     def _context_now(self, state: RemoteDraftState) -> DraftContext:

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.errors import InvalidRequest
+from sparrow.speculative.draft_context import DraftContext
 from sparrow.speculative.eagle3 import Eagle3Draft, Eagle3Proposer
 
 PROMPT = "What happens in the video?"
@@ -93,6 +94,26 @@ def test_cached_steps_equal_one_pass(tmp_path, qwen_target):
     c = draft.config
     assert (len(kv), kv.capacity, kv.max_visible) == (12, 14, 12)           # capacity 1 -> 7 -> 14
     assert kv.nbytes == 2 * c.num_kv_heads * 14 * c.head_dim * kv.keys[0].element_size()
+
+
+def test_a_commit_runs_at_the_next_propose(tmp_path, qwen_target):
+    """A commit runs no draft pass (the deferred commit, speculative/proposer.py): two steps'
+    entries wait, and the next propose runs them in one pass before it drafts."""
+    write_eagle3(tmp_path, qwen_target, seed=3)
+    proposer = Eagle3Proposer(Eagle3Draft.from_pretrained(tmp_path, qwen_target))
+    draft, g = proposer.draft, torch.Generator().manual_seed(0)
+    width = draft.fc.in_features
+    ctx = DraftContext(torch.randint(0, 500, (8,), generator=g), torch.randn(8, width, generator=g), 8,
+                       torch.zeros(0, draft.fc.out_features))
+    state = proposer.begin_context(ctx, 8)
+    passes, real = [], draft.forward_entries
+    draft.forward_entries = lambda ids, *a: (passes.append(ids.shape[0]), real(ids, *a))[1]
+    feats = torch.randn(5, width, generator=g)
+    proposer.commit_one(state, [1, 2], feats[:2])
+    proposer.commit_one(state, [3, 4, 5], feats[2:])
+    assert passes == [] and state.committed == 8
+    proposer.propose_one(state, 1, SamplingParams(), torch.Generator())
+    assert passes == [5] and state.committed == 13 and not state.pending
 
 
 @pytest.mark.parametrize("own_embed", [False, True])
