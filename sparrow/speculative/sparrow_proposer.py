@@ -221,11 +221,12 @@ class SparrowProposer:
             self._flush(states)
             if levels < 1 or not self.levels.fits(kvs, levels):
                 return None
-        emitted = [(s.pending.tokens, torch.cat(s.pending.features), s.next_pos) if s.pending else None for s in states]
+        emitted = [(s.pending.tokens, _joined(s.pending.features), s.next_pos) if s.pending else None
+                   for s in states] if along else None
         # each level's query position per request (a chain that is over: PAD_POS), after its emitted entries
-        return self.levels.gather(kvs, [[r.state.next_pos + len(r.state.pending) + d - 1 if lengths[i] > d else PAD_POS
-                                         for i, r in enumerate(batch)] for d in range(1, levels + 1)],
-                                  emitted if along else None)
+        first = [s.next_pos + len(s.pending) - 1 for s in states]
+        return self.levels.gather(kvs, [[first[i] + d if lengths[i] > d else PAD_POS for i in range(len(batch))]
+                                        for d in range(1, levels + 1)], emitted)
 
     def _one_call(self, batch: list[DraftRequest]) -> bool:
         """Whether the batch's chains run as one greedy_chain call: chains, each greedy or seeded
@@ -439,6 +440,11 @@ def static_levels(draft: SparrowDraft, spec: SpecConfig) -> DraftLevels | None:
     emitted = 0 if tree else spec.num_draft_tokens + 1
     return DraftLevels(draft, spec.window, -(-(slots + emitted) // 16) * 16, rows, tree,
                        compiled=spec.draft_step == "compiled", emitted_rows=emitted)
+
+
+def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces concatenated (one piece: itself, no copy)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _chain_lengths(batch: list[DraftRequest], spec: SpecConfig) -> list[int]:
