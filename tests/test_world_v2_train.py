@@ -81,9 +81,12 @@ def test_train_target_v2_and_eval_v2_commands(tmp_path):
     assert TargetModel.from_pretrained(out).processor.temporal_positions is None      # real time
     assert not (out / "checkpoint").exists()                # done: the next stage starts from OUT
     parse = build_parser().parse_args
-    # a stage stopped at its checkpoint (a zero time limit) must be finished before another starts in OUT
+    # a stage stopped at its checkpoint (a zero time limit, a step) must be finished before another starts in OUT
     args = parse(["world", "train-target-v2", "--out", str(out), "--steps", "3", "--max-minutes", "0", *tiny])
     assert args.func(args) == 0 and (out / "checkpoint").is_dir()
+    args = parse(["world", "train-target-v2", "--out", str(out), "--steps", "3", "--stop-at", "2", *tiny])
+    assert args.func(args) == 0
+    assert json.loads((out / "train_runs.jsonl").read_text().splitlines()[-1])["last_step"] == 2
     args = parse(["world", "train-target-v2", "--out", str(out), "--stage", "narrate", "--init", str(out), *tiny])
     with pytest.raises(ValueError, match="stage 'short'"):
         args.func(args)

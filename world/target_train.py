@@ -34,14 +34,15 @@ def lr_factor(c: WorldTargetConfig, stages: list[Stage], step: int) -> float:
 def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None = None,
                        target: TargetModel | None = None, out: str | Path | None = None,
                        data: WorldData | None = None, checkpoint: str | Path | None = None,
-                       deadline: float | None = None) -> tuple[TargetModel, list[dict]]:
+                       deadline: float | None = None, stop_at: int | None = None) -> tuple[TargetModel, list[dict]]:
     """Deterministic under c.seed: the videos of step i come from seeds derived from (c.seed, i).
     `data`: what to train on (default: the world, WorldData(c)).
     `checkpoint`: a folder for the resumable state (the weights, the optimizer and schedule, the
     step, the log), written every c.save_every steps; a run given one that holds a state goes on
     from its step (`target` must then be the checkpoint's weights: `resume_target`), and the
     steps after it are the ones an unbroken run takes. `deadline` (time.time()): past it the run
-    writes the checkpoint and stops early, its history ending with {"stopped": step}."""
+    writes the checkpoint and stops early, its history ending with {"stopped": step}; so does
+    `stop_at` (a step count) when it comes before the end."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     data = data if data is not None else WorldData(c)
     target = target or new_world_target(c)
@@ -95,12 +96,13 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
             log(f"  held-out accuracy {acc['accuracy']:.3f} ({kinds_acc})")
         if out is not None and c.save_every and (step + 1) % c.save_every == 0:
             target.save_pretrained(out)
-        late = deadline is not None and time.time() > deadline and step + 1 < total
+        late = step + 1 < total and (deadline is not None and time.time() > deadline
+                                     or stop_at is not None and step + 1 >= stop_at)
         if checkpoint is not None and (late or c.save_every and (step + 1) % c.save_every == 0):
             save_checkpoint(checkpoint, target, opt, sched, step + 1, run, history)
         if late:
             history.append({"stopped": step + 1})
-            log(f"stopped at step {step + 1}/{total} (deadline); the checkpoint resumes there")
+            log(f"stopped at step {step + 1}/{total}; the checkpoint resumes there")
             break
     hf.eval()
     return target, history

@@ -5,7 +5,7 @@
 
 A stage checkpoints into OUT/checkpoint every --save-every steps and the same command resumes
 from there (deterministic under --seed: the resumed steps are the unbroken run's); --max-minutes
-stops it at a checkpoint. When the stage's steps are done the target is saved to OUT with its
+(or --stop-at STEP) stops it at a checkpoint. When the stage's steps are done the target is saved to OUT with its
 held-out scores (eval-v2 on --final-eval-scenes test scenes) in OUT/world_target_v2.json and the
 checkpoint is removed, so the next stage (`--stage narrate --init OUT --out OUT`) starts from
 OUT; each run's span is appended to OUT/train_runs.jsonl.
@@ -35,7 +35,7 @@ def _load() -> str:
 
 def train_target_v2(c, out: str | Path, stage: str, init: str | Path | None = None, restart: bool = False,
                     max_minutes: float | None = None, final_eval_scenes: int = 5,
-                    log=None) -> dict:
+                    log=None, stop_at: int | None = None) -> dict:
     """Run (or resume) one stage into `out`; returns the run's summary (and the report when done)."""
     from sparrow.models.target import TargetModel
     from sparrow.world.target_model import lm_parameters
@@ -59,7 +59,8 @@ def train_target_v2(c, out: str | Path, stage: str, init: str | Path | None = No
     data = V2Data(c, cache=out / "data" / f"pool-{stage}-seed{c.seed}-{c.side}px-{c.pool}.pt")
     started, t0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), time.perf_counter()
     deadline = time.time() + 60 * max_minutes if max_minutes is not None else None
-    target, history = train_world_target(c, log=log, target=target, data=data, checkpoint=checkpoint, deadline=deadline)
+    target, history = train_world_target(c, log=log, target=target, data=data, checkpoint=checkpoint, deadline=deadline,
+                                         stop_at=stop_at)
     steps = [h["step"] for h in history if "loss" in h]
     stopped = history[-1].get("stopped") if history else None
     run = {"stage": stage, "started": started, "seconds": time.perf_counter() - t0, "load": _load(),
@@ -87,7 +88,8 @@ def _cmd_train_target_v2(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     c = args.config_from_args(V2TargetConfig, args, **STAGES_V2[args.stage])
-    result = train_target_v2(c, args.out, args.stage, args.init, args.restart, args.max_minutes, args.final_eval_scenes)
+    result = train_target_v2(c, args.out, args.stage, args.init, args.restart, args.max_minutes, args.final_eval_scenes,
+                             stop_at=args.stop_at)
     print(json.dumps({k: v for k, v in result.items() if k != "report"}, indent=2))
     return 0
 
@@ -123,6 +125,7 @@ def add_v2_commands(wsub, parents: list, add_config_options, config_from_args) -
     p.add_argument("--init", help="the previous stage's target to start from (default: a fresh target)")
     p.add_argument("--restart", action="store_true", help="start afresh even if OUT holds a checkpoint")
     p.add_argument("--max-minutes", type=float, help="stop at a checkpoint after this long (resume with the same command)")
+    p.add_argument("--stop-at", type=int, help="stop at a checkpoint after this many of the stage's steps")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--final-eval-scenes", type=int, default=5, help="test scenes (at 8 s and 30 s) for the final scores")
     add_config_options(p, V2TargetConfig, V2_TARGET_HELP, skip=V2_UNUSED)
