@@ -27,16 +27,21 @@ def _counted(video, calls, delay=0.0):
     return load
 
 
+def _final(out: list, deadline: float):
+    """A request's last event (its output or error), waited for until `deadline`."""
+    while not (out and not isinstance(out[-1], TokenDelta)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert out and not isinstance(out[-1], TokenDelta), "no final event"
+    return out[-1]
+
+
 def _together(engine, jobs):
     """Submit every (video, prompt, sampling) at once; their outputs, in order."""
     outputs = [[] for _ in jobs]
     requests = [engine.submit(video, prompt, sampling, video_key="clip", sink=out.append)
                 for (video, prompt, sampling), out in zip(jobs, outputs)]
     deadline = time.monotonic() + 120
-    while not all(out and not isinstance(out[-1], TokenDelta) for out in outputs) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert all(out and not isinstance(out[-1], TokenDelta) for out in outputs)
-    return requests, [out[-1] for out in outputs]
+    return requests, [_final(out, deadline) for out in outputs]
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -67,10 +72,9 @@ def test_the_first_aborted_mid_prefill_the_second_prefills_itself(qwen_target):
         time.sleep(0.002)
     assert len(calls) == 1 and not first.done                         # the first is mid-prefill; the second waits
     first.abort()
-    while not second.done and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert outputs[0][-1].finish_reason == "abort" and outputs[0][-1].token_ids == []
-    assert outputs[1][-1].token_ids == solo and len(calls) == 2       # it decoded and prefilled the video itself
+    aborted, answered = _final(outputs[0], deadline), _final(outputs[1], deadline)
+    assert aborted.finish_reason == "abort" and aborted.token_ids == []
+    assert answered.token_ids == solo and len(calls) == 2             # it decoded and prefilled the video itself
     assert engine.scheduler.stats["waited_for_prefill"] == 1
     arena = engine.runner.arena
     assert arena.free_tokens == arena.tokens
@@ -117,13 +121,9 @@ def test_a_waiter_that_aborts_ends_at_once(qwen_target, small_video):
     while engine.scheduler.stats["waited_for_prefill"] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     second.abort()
-    while not second.done and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert second.done and not first.done and outputs[1][-1].finish_reason == "abort"
+    assert _final(outputs[1], deadline).finish_reason == "abort" and not first.done
     release.set()
-    while not first.done and time.monotonic() < deadline + 20:
-        time.sleep(0.01)
-    assert outputs[0][-1].finish_reason == "length"
+    assert _final(outputs[0], deadline + 20).finish_reason == "length"
 
 
 def test_in_flight_registry_hands_a_key_on():
