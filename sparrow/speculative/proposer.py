@@ -115,7 +115,7 @@ class Pending:
 
     def add(self, result: StepResult) -> None:
         m = len(result.tokens)
-        self.tokens.extend(int(t) for t in result.tokens)
+        self.tokens.extend(result.tokens)
         if result.features is not None:
             self.features.append(result.features[:m])
 
