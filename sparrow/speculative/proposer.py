@@ -114,10 +114,10 @@ class Pending:
         return len(self.tokens)
 
     def add(self, result: StepResult) -> None:
-        m = len(result.tokens)
+        m, features = len(result.tokens), result.features
         self.tokens.extend(result.tokens)
-        if result.features is not None:
-            self.features.append(result.features[:m])
+        if features is not None:       # (a view only when a caller passed more rows than tokens)
+            self.features.append(features if features.shape[0] == m else features[:m])
 
     def take(self) -> StepResult | None:
         """Everything pending as one StepResult (None when nothing is), and empty after."""
