@@ -47,7 +47,8 @@ _NEG_INF = float("-inf")
 # on the 2-core CPU, one thread, 2 kv heads of dim 32 (kernels/README.md).
 DENSE_PREFIX = 8192
 # A ragged batch on a CPU: every request of a layer in one call of the compiled kernel
-# (verify_attention_ragged) where it is built. At 8 requests over 0.5k keys a 5-token step's
+# (verify_attention_ragged) where the kernel was measured fastest for the longest request's
+# shape (or is forced). At 8 requests over 0.5k keys a 5-token step's
 # attention is 172 us a layer against 314 us for one call a request (one thread; at 25k keys the
 # same, 0.72 ms either way); off (or SPARROW_VERIFY_ONE_CALL=0): one call a request
 # (verify_attention_packed's paths).
