@@ -90,14 +90,68 @@ def test_a_greedy_chain_equals_torchs_function(draft, kernel):
                        batch.level_slots, pos, batch.pinned, keys, values, batch.emitted))
         bufs.append((keys, values, pos))
     (want, want_start), (got, got_start) = outs
-    levels = batch.q_pos.shape[0] + 1
-    assert torch.equal(got[:, :levels], want[:, :levels])                         # tokens
-    torch.testing.assert_close(got[:, levels:-1], want[:, levels:-1], atol=1e-4, rtol=1e-5)
-    assert torch.equal(got[:, -1], want[:, -1])                                   # most keys seen
+    _same_chains(batch, want, got)
     torch.testing.assert_close(got_start, want_start, **FP32)
     assert torch.equal(bufs[0][2], bufs[1][2])
-    for a, b in zip(bufs[0][0] + bufs[0][1], bufs[1][0] + bufs[1][1]):
-        torch.testing.assert_close(a, b, **FP32)
+    _same_visible_keys(bufs[0], bufs[1])
+
+
+def _same_chains(batch, want, got):
+    """The same tokens, scores within float tolerance and most keys seen, at every pick a request
+    makes: the first, then each level it drafts (one at PAD_POS, which it does not draft, sees
+    only padding slots, whose keys nothing else reads: its pick is no one's)."""
+    levels = batch.q_pos.shape[0] + 1
+    picks = torch.cat([torch.ones(want.shape[0], 1, dtype=torch.bool), batch.live[:, :want.shape[0], 0].t()], 1)
+    assert not picks.all()
+    assert torch.equal(got[:, :levels][picks], want[:, :levels][picks])                        # tokens
+    torch.testing.assert_close(got[:, levels:-1][picks], want[:, levels:-1][picks], atol=1e-4, rtol=1e-5)
+    assert torch.equal(got[:, -1], want[:, -1])                                                # most keys seen
+
+
+def _same_visible_keys(want, got):
+    """Keys and values equal within float tolerance at every slot holding an entry (a position
+    other than PAD_POS); a padding row's, at PAD_POS, no query sees (the kernel skips them)."""
+    entry = (want[2] != PAD_POS)[:, None, :, None]
+    assert entry.any()
+    for a, b in zip(want[0] + want[1], got[0] + got[1]):
+        torch.testing.assert_close(b * entry, a * entry, **FP32)
+
+
+def test_a_ragged_chain_of_eight_requests_equals_torchs_function(draft, kernel):
+    """A commit's emitted rows and three levels for eight requests at once, each unlike the
+    others: caches of different lengths, none to all of the emitted rows real (a row's keys
+    among its own request's only), requests stopping at different levels. The kernel packs
+    the real rows together: the same tokens, scores, keys seen, positions, and keys and values
+    wherever an entry is, as torch's function."""
+    window, levels = 6, 3
+    runner = DraftLevels(draft, window=window, capacity=64, rows=1, tree=False, emitted_rows=4)
+    g = torch.Generator().manual_seed(5)
+    base = contexts(draft)
+    states = [SparrowProposer(draft, STATIC).begin_context(base[i % len(base)], 64) for i in range(8)]
+    for i, s in enumerate(states[len(base):]):            # the same contexts again, cut shorter
+        s.kv.truncate(max(1, len(s.kv) - 2 - i))
+    counts = [0, 1, 4, 2, 3, 0, 4, 1]
+    emitted = [None if c == 0 else (torch.randint(0, draft.config.vocab_size, (c,), generator=g).tolist(),
+                                    torch.randn(c, draft.fuse.in_features, generator=g), len(s.kv))
+               for c, s in zip(counts, states)]
+    stop = [3, 1, 3, 2, 3, 3, 1, 2]                     # the levels each request drafts
+    positions = [[len(s.kv) + c + level if level < stop[b] else PAD_POS for b, (s, c) in enumerate(zip(states, counts))]
+                 for level in range(levels)]
+    batch = runner.gather([s.kv for s in states], positions, emitted)
+    assert batch.bucket == 8 and len(set(len(s.kv) for s in states)) > 3
+    hidden = torch.randn(batch.bucket, 1, draft.config.hidden_size, generator=g)
+    outs, bufs = [], []
+    for fn in (draft_compile.greedy_chain, draft_chain.greedy_chain):
+        keys, values, pos = _clone(batch)
+        outs.append(fn(runner.dims, batch.weights, hidden, batch.q_pos, batch.live, batch.allowed,
+                       batch.level_slots, pos, batch.pinned, keys, values, batch.emitted))
+        bufs.append((keys, values, pos))
+    (want, want_start), (got, got_start) = outs
+    _same_chains(batch, want, got)
+    assert len(set(want[:, -1].tolist())) > 2
+    torch.testing.assert_close(got_start, want_start, **FP32)
+    assert torch.equal(bufs[0][2], bufs[1][2])
+    _same_visible_keys(bufs[0], bufs[1])
 
 
 def test_a_seeded_chain_equals_torchs_function(draft, kernel):
@@ -119,8 +173,7 @@ def test_a_seeded_chain_equals_torchs_function(draft, kernel):
                        batch.level_slots, pos, batch.pinned, keys, values, batch.emitted, how)[0])
     want, got, greedy = outs
     levels = batch.q_pos.shape[0] + 1
-    assert torch.equal(got[:, :levels], want[:, :levels])                         # tokens
-    torch.testing.assert_close(got[:, levels:-1], want[:, levels:-1], atol=1e-4, rtol=1e-5)
+    _same_chains(batch, want, got)
     assert torch.equal(got[0], greedy[0])                                         # the greedy row
     assert not torch.equal(got[1:3, :levels], greedy[1:3, :levels])              # the seeded rows drew
 

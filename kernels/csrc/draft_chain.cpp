@@ -6,6 +6,8 @@
 // RMSNorm, rotary, the window / pinned / tree mask and a softmax over each row's visible keys,
 // all in registers and L1. The same maths as the Python functions, in float32 with float32
 // accumulation (sums in another order: equal within float tolerance, tests/test_draft_native.py).
+// A commit's emitted rows run only where real: a request brings fewer than the batch's M, and
+// its padding rows (at PAD_POS, read by no live row) are skipped, their keys and values unwritten.
 // Beside the levels, the copies around them that were per-request torch ops: a request's first
 // entries (SparrowDraft.forward_entries), the batch's gather from the requests' caches, a chain's
 // emitted entries kept in them, and their compaction (DraftKV.evict). Nothing reads a value on
@@ -168,37 +170,53 @@ void embed_rows(const Net& n, const int64_t* tokens, const float* hidden, int64_
   matvec(n.fc, nullptr, h, width, z.data(), width, rows, x, h, false);
 }
 
-// draft_layers' decoder layers for rows (b, r), b < B, r < R: x (B, R, H) their inputs, overwritten
-// by their outputs; q_pos (B, R); live (B, R); slots (R,). Writes their keys, values and positions
-// at `slots`, and seen (B, R).
-void layers(const Net& n, Batch& bt, int64_t rows_per, float* x, const int64_t* q_pos, const bool* live,
-            const int64_t* slots, int64_t* seen) {
-  const int64_t nr = bt.b * rows_per, h = n.hidden, d = n.d, half = d / 2, group = n.hq / n.hkv;
+// Which request and key slot each row of a layers() call is: all rows (b, r) of a (B, R) grid at
+// slots[r] (`grid`), or a subset of them (a commit's real emitted rows).
+struct Rows {
+  std::vector<int64_t> req, within, slot;     // per row: its request b, its r (the tree rule's row), its slot
+  int64_t size() const { return static_cast<int64_t>(req.size()); }
+  void add(int64_t b, int64_t r, int64_t s) {
+    req.push_back(b);
+    within.push_back(r);
+    slot.push_back(s);
+  }
+};
+
+Rows grid(int64_t b, int64_t rows_per, const int64_t* slots) {
+  Rows rows;
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t r = 0; r < rows_per; ++r) rows.add(i, r, slots[r]);
+  return rows;
+}
+
+// draft_layers' decoder layers for `rows`: x (N, H) their inputs, overwritten by their outputs;
+// q_pos (N,); live (N,). Writes their keys, values and positions at their slots, and seen (N,).
+// A row attends to the keys of its own request only.
+void layers(const Net& n, Batch& bt, const Rows& rows, float* x, const int64_t* q_pos, const bool* live,
+            int64_t* seen) {
+  const int64_t nr = rows.size(), h = n.hidden, d = n.d, half = d / 2, group = n.hq / n.hkv;
   const int64_t q_width = (n.hq + 2 * n.hkv) * d;
-  for (int64_t b = 0; b < bt.b; ++b)
-    for (int64_t r = 0; r < rows_per; ++r) bt.pos[b * bt.cap + slots[r]] = q_pos[b * rows_per + r];
+  for (int64_t row = 0; row < nr; ++row) bt.pos[rows.req[row] * bt.cap + rows.slot[row]] = q_pos[row];
   // the visible keys of each row, and the rotary tables at its position
   std::vector<uint8_t> mask(nr * bt.c);
   std::vector<float> cs(nr * d);
-  for (int64_t b = 0; b < bt.b; ++b) {
-    for (int64_t r = 0; r < rows_per; ++r) {
-      const int64_t row = b * rows_per + r, q = q_pos[row];
-      const bool* allow =
-          bt.allowed ? bt.allowed + (b * bt.allowed_rows + (bt.allowed_rows == 1 ? 0 : r)) * bt.c : nullptr;
-      int64_t count = 0;
-      for (int64_t c = 0; c < bt.c; ++c) {
-        const int64_t k = bt.pos[b * bt.cap + c];
-        const bool v = k <= q && (k > q - n.window || bt.pinned[b * bt.cap + c]) && (!allow || allow[c]);
-        mask[row * bt.c + c] = v;
-        count += v;
-      }
-      seen[row] = live[row] ? count : 0;
-      const float p = static_cast<float>(std::max<int64_t>(q, 0));
-      for (int64_t j = 0; j < half; ++j) {
-        const float ang = p * n.inv_freq[j];
-        cs[row * d + j] = std::cos(ang);
-        cs[row * d + half + j] = std::sin(ang);
-      }
+  for (int64_t row = 0; row < nr; ++row) {
+    const int64_t b = rows.req[row], r = rows.within[row], q = q_pos[row];
+    const bool* allow =
+        bt.allowed ? bt.allowed + (b * bt.allowed_rows + (bt.allowed_rows == 1 ? 0 : r)) * bt.c : nullptr;
+    int64_t count = 0;
+    for (int64_t c = 0; c < bt.c; ++c) {
+      const int64_t k = bt.pos[b * bt.cap + c];
+      const bool v = k <= q && (k > q - n.window || bt.pinned[b * bt.cap + c]) && (!allow || allow[c]);
+      mask[row * bt.c + c] = v;
+      count += v;
+    }
+    seen[row] = live[row] ? count : 0;
+    const float p = static_cast<float>(std::max<int64_t>(q, 0));
+    for (int64_t j = 0; j < half; ++j) {
+      const float ang = p * n.inv_freq[j];
+      cs[row * d + j] = std::cos(ang);
+      cs[row * d + half + j] = std::sin(ang);
     }
   }
   std::vector<float> xn(nr * h), qkv(nr * q_width), att(nr * n.hq * d), gu(nr * 2 * n.inter), act(nr * n.inter),
@@ -211,7 +229,7 @@ void layers(const Net& n, Batch& bt, int64_t rows_per, float* x, const int64_t* 
     for (int64_t row = 0; row < nr; ++row) {              // rotary on q and k heads; k, v into the row's slot
       float* t = qkv.data() + row * q_width;
       for (int64_t head = 0; head < n.hq + n.hkv; ++head) rotate(t + head * d, cs.data() + row * d, cs.data() + row * d + half, d);
-      const int64_t b = row / rows_per, slot = slots[row % rows_per];
+      const int64_t b = rows.req[row], slot = rows.slot[row];
       for (int64_t g = 0; g < n.hkv; ++g) {
         const int64_t at_ = ((b * n.hkv + g) * bt.cap + slot) * d;
         std::copy_n(t + (n.hq + g) * d, d, bt.keys[li] + at_);
@@ -219,7 +237,7 @@ void layers(const Net& n, Batch& bt, int64_t rows_per, float* x, const int64_t* 
       }
     }
     for (int64_t row = 0; row < nr; ++row) {              // softmax over the row's visible keys, per query head
-      const int64_t b = row / rows_per;
+      const int64_t b = rows.req[row];
       const uint8_t* m = mask.data() + row * bt.c;
       for (int64_t head = 0; head < n.hq; ++head) {
         const float* qh = qkv.data() + row * q_width + head * d;
@@ -332,7 +350,7 @@ std::vector<Tensor> draft_level(int64_t hq, int64_t hkv, int64_t d, double eps, 
   Tensor x = at::empty({b, r, n.hidden}, f), logits = at::empty({b, r, n.vocab}, f), logp = at::empty({b, r}, f);
   Tensor id = at::empty({b, r}, tokens.options()), seen = at::empty({b, r}, tokens.options());
   embed_rows(n, i64(tokens, "tokens"), f32(hidden, "hidden"), b * r, x.data_ptr<float>());
-  layers(n, bt, r, x.data_ptr<float>(), i64(q_pos, "q_pos"), flags(live, "live"), i64(slots, "slots"),
+  layers(n, bt, grid(b, r, i64(slots, "slots")), x.data_ptr<float>(), i64(q_pos, "q_pos"), flags(live, "live"),
          seen.data_ptr<int64_t>());
   logits_top(n, x.data_ptr<float>(), b * r, logits.data_ptr<float>(), logp.data_ptr<float>(), id.data_ptr<int64_t>());
   return {x, logits, logp, id, seen};
@@ -374,24 +392,43 @@ std::vector<Tensor> greedy_chain(int64_t hq, int64_t hkv, int64_t d, double eps,
   float* x = start.data_ptr<float>();
   std::vector<int64_t> most(b, 0);
   if (!emitted.empty()) {                    // the emitted entries first; a request with any starts from its last
-    const int64_t m = emitted[0].size(1);
+    // Only the real rows run (a padding row's outputs, keys and values are read by nothing: its
+    // position, PAD_POS, written at its slot, hides it from every query), packed together.
+    const int64_t m = emitted[0].size(1), f = n.features;
+    const int64_t* e_tokens = i64(emitted[0], "emitted tokens");
+    const float* e_features = f32(emitted[1], "emitted features");
     const int64_t* e_pos = i64(emitted[2], "emitted pos");
     const int64_t* last = i64(emitted[3], "emitted last");
-    std::vector<uint8_t> real(b * m);
-    for (int64_t i = 0; i < b * m; ++i) real[i] = e_pos[i] != pad_pos;
-    std::vector<float> fused(b * m * h), out(b * m * h);
-    std::vector<int64_t> seen(b * m);
-    matvec(n.fuse, nullptr, h, n.features, f32(emitted[1], "emitted features"), n.features, b * m, fused.data(), h, false);
-    embed_rows(n, i64(emitted[0], "emitted tokens"), fused.data(), b * m, out.data());
-    layers(n, bt, m, out.data(), e_pos, reinterpret_cast<const bool*>(real.data()), i64(emitted[4], "emitted slots"),
-           seen.data());
+    const int64_t* e_slots = i64(emitted[4], "emitted slots");
+    Rows rows;
+    std::vector<int64_t> tokens, q_pos, at(b * m, -1);
+    std::vector<float> features;
+    for (int64_t i = 0; i < b; ++i)
+      for (int64_t j = 0; j < m; ++j) {
+        if (e_pos[i * m + j] == pad_pos) {
+          bt.pos[i * bt.cap + e_slots[j]] = pad_pos;
+          continue;
+        }
+        at[i * m + j] = rows.size();
+        rows.add(i, j, e_slots[j]);
+        tokens.push_back(e_tokens[i * m + j]);
+        q_pos.push_back(e_pos[i * m + j]);
+        features.insert(features.end(), e_features + (i * m + j) * f, e_features + (i * m + j + 1) * f);
+      }
+    const int64_t nr = rows.size();
+    std::vector<float> fused(nr * h), out(nr * h);
+    std::vector<int64_t> seen(nr);
+    const std::vector<uint8_t> real(nr, 1);
+    matvec(n.fuse, nullptr, h, f, features.data(), f, nr, fused.data(), h, false);
+    embed_rows(n, tokens.data(), fused.data(), nr, out.data());
+    layers(n, bt, rows, out.data(), q_pos.data(), reinterpret_cast<const bool*>(real.data()), seen.data());
+    for (int64_t row = 0; row < nr; ++row) most[rows.req[row]] = std::max(most[rows.req[row]], seen[row]);
     for (int64_t i = 0; i < b; ++i) {
       bool any = false;
-      for (int64_t j = 0; j < m; ++j) {
-        any = any || real[i * m + j];
-        most[i] = std::max(most[i], seen[i * m + j]);
-      }
-      if (any) std::copy_n(out.data() + (i * m + last[i]) * h, h, x + i * h);
+      for (int64_t j = 0; j < m; ++j) any = any || at[i * m + j] >= 0;
+      if (!any) continue;
+      TORCH_CHECK(last[i] >= 0 && last[i] < m && at[i * m + last[i]] >= 0, "native draft: a request's last emitted row is padding");
+      std::copy_n(out.data() + at[i * m + last[i]] * h, h, x + i * h);
     }
   }
   Tensor result = at::empty({b, width}, hidden.options().dtype(at::kDouble));
@@ -411,7 +448,7 @@ std::vector<Tensor> greedy_chain(int64_t hq, int64_t hkv, int64_t d, double eps,
   const int64_t* sl = i64(slots, "slots");
   for (int64_t level = 0; level < levels; ++level) {
     embed_rows(n, token.data(), cur.data(), b, next.data());
-    layers(n, bt, 1, next.data(), qp + level * b, lv + level * b, sl + level, seen.data());
+    layers(n, bt, grid(b, 1, sl + level), next.data(), qp + level * b, lv + level * b, seen.data());
     logits_top(n, next.data(), b, logits.data(), logp.data(), token.data());
     pick(logits.data(), logp.data(), token.data(), level + 1);
     std::swap(cur, next);
@@ -443,8 +480,8 @@ std::tuple<Tensor, int64_t> entries(int64_t hq, int64_t hkv, int64_t d, double e
   std::vector<int64_t> slots(rows), seen(rows);
   for (int64_t i = 0; i < rows; ++i) slots[i] = length + i;
   const std::vector<uint8_t> live(rows, 1);
-  layers(n, bt, rows, x.data_ptr<float>(), i64(q_pos, "q_pos"), reinterpret_cast<const bool*>(live.data()),
-         slots.data(), seen.data());
+  layers(n, bt, grid(1, rows, slots.data()), x.data_ptr<float>(), i64(q_pos, "q_pos"),
+         reinterpret_cast<const bool*>(live.data()), seen.data());
   return {x, rows ? *std::max_element(seen.begin(), seen.end()) : 0};
 }
 
