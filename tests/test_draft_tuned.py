@@ -54,8 +54,16 @@ def tuned(kernel, monkeypatch, tmp_path):  # noqa: F811 - the fixture imported a
         real = getattr(draft_chain, name)
         monkeypatch.setattr(draft_chain, name, lambda *a, _real=real, _name=name, **kw: (
             served.append(_name), _real(*a, **kw))[1])
-    yield tuner, store, served, slow
-    tuner.stop()
+    # One torch thread: the tuner then times by the worker's CPU time, which _spin adds to exactly.
+    # With more, it times wall time, and torch's threaded levels beside another busy process
+    # (a loaded box, an xdist worker next door) can take longer than the slowed path.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield tuner, store, served, slow
+    finally:
+        torch.set_num_threads(threads)
+        tuner.stop()
 
 
 @pytest.mark.parametrize("slower,faster", [("kernel", "torch"), ("torch", "kernel")])
