@@ -11,6 +11,7 @@ call's deadline is in the metadata the proxy hands the replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 
@@ -50,11 +51,9 @@ class ServeLikeProxy:
         return stream
 
 
-async def cancels(proxy: ServeLikeProxy, guarded: bool, calls: int) -> list[str]:
-    handler = proxy.service_handler_factory(METHOD, "unary_stream")
-    if guarded:
-        with guarded_handlers(proxy):
-            handler = proxy.service_handler_factory(METHOD, "unary_stream")
+@contextlib.asynccontextmanager
+async def channel_to(handler):
+    """A channel to a real grpc.aio server on loopback whose one method, METHOD, is `handler`."""
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "t.Proxy", {"Stream": grpc.unary_stream_rpc_method_handler(handler)}),))
@@ -62,17 +61,26 @@ async def cancels(proxy: ServeLikeProxy, guarded: bool, calls: int) -> list[str]
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            for i in range(calls):
-                call = channel.unary_stream(METHOD)(b"", timeout=60, metadata=((TIMEOUT_METADATA, "90000"),))
-                for _ in range(5):
-                    await call.read()
-                call.cancel()
-                deadline = time.monotonic() + 5
-                while len(proxy.ends) <= i and time.monotonic() < deadline:
-                    await asyncio.sleep(0.005)
-                assert len(proxy.ends) == i + 1, f"call {i} never ended on the server"
+            yield channel
     finally:
         await server.stop(0)
+
+
+async def cancels(proxy: ServeLikeProxy, guarded: bool, calls: int) -> list[str]:
+    handler = proxy.service_handler_factory(METHOD, "unary_stream")
+    if guarded:
+        with guarded_handlers(proxy):
+            handler = proxy.service_handler_factory(METHOD, "unary_stream")
+    async with channel_to(handler) as channel:
+        for i in range(calls):
+            call = channel.unary_stream(METHOD)(b"", timeout=60, metadata=((TIMEOUT_METADATA, "90000"),))
+            for _ in range(5):
+                await call.read()
+            call.cancel()
+            deadline = time.monotonic() + 5
+            while len(proxy.ends) <= i and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            assert len(proxy.ends) == i + 1, f"call {i} never ended on the server"
     return proxy.ends
 
 
@@ -162,22 +170,14 @@ class EndingProxy:
 async def call_code(proxy, metadata=(), timeout=30.0) -> grpc.StatusCode:
     with guarded_handlers(proxy):
         handler = proxy.service_handler_factory(METHOD, "unary_stream")
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "t.Proxy", {"Stream": grpc.unary_stream_rpc_method_handler(handler)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_stream(METHOD)(b"", timeout=timeout, metadata=metadata)
-            try:
-                async for _ in call:
-                    pass
-            except grpc.aio.AioRpcError as exc:
-                return exc.code()
-            return await call.code()
-    finally:
-        await server.stop(0)
+    async with channel_to(handler) as channel:
+        call = channel.unary_stream(METHOD)(b"", timeout=timeout, metadata=metadata)
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return await call.code()
 
 
 @pytest.mark.parametrize("wait_s, expected", [(0.3, grpc.StatusCode.DEADLINE_EXCEEDED), (0.0, grpc.StatusCode.OK)])
