@@ -45,8 +45,11 @@ FINDINGS = (
     "and torch calls of a few us each around it (each request's draft cache: truncate, reserve, advance, "
     "compaction, its pending entries' concatenation in the gather, its Proposal's tensors), none "
     "dominant. Where the kernel alone at batch 8 is over 1.5x batch 1's whole step (the line above), "
-    "moving that Python to once-a-batch work cannot bring 8 requests within 1.5x of one; the goal needs the levels' matrix products "
-    "blocked over rows in the kernel, or a device where a level costs its launches rather than its "
+    "moving that Python to once-a-batch work cannot bring 8 requests within 1.5x of one. The kernel "
+    "already reads the weights once for all rows and skips a commit's padding rows; a register-blocked "
+    "product over rows was tried and ran no faster on a 2-core EPYC (the products run at the core's "
+    "arithmetic rate). What is left: less arithmetic (fc's embedding half as a table, levels of requests "
+    "that stopped drafting skipped), or a device where a level costs its launches rather than its "
     "arithmetic (a GPU). The draft policy's per-step choice (sparrow/draft_policy.py) is apart from "
     "this table: ~0.3-0.6 ms a step at batch 1 and 8 in the engine on the world pair at 0.5k "
     "(thread CPU, load ~6), beside ~0.7-1.1 ms of draft and 7-13 ms of verify.")
