@@ -76,6 +76,17 @@ def _batch(draft, rows: int, tree: bool, seed: int):
 def _clone(batch):
     return ([k.clone() for k in batch.keys], [v.clone() for v in batch.values], batch.pos.clone())
 
+def _both_chains(runner, batch, hidden):
+    """greedy_chain by torch's function and by the kernel on copies of one batch's buffers:
+    ((torch's out, start), (the kernel's out, start), [each one's (keys, values, pos)])."""
+    outs, bufs = [], []
+    for fn in (draft_compile.greedy_chain, draft_chain.greedy_chain):
+        keys, values, pos = _clone(batch)
+        outs.append(fn(runner.dims, batch.weights, hidden, batch.q_pos, batch.live, batch.allowed,
+                       batch.level_slots, pos, batch.pinned, keys, values, batch.emitted))
+        bufs.append((keys, values, pos))
+    return outs[0], outs[1], bufs
+
 
 def test_a_greedy_chain_equals_torchs_function(draft, kernel):
     """The emitted rows, then two levels, for three requests: the same tokens, scores within
@@ -83,13 +94,7 @@ def test_a_greedy_chain_equals_torchs_function(draft, kernel):
     runner, batch = _batch(draft, 1, False, 0)
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(batch.bucket, 1, draft.config.hidden_size, generator=g)
-    outs, bufs = [], []
-    for fn in (draft_compile.greedy_chain, draft_chain.greedy_chain):
-        keys, values, pos = _clone(batch)
-        outs.append(fn(runner.dims, batch.weights, hidden, batch.q_pos, batch.live, batch.allowed,
-                       batch.level_slots, pos, batch.pinned, keys, values, batch.emitted))
-        bufs.append((keys, values, pos))
-    (want, want_start), (got, got_start) = outs
+    (want, want_start), (got, got_start), bufs = _both_chains(runner, batch, hidden)
     _same_chains(batch, want, got)
     torch.testing.assert_close(got_start, want_start, **FP32)
     assert torch.equal(bufs[0][2], bufs[1][2])
@@ -140,13 +145,7 @@ def test_a_ragged_chain_of_eight_requests_equals_torchs_function(draft, kernel):
     batch = runner.gather([s.kv for s in states], positions, emitted)
     assert batch.bucket == 8 and len(set(len(s.kv) for s in states)) > 3
     hidden = torch.randn(batch.bucket, 1, draft.config.hidden_size, generator=g)
-    outs, bufs = [], []
-    for fn in (draft_compile.greedy_chain, draft_chain.greedy_chain):
-        keys, values, pos = _clone(batch)
-        outs.append(fn(runner.dims, batch.weights, hidden, batch.q_pos, batch.live, batch.allowed,
-                       batch.level_slots, pos, batch.pinned, keys, values, batch.emitted))
-        bufs.append((keys, values, pos))
-    (want, want_start), (got, got_start) = outs
+    (want, want_start), (got, got_start), bufs = _both_chains(runner, batch, hidden)
     _same_chains(batch, want, got)
     assert len(set(want[:, -1].tolist())) > 2
     torch.testing.assert_close(got_start, want_start, **FP32)
