@@ -119,11 +119,17 @@ class Pending:
         if features is not None:       # (a view only when a caller passed more rows than tokens)
             self.features.append(features if features.shape[0] == m else features[:m])
 
+    def joined_features(self) -> torch.Tensor | None:
+        """The features as one (n, F*H) tensor (one piece: itself, no copy); None if there are none."""
+        if not self.features:
+            return None
+        return self.features[0] if len(self.features) == 1 else torch.cat(self.features)
+
     def take(self) -> StepResult | None:
         """Everything pending as one StepResult (None when nothing is), and empty after."""
         if not self.tokens:
             return None
-        out = StepResult(None, self.tokens, torch.cat(self.features) if self.features else None)
+        out = StepResult(None, self.tokens, self.joined_features())
         self.tokens, self.features = [], []
         return out
 

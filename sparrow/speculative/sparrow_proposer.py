@@ -221,7 +221,7 @@ class SparrowProposer:
             self._flush(states)
             if levels < 1 or not self.levels.fits(kvs, levels):
                 return None
-        emitted = [(s.pending.tokens, _joined(s.pending.features), s.next_pos) if s.pending else None
+        emitted = [(s.pending.tokens, s.pending.joined_features(), s.next_pos) if s.pending else None
                    for s in states] if along else None
         # each level's query position per request (a chain that is over: PAD_POS), after its emitted entries
         first = [s.next_pos + len(s.pending) - 1 for s in states]
@@ -440,11 +440,6 @@ def static_levels(draft: SparrowDraft, spec: SpecConfig) -> DraftLevels | None:
     emitted = 0 if tree else spec.num_draft_tokens + 1
     return DraftLevels(draft, spec.window, -(-(slots + emitted) // 16) * 16, rows, tree,
                        compiled=spec.draft_step == "compiled", emitted_rows=emitted)
-
-
-def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """The pieces concatenated (one piece: itself, no copy)."""
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _chain_lengths(batch: list[DraftRequest], spec: SpecConfig) -> list[int]:
