@@ -12,6 +12,7 @@ allowed URL itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import http.server
@@ -322,6 +323,36 @@ def test_a_client_that_goes_away_frees_the_session_at_once(server, client, recor
     assert gauge(recorder, "live_sessions_active") == 0 and gauge(recorder, "live_kv_bytes") == 0
     assert gauge(recorder, "live_sessions_ended_total", reason="cancelled") == ended_before + 1
     assert gauge(recorder, "live_frames_ingested_total") >= 8
+
+
+def test_a_request_stream_that_fails_mid_session_ends_it_cancelled_not_internal(server):
+    """Under Ray Serve the replica reads the client's messages from the proxy, which may drop a
+    cancelled call before it says so: reading the stream then raises. The client is gone; the
+    session closes as cancelled, like any client that leaves, never as an INTERNAL failure."""
+    service = server.service
+
+    async def requests():
+        yield pb.LiveRequest(open=pb.LiveOpen(**OPEN))
+        await asyncio.sleep(0.05)
+        raise RuntimeError("the proxy no longer has this call")
+
+    async def run() -> tuple[list, BaseException | None]:
+        got, ended = [], None
+        try:
+            async for response in service.live_stream(requests()):
+                got.append(response)
+        except BaseException as exc:  # noqa: BLE001 - how the stream ended is the point
+            ended = exc
+        return got, ended
+
+    before = dict(service.live_ended)
+    got, ended = server.call(run())
+    assert got and got[0].HasField("opened")
+    assert isinstance(ended, asyncio.CancelledError), repr(ended)
+    wait_released(server)
+    after = dict(service.live_ended)
+    assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1, after
+    assert after.get("internal", 0) == before.get("internal", 0), after
 
 
 def _calls(server):

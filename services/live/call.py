@@ -190,7 +190,18 @@ class LiveCall:
     # ----- client messages -----------------------------------------------------------------------
     async def _read(self, requests) -> None:
         try:
-            async for request in requests:
+            while True:
+                try:
+                    request = await anext(requests)
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # noqa: BLE001 - the client's stream itself failed: it is gone
+                    # (Under Ray Serve the replica reads the stream from the proxy, which may have
+                    # dropped a cancelled call before it says so.) An end like a cancel, never INTERNAL.
+                    log.info("live session %s: the client's stream failed (%s: %s); closing it as cancelled",
+                             self.session_id, type(exc).__name__, exc)
+                    self.out.put_nowait(asyncio.CancelledError())
+                    return
                 await self._handle(request)
             if self.cancelled():             # Ray Serve ends a cancelled client's stream as if half-closed
                 self.out.put_nowait(asyncio.CancelledError())
