@@ -225,56 +225,37 @@ def test_json_logs_carry_the_request_id():
     assert "ValueError: boom" in failed["exc_info"]
 
 
-RAY_CHILD = r"""
-import json, os, socket, sys, time, urllib.request
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ["RAY_metrics_report_interval_ms"] = "500"     # export every 0.5 s, not every 10 s
-import ray
-from prometheus_client.parser import text_string_to_metric_families
-from sparrow.metrics import SpecMetrics
-from sparrow.services import prom
+def ray_node_exports(port: int, model_name: str, within: float = 60.0) -> dict[str, dict[str, float]]:
+    """{ray_sparrow_* sample: {position label: value}} for `model_name`, from the Ray node's
+    metrics agent, once the per-position counter (recorded last) has been exported."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-ray.init(num_cpus=1, include_dashboard=False, _metrics_export_port=port, log_to_driver=False,
-         configure_logging=False)
-metrics = SpecMetrics(**json.loads(sys.argv[1]))
-prom.Recorder(prom.RaySink(), model_name="tiny-qwen").record_request(metrics, 0.25, finish_reason="length")
-deadline, found = time.time() + 60, {}
-while time.time() < deadline and "ray_sparrow_spec_decode_num_accepted_tokens_per_pos_total" not in found:
-    time.sleep(0.5)
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    except OSError:
-        continue
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith("ray_sparrow_") and s.labels.get("model_name") == "tiny-qwen":
-                found.setdefault(s.name, {})[s.labels.get("position", "")] = s.value
-ray.shutdown()
-print("RESULT " + json.dumps(found))
-"""
+    deadline, found = time.monotonic() + within, {}
+    while "ray_sparrow_spec_decode_num_accepted_tokens_per_pos_total" not in found:
+        assert time.monotonic() < deadline, f"not exported within {within:.0f} s: {sorted(found)}"
+        time.sleep(0.5)
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            continue
+        found = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.startswith("ray_sparrow_") and s.labels.get("model_name") == model_name:
+                    found.setdefault(s.name, {})[s.labels.get("position", "")] = s.value
+    return found
 
 
-def test_ray_sink_exports_through_a_real_ray_node(requests_done):
-    """The Ray sink end to end: a real (local) Ray node's metrics agent exports what the sink
-    recorded, under ray_sparrow_* names, equal to the request's own metrics."""
-    import subprocess
-    import sys
+def test_ray_sink_exports_through_a_real_ray_node(requests_done, ray_instance, ray_metrics_port):
+    """The Ray sink end to end: the session's real (local) Ray node's metrics agent exports what
+    the sink recorded in this driver, under ray_sparrow_* names, equal to the request's own
+    metrics (a model name of its own: the node's counters are the session's)."""
+    import uuid
 
-    pytest.importorskip("ray")
     metrics = requests_done[1][0].metrics          # the oracle run: every position accepted
-    fields = {k: getattr(metrics, k) for k in ("num_draft_tokens", "steps", "draft_tokens", "accepted_tokens",
-                                                 "accepted_per_position", "prompt_tokens", "completion_tokens",
-                                                 "decode_seconds", "prefill_seconds", "video_seconds")}
-    # Its own process: Ray allows one ray.init per process, and the serving tests hold theirs.
-    done = subprocess.run([sys.executable, "-c", RAY_CHILD, json.dumps(fields)], capture_output=True, text=True,
-                          timeout=180)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    found = json.loads(lines[-1].removeprefix("RESULT "))
+    name = f"prom-test-{uuid.uuid4().hex[:8]}"
+    prom.Recorder(prom.RaySink(), model_name=name).record_request(metrics, 0.25, finish_reason="length")
+    found = ray_node_exports(ray_metrics_port, name)
     assert found["ray_sparrow_spec_decode_num_drafts_total"][""] == metrics.steps
     assert found["ray_sparrow_spec_decode_num_draft_tokens_total"][""] == metrics.draft_tokens
     assert found["ray_sparrow_spec_decode_num_accepted_tokens_total"][""] == metrics.accepted_tokens
