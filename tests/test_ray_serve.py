@@ -218,24 +218,40 @@ def serving_replica(app, within: float = 20.0) -> dict:
 
 
 def draft_replicas(app, n: int = 2, within: float = 20.0) -> list[dict]:
-    """describe() of each of the n running draft replicas."""
-    return [describe(app, key) for key in each_draft_replica(app, n, within).values()]
+    """describe() of each of the n running draft replicas. A key found while this process's
+    router knew fewer replicas (one just started) may rank another first once it knows them all,
+    so the keys are asked again until they name n distinct replicas."""
+    deadline = time.monotonic() + within
+    while True:
+        found = [describe(app, key) for key in each_draft_replica(app, n, max(1.0, deadline - time.monotonic())).values()]
+        if len({d["pid"] for d in found}) == n:
+            return found
+        assert time.monotonic() < deadline, f"no {n} keys that each reach their own draft replica: {found}"
+        time.sleep(0.1)
+
+
+# Long enough that the kill lands mid-stream with margin (about 14 s through Ray on an idle
+# 2-core box; finding the victim right after Serve replaced a replica took up to 7 s of it), short
+# enough to keep the three kill tests from costing a minute and a half.
+KILL_STREAM_TOKENS = 600
 
 
 def stream_through_a_kill(app, client, clips, remote_reference_engine, kill) -> tuple[dict, dict, float]:
-    """A 1000-token stream; `kill(victim)` mid-stream, given the draft replica serving it. The
+    """A KILL_STREAM_TOKENS stream; `kill(victim)` mid-stream, given the draft replica serving it. The
     answer must be the reference's; returns the target's stats before and after, and the
     longest gap between chunks from the kill on."""
     with ThreadPoolExecutor(1) as pool:      # torch off the main thread: much faster on a busy CPU
         expected = pool.submit(reference, remote_reference_engine, clips.data["c"], PROMPTS[1],
-                               max_new_tokens=1000, ignore_eos=True).result()
-    call = client.stream(PROMPTS[1], data=clips.data["c"], max_new_tokens=1000, ignore_eos=True)
+                               max_new_tokens=KILL_STREAM_TOKENS, ignore_eos=True).result()
+    call = client.stream(PROMPTS[1], data=clips.data["c"], max_new_tokens=KILL_STREAM_TOKENS, ignore_eos=True)
     tokens = list(next(call).chunk.token_ids)
     before = app.stats()
+    first_chunk = time.monotonic()
     victim = serving_replica(app)
     assert app.stats()["requests"] == 1, "the stream ended before the kill: make it longer"
     kill(victim)
     killed_at = last = time.monotonic()
+    print(f"killed {killed_at - first_chunk:.2f} s after the first chunk")
     after_kill, stall = 0, 0.0
     for response in call:
         now = time.monotonic()
