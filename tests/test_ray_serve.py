@@ -74,7 +74,8 @@ def app(ray_instance, tiny_model_dirs, clips, tmp_path_factory):
 
 @pytest.fixture
 def client(app):
-    with SparrowClient(app.address) as c:
+    # The application named: the affinity app (a fixture below) runs beside it from its test on.
+    with SparrowClient(app.address, metadata=(("application", "sparrow"),)) as c:
         yield c
 
 
@@ -184,7 +185,7 @@ def test_draft_calls_stay_on_one_draft_replica(app, client, clips, remote_refere
     assert (after["draft_rebuilds"], after["draft_failovers"]) == (before["draft_rebuilds"], before["draft_failovers"])
 
 
-# ----- 3. a draft replica dies mid-stream --------------------------------------------------------------------
+# ----- finding draft replicas and killing one mid-stream (the kill tests below) -----------------------------
 def each_draft_replica(app, n: int = 2, within: float = 20.0) -> dict[int, str]:
     """A routing key for each of the n running draft replicas, by process id. A call with a
     multiplexed id goes where the rendezvous router ranks it first (services/routing.py), so a
@@ -230,57 +231,53 @@ def draft_replicas(app, n: int = 2, within: float = 20.0) -> list[dict]:
         time.sleep(0.1)
 
 
-# Long enough that the kill lands mid-stream with margin (about 14 s through Ray on an idle
-# 2-core box; finding the victim right after Serve replaced a replica took up to 7 s of it), short
-# enough to keep the three kill tests from costing a minute and a half.
+# A bound, not the length: the kill lands 0.1-0.3 s after the first chunk (finding the victim right
+# after Serve replaced a replica took up to 7 s on an idle 2-core box, at ~40 tokens a second
+# through Ray), and the stream is cancelled once it has run WATCH_AFTER_KILL_S past the kill.
 KILL_STREAM_TOKENS = 600
+WATCH_AFTER_KILL_S, WATCH_AFTER_KILL_CHUNKS = 2.5, 20
 
 
 def stream_through_a_kill(app, client, clips, remote_reference_engine, kill) -> tuple[dict, dict, float]:
-    """A KILL_STREAM_TOKENS stream; `kill(victim)` mid-stream, given the draft replica serving it. The
-    answer must be the reference's; returns the target's stats before and after, and the
-    longest gap between chunks from the kill on."""
-    with ThreadPoolExecutor(1) as pool:      # torch off the main thread: much faster on a busy CPU
-        expected = pool.submit(reference, remote_reference_engine, clips.data["c"], PROMPTS[1],
-                               max_new_tokens=KILL_STREAM_TOKENS, ignore_eos=True).result()
+    """A stream with `kill(victim)` mid-stream, given the draft replica serving it; watched for
+    WATCH_AFTER_KILL_S (and WATCH_AFTER_KILL_CHUNKS chunks) past the kill, then cancelled. Every
+    token it gave must be the reference's (the reference's answer of that length: greedy, so a
+    prefix of the whole); returns the target's stats before and after, and the longest gap
+    between chunks from the kill on."""
     call = client.stream(PROMPTS[1], data=clips.data["c"], max_new_tokens=KILL_STREAM_TOKENS, ignore_eos=True)
     tokens = list(next(call).chunk.token_ids)
     before = app.stats()
     first_chunk = time.monotonic()
     victim = serving_replica(app)
-    assert app.stats()["requests"] == 1, "the stream ended before the kill: make it longer"
+    assert app.stats()["requests"] == 1, "the stream ended before the kill: raise KILL_STREAM_TOKENS"
     kill(victim)
     killed_at = last = time.monotonic()
     print(f"killed {killed_at - first_chunk:.2f} s after the first chunk")
     after_kill, stall = 0, 0.0
     for response in call:
         now = time.monotonic()
-        if response.HasField("chunk"):
-            tokens += response.chunk.token_ids
-            after_kill += 1
-            stall, last = max(stall, now - last), now
-        else:
-            done = response.completion
-    assert tokens == expected.token_ids and done.finish_reason == pb.FINISH_REASON_LENGTH
-    assert after_kill > 0                                       # the stream was still running
+        assert response.HasField("chunk"), "the stream ended before it was watched long enough: raise KILL_STREAM_TOKENS"
+        tokens += response.chunk.token_ids
+        after_kill += 1
+        stall, last = max(stall, now - last), now
+        if after_kill >= WATCH_AFTER_KILL_CHUNKS and now - killed_at >= WATCH_AFTER_KILL_S:
+            break
+    call.cancel()
     print(f"longest gap between chunks after the kill: {stall:.2f} s ({after_kill} chunks, "
           f"{time.monotonic() - killed_at:.1f} s)")
+    with ThreadPoolExecutor(1) as pool:      # torch off the main thread: much faster on a busy CPU
+        expected = pool.submit(reference, remote_reference_engine, clips.data["c"], PROMPTS[1],
+                               max_new_tokens=len(tokens), ignore_eos=True).result()
+    assert tokens == expected.token_ids
+    wait_target_freed(app)
     return before, app.stats(), stall
 
 
-@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
-def test_killing_the_draft_replica_mid_stream_keeps_the_answer(app, client, clips, remote_reference_engine, how):
-    import os
-    import signal
-
-    import ray
-
-    def kill(victim):
-        if how == "ray.kill":
-            ray.kill(ray.get_actor(victim["replica"], namespace="serve"))
-        else:                                   # the process dies under Ray (OOM killer, a crash)
-            os.kill(victim["pid"], signal.SIGKILL)
-
+# ----- 3. draft replicas die mid-stream ----------------------------------------------------------------------
+# Each kill test needs two live draft replicas, and Serve takes 10-20 s to replace one: the kill
+# tests are spread among tests that do not kill, so Serve replaces meanwhile.
+def killed_one_draft_replica_mid_stream(app, client, clips, remote_reference_engine, kill) -> None:
+    """kill(victim) mid-stream: the answer is the reference's, the stream never stalls."""
     before, stats, stall = stream_through_a_kill(app, client, clips, remote_reference_engine, kill)
     # The dead replica is detected and routed around at once: no call waits out a timeout.
     assert stall < 2.0, f"the stream stalled {stall:.2f} s after the draft replica died"
@@ -290,23 +287,11 @@ def test_killing_the_draft_replica_mid_stream_keeps_the_answer(app, client, clip
     assert stats["draft_fallbacks"] == before["draft_fallbacks"]       # ... without the colocated fallback
 
 
-def test_killing_every_draft_replica_mid_stream_costs_under_two_seconds(app, client, clips, remote_reference_engine):
-    """No replica left while Serve starts new ones (seconds): calls queue for a replica, and
-    the step drafts in the target's process within draft_failover_s (1 s) instead of waiting."""
-    import os
-    import signal
+def test_ray_killing_the_draft_replica_mid_stream_keeps_the_answer(app, client, clips, remote_reference_engine):
+    import ray
 
-    replicas = draft_replicas(app)
-
-    def kill(victim):
-        for replica in replicas:
-            os.kill(replica["pid"], signal.SIGKILL)
-
-    before, stats, stall = stream_through_a_kill(app, client, clips, remote_reference_engine, kill)
-    assert stall < 2.0, f"the stream stalled {stall:.2f} s with no draft replica"
-    assert stats["draft_fallbacks"] == before["draft_fallbacks"] + 1       # the stream drafted in process
-    replicas_back = draft_replicas(app, within=60.0)                        # Serve replaced both
-    assert {r["pid"] for r in replicas_back}.isdisjoint(r["pid"] for r in replicas)
+    killed_one_draft_replica_mid_stream(app, client, clips, remote_reference_engine,
+                                        lambda victim: ray.kill(ray.get_actor(victim["replica"], namespace="serve")))
 
 
 # ----- 5. Redis stops mid-run ----------------------------------------------------------------------------------
@@ -327,6 +312,16 @@ def test_redis_stopped_mid_run_requests_still_complete_on_ray(app, client, clips
     assert app.redis.client().exists(f"sparrow:video:{fresh_id}:m")        # back to Redis
     expected = reference(remote_reference_engine, fresh, PROMPTS[0], max_new_tokens=8).token_ids
     assert client.generate(PROMPTS[0], video_id=fresh_id, max_new_tokens=8).token_ids == expected
+
+
+def test_sigkill_of_the_draft_replica_mid_stream_keeps_the_answer(app, client, clips, remote_reference_engine):
+    """The process dies under Ray (the OOM killer, a crash). Serve replaced the replica the
+    test above killed while the test between ran (it may still wait for it a few seconds)."""
+    import os
+    import signal
+
+    killed_one_draft_replica_mid_stream(app, client, clips, remote_reference_engine,
+                                        lambda victim: os.kill(victim["pid"], signal.SIGKILL))
 
 
 # ----- prefix reuse survives scale-out ----------------------------------------------------------------
@@ -371,6 +366,25 @@ def test_second_question_reaches_the_replica_holding_the_prefill(app, two_target
         videos[stats["replica"]] = stats["videos"]
     assert reused >= 19, f"only {reused} of 20 second questions reused the prefill"
     assert len(videos) == 2 and all(n > 0 for n in videos.values()), videos   # new videos spread over both
+
+
+def test_killing_every_draft_replica_mid_stream_costs_under_two_seconds(app, client, clips, remote_reference_engine):
+    """No replica left while Serve starts new ones (seconds): calls queue for a replica, and
+    the step drafts in the target's process within draft_failover_s (1 s) instead of waiting."""
+    import os
+    import signal
+
+    replicas = draft_replicas(app)
+
+    def kill(victim):
+        for replica in replicas:
+            os.kill(replica["pid"], signal.SIGKILL)
+
+    before, stats, stall = stream_through_a_kill(app, client, clips, remote_reference_engine, kill)
+    assert stall < 2.0, f"the stream stalled {stall:.2f} s with no draft replica"
+    assert stats["draft_fallbacks"] == before["draft_fallbacks"] + 1       # the stream drafted in process
+    replicas_back = draft_replicas(app, within=60.0)                        # Serve replaced both
+    assert {r["pid"] for r in replicas_back}.isdisjoint(r["pid"] for r in replicas)
 
 
 # ----- live sessions -----------------------------------------------------------------------------------------
