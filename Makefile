@@ -52,16 +52,19 @@ k8s-tools: .tools/kustomize
 	$@ version
 
 # Two phases (tests/conftest.py): the tests not marked serial on TEST_WORKERS pytest-xdist workers,
-# then the serial ones (wall-time bounds, Ray clusters, servers) in one process. Both always run;
-# the target fails if either did. TEST_WORKERS=0: everything in one process.
+# then the serial ones (wall-time bounds, Ray clusters, servers) in two processes side by side:
+# the session Ray node's modules (marked ray_serial; their output comes after the other's) and
+# the rest. All always run; the target fails if any did. TEST_WORKERS=0: everything in one process.
 TEST_WORKERS ?= 2
 PYTEST := PATH="$(CURDIR)/.tools:$$PATH" $(PY) -m pytest -q
 
 define run_tests
 	@if [ "$(TEST_WORKERS)" = "0" ]; then $(PYTEST) $(if $(1),-m "$(1)") $(PYTEST_ARGS); else \
 	  $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not serial$(if $(1), and $(1))" $(PYTEST_ARGS); a=$$?; \
-	  $(PYTEST) -p no:xdist -m "serial$(if $(1), and $(1))" $(PYTEST_ARGS); b=$$?; \
-	  [ $$a = 5 ] && a=0; [ $$b = 5 ] && b=0; exit $$(( a || b )); fi
+	  log=$$(mktemp); $(PYTEST) -p no:xdist -m "serial and ray_serial$(if $(1), and $(1))" $(PYTEST_ARGS) >$$log 2>&1 & r=$$!; \
+	  $(PYTEST) -p no:xdist -m "serial and not ray_serial$(if $(1), and $(1))" $(PYTEST_ARGS); b=$$?; \
+	  wait $$r; c=$$?; echo "--- the serial tests of the Ray modules (run beside the above) ---"; cat $$log; rm -f $$log; \
+	  [ $$a = 5 ] && a=0; [ $$b = 5 ] && b=0; [ $$c = 5 ] && c=0; exit $$(( a || b || c )); fi
 endef
 
 test: setup test-services

@@ -64,6 +64,11 @@ SERIAL_MODULES = {
     "test_ray_bind", "test_ray_proxy", "test_ray_serve", "test_rtsp", "test_scheduler",
     "test_service", "test_service_limits", "test_service_live", "test_video_fuzz", "test_video_sources",
 }
+# The serial tests run in two processes side by side: the tests of the session's Ray node (its
+# Serve applications), which wait mostly on Ray's own processes, and the rest. Each process has
+# about one of the 2 cores, as each serial test had before beside its own servers.
+RAY_SERIAL_MODULES = {"test_host_faults", "test_openai_api_ray", "test_prom", "test_ray_serve"}
+assert RAY_SERIAL_MODULES <= SERIAL_MODULES
 # Not serial, though heavy: what they wait for is an event with a generous bound, never a wall
 # time another worker could break (training steps to a kill, background compiles, the scheduler's
 # order held by a gate task, a 2-node Ray cluster in its own process scaling on request counts).
@@ -85,6 +90,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if name in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+        if name in RAY_SERIAL_MODULES:
+            item.add_marker(pytest.mark.ray_serial)
         if name not in groups:
             groups[name] = _xdist_group(item)
         if groups[name] is not None:
