@@ -157,6 +157,9 @@ def measure(args) -> Run:
     short = (video(800), PROMPTS[1], 24)
     short_answer = expected(*short)
 
+    from sparrow.services import ray_bind
+
+    ray_bind.patient_proxies()          # as `sparrow serve --ray` starts its cluster
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     for _ in range(args.nodes - 1):
         cluster.add_node(num_cpus=1)

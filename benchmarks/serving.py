@@ -150,10 +150,11 @@ def ray_rows(settings, videos, tokens: int) -> dict:
     import ray
     from ray import serve
 
-    from sparrow.services import ray_app
+    from sparrow.services import ray_app, ray_bind
     from sparrow.services.client import SparrowClient
 
     rows = {}
+    ray_bind.patient_proxies()          # as `sparrow serve --ray` starts its cluster
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     no_cpu = {"ray_actor_options": {"num_cpus": 0}}
     try:

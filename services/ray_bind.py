@@ -21,6 +21,12 @@ renames them makes `setup` fail loudly (AttributeError in the proxy's or replica
 never silently bind everywhere; tests/test_ray_bind.py checks every listening socket of the
 cluster `sparrow serve --ray` starts.
 
+Serve's proxies get 30 s, not Serve's 5, to answer their first readiness check
+(`patient_proxies`): a proxy's process imports gRPC and the servicers, and on a busy node
+(measured: the 2-core CI machine with another test process beside it) that took longer; the
+controller then declared the proxy unhealthy and replaced it, and serve.start failed with
+ActorDiedError.
+
 Ray's token authentication is on unless RAY_AUTH_MODE says otherwise (`token_auth`): every
 Ray RPC and the dashboard then need the token, written once, readable by its owner only.
 Serve's gRPC and HTTP proxies do not ask for it (they serve sparrow.v1 to clients).
@@ -44,6 +50,16 @@ LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"    # "0": a loopback nod
 AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 
 
+PROXY_READY_ENV, PROXY_READY_S = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30"
+
+
+def patient_proxies() -> None:
+    """Serve's proxies' first readiness check waits PROXY_READY_S (an operator's setting stands).
+    Read by the Serve controller's process: call before the cluster's processes start (a local
+    cluster's inherit the environment of the process that starts it)."""
+    os.environ.setdefault(PROXY_READY_ENV, PROXY_READY_S)
+
+
 def runtime_env(host: str, env_vars: dict[str, str] | None = None) -> dict:
     """The job runtime_env that makes Serve's gRPC proxy listen on `host` (and each
     replica's inter-deployment server on its node's IP)."""
@@ -65,8 +81,10 @@ def is_every_interface(host: str) -> bool:
 
 def local_cluster(host: str) -> dict:
     """ray.init keyword arguments that start a NEW local cluster whose servers listen on
-    `host` (0.0.0.0 or :: : Ray's default, the node's outward address). Call before Ray is
-    imported: it sets the environment Ray reads at import (and its processes inherit)."""
+    `host` (0.0.0.0 or :: : Ray's default, the node's outward address), its proxies patient.
+    Call before Ray is imported: it sets the environment Ray reads at import (and its processes
+    inherit)."""
+    patient_proxies()
     kwargs = {"address": "local", "dashboard_host": "127.0.0.1"}
     if is_every_interface(host):
         return kwargs

@@ -124,8 +124,11 @@ def ray_metrics_port() -> int:
 def ray_instance(ray_metrics_port):
     """One real Ray instance (2 CPUs) for the whole session. Its metrics agent exports on
     ray_metrics_port every 0.5 s rather than every 10 s (the Ray sink's test reads it)."""
+    from sparrow.services import ray_bind
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["RAY_metrics_report_interval_ms"] = "500"
+    ray_bind.patient_proxies()          # as `sparrow serve --ray` starts its cluster
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              _metrics_export_port=ray_metrics_port)

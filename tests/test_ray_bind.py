@@ -161,6 +161,12 @@ def test_the_cluster_sparrow_serve_starts_listens_on_loopback_only(served):
                if not ipaddress.ip_address(address).is_loopback]
     assert not exposed, f"listening beyond loopback: {exposed}"
     assert any("token authentication on" in line for line in lines), lines
+    # The Serve controller, which times its proxies' readiness checks, got the patient setting.
+    from sparrow.services import ray_bind
+
+    (controller,) = {pid for pid, command, _, _ in held if "ServeController" in command}
+    environ = Path(f"/proc/{controller}/environ").read_bytes().split(b"\0")
+    assert f"{ray_bind.PROXY_READY_ENV}={ray_bind.PROXY_READY_S}".encode() in environ
 
 
 @pytest.mark.slow
@@ -240,3 +246,15 @@ def test_a_long_request_is_running_when_the_server_stops(served):
     IN_FLIGHT.append((thread, ended))
     time.sleep(2.0)
     assert not ended, f"the long request ended before the stop: {ended}"
+
+
+def test_a_local_cluster_gives_serves_proxies_time_to_start_and_keeps_the_operators(monkeypatch):
+    from sparrow.services import ray_bind
+
+    monkeypatch.delenv(ray_bind.PROXY_READY_ENV, raising=False)
+    monkeypatch.setenv(ray_bind.LOOPBACK_ONLY_ENV, "0")
+    ray_bind.local_cluster("127.0.0.1")
+    assert float(os.environ[ray_bind.PROXY_READY_ENV]) >= 30          # Serve's own default is 5 s
+    monkeypatch.setenv(ray_bind.PROXY_READY_ENV, "12")
+    ray_bind.local_cluster("0.0.0.0")
+    assert os.environ[ray_bind.PROXY_READY_ENV] == "12"
