@@ -117,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
     asyncio.run(serve_forever(service, args.host, None if args.no_grpc else args.port,       # until Ctrl-C or SIGTERM
                               http_port=None if args.no_http else http_port(args),
                               model_name=settings.model_name))
+    from sparrow.services import stopping
+    # Served and stopped: no interpreter teardown, which aborts the process (SIGABRT, "terminate
+    # called without an active exception") when a background step compile is still inside torch.
+    stopping.exit_now(0)
     return 0
 
 
