@@ -235,6 +235,7 @@ def draft_replicas(app, n: int = 2, within: float = 20.0) -> list[dict]:
 # after Serve replaced a replica took up to 7 s on an idle 2-core box, at ~40 tokens a second
 # through Ray), and the stream is cancelled once it has run WATCH_AFTER_KILL_S past the kill.
 KILL_STREAM_TOKENS = 600
+REPLACEMENT_WITHIN_S = 90.0     # Serve replaces a killed replica in 10-20 s idle, longer under load
 WATCH_AFTER_KILL_S, WATCH_AFTER_KILL_CHUNKS = 2.5, 20
 
 
@@ -243,7 +244,9 @@ def stream_through_a_kill(app, client, clips, remote_reference_engine, kill) -> 
     WATCH_AFTER_KILL_S (and WATCH_AFTER_KILL_CHUNKS chunks) past the kill, then cancelled. Every
     token it gave must be the reference's (the reference's answer of that length: greedy, so a
     prefix of the whole); returns the target's stats before and after, and the longest gap
-    between chunks from the kill on."""
+    between chunks from the kill on. Serve's replacement of the replica an earlier test killed
+    is waited for first: on a loaded box it took over 20 s (a fresh-clone CI run)."""
+    draft_replicas(app, within=REPLACEMENT_WITHIN_S)
     call = client.stream(PROMPTS[1], data=clips.data["c"], max_new_tokens=KILL_STREAM_TOKENS, ignore_eos=True)
     tokens = list(next(call).chunk.token_ids)
     before = app.stats()
