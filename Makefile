@@ -61,9 +61,11 @@ PYTEST := PATH="$(CURDIR)/.tools:$$PATH" $(PY) -m pytest -q
 define run_tests
 	@if [ "$(TEST_WORKERS)" = "0" ]; then $(PYTEST) $(if $(1),-m "$(1)") $(PYTEST_ARGS); else \
 	  $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not serial$(if $(1), and $(1))" $(PYTEST_ARGS); a=$$?; \
-	  log=$$(mktemp); $(PYTEST) -p no:xdist -m "serial and ray_serial$(if $(1), and $(1))" $(PYTEST_ARGS) >$$log 2>&1 & r=$$!; \
+	  log=$$(mktemp); trap 'rm -f "$$log"' EXIT; \
+	  $(PYTEST) -p no:xdist -m "serial and ray_serial$(if $(1), and $(1))" $(PYTEST_ARGS) >$$log 2>&1 & r=$$!; \
+	  trap 'kill $$r 2>/dev/null; rm -f "$$log"; exit 130' INT TERM; \
 	  $(PYTEST) -p no:xdist -m "serial and not ray_serial$(if $(1), and $(1))" $(PYTEST_ARGS); b=$$?; \
-	  wait $$r; c=$$?; echo "--- the serial tests of the Ray modules (run beside the above) ---"; cat $$log; rm -f $$log; \
+	  wait $$r; c=$$?; echo "--- the serial tests of the Ray modules (run beside the above) ---"; cat $$log; \
 	  [ $$a = 5 ] && a=0; [ $$b = 5 ] && b=0; [ $$c = 5 ] && c=0; exit $$(( a || b || c )); fi
 endef
 

@@ -109,7 +109,7 @@ def _wait_ready(server: subprocess.Popen, port: int, timeout_s: float) -> None:
 
 
 def run(workdir: Path, vocab: int | None = None, device: str = "cpu", max_new_tokens: int = 8,
-        ready_timeout_s: float = 300.0) -> dict:
+        ready_timeout_s: float = 300.0, target_step: str = "compiled") -> dict:
     """Build, serve, ask; returns the figures and the answer's last line (finish reason...)."""
     from sparrow.video import write_synthetic_video
 
@@ -126,7 +126,7 @@ def run(workdir: Path, vocab: int | None = None, device: str = "cpu", max_new_to
     port = _free_port()
     env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
     server = subprocess.Popen(_cli("serve", "--target", str(workdir / "target"), "--draft", str(workdir / "draft"),
-                                   "--dtype", "bfloat16", "--device", device, "--port", str(port),
+                                   "--dtype", "bfloat16", "--device", device, "--port", str(port), "--target-step", target_step,
                                    "--log-format", "text", "--log-level", "WARNING"),
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

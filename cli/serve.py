@@ -121,7 +121,6 @@ def run(args: argparse.Namespace) -> int:
     # Served and stopped: no interpreter teardown, which aborts the process (SIGABRT, "terminate
     # called without an active exception") when a background step compile is still inside torch.
     stopping.exit_now(0)
-    return 0
 
 
 def _stop_on_sigterm() -> None:

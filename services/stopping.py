@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def descendants(pid: int | None = None) -> list[int]:
     return found
 
 
-def exit_now(code: int = 0) -> None:
+def exit_now(code: int = 0) -> NoReturn:
     """Kill the kernel builders and every process this one started (a local Ray cluster's
     included: none outlives it), flush what was written, and end the process now."""
     try:

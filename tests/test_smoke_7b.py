@@ -6,7 +6,7 @@ from benchmarks.smoke_7b import run
 
 
 def test_7b_widths_serve_and_answer_in_bf16(tmp_path):
-    result = run(tmp_path, max_new_tokens=6)
+    result = run(tmp_path, max_new_tokens=6, target_step="eager")      # compiled steps: tests/test_step_graph*.py
     assert result["returncode"] == 0, result["server_log_tail"]
     assert result["shards"] > 1 and result["target_params"] > 2.5e8          # really 3584 wide, really sharded
     (summary,) = result["summary"]
