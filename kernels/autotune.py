@@ -11,6 +11,9 @@ it would do without measurements) while a worker thread times the candidates on 
 shape (one worker for every tuner: one measurement at a time); the choice is kept for the process
 and in a file beside the extension builds, named by the CPU, torch and the kernels' build keys,
 so the next process starts with it. cuBLAS, oneDNN and Triton's autotuner all work this way.
+Each timed call goes between two of the schedulers' turns, never beside one, and a busy engine
+gives the tuner at most a quarter of its time (sparrow/tuning_gate.py): timing beside serving
+slowed both and made the timings noisy.
 
     SPARROW_ATTENTION_PATH=kernel|flash|dense   force one attention path wherever it can serve (no timing)
     SPARROW_AUTOTUNE=0                          no timing: the callers' defaults serve
@@ -36,6 +39,8 @@ from pathlib import Path
 from typing import Callable, Hashable
 
 import torch
+
+from sparrow.tuning_gate import GATE
 
 log = logging.getLogger(__name__)
 
@@ -222,15 +227,17 @@ def _time(runs: dict[str, Callable[[], object]], clock: Callable[[], float] = ti
     BUDGET_S (wall) a candidate; CLOSE_FACTOR times that where the two fastest came within CLOSE
     of each other."""
     for run in runs.values():
-        run()
+        with GATE.tuning():
+            run()
     times: dict[str, list[float]] = {name: [] for name in runs}
     rounds, budget, extended = MAX_REPS, BUDGET_S * len(runs), False
     start = time.perf_counter()
     while True:
         for name, run in runs.items():
-            t0 = clock()
-            run()
-            times[name].append(clock() - t0)
+            with GATE.tuning():          # between serving turns, never beside one (sparrow/tuning_gate.py)
+                t0 = clock()
+                run()
+                times[name].append(clock() - t0)
         done = len(times[next(iter(runs))])
         if done < MIN_REPS or (done < rounds and time.perf_counter() - start < budget):
             continue

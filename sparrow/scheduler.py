@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from .config import EngineConfig, SamplingParams
+from .tuning_gate import GATE as TUNING_GATE
 from .draft_policy import DraftPolicy, TreeTrim
 from .errors import ResourceExhausted
 from .model_runner import ModelRunner
@@ -234,9 +235,10 @@ class Scheduler:
             idle_since = None
             try:
                 self._admit()
-                self._prefill_slice()
-                self._run_task()
-                self._decode_step()
+                with TUNING_GATE.serving():       # a path tuner's timed calls go between turns
+                    self._prefill_slice()
+                    self._run_task()
+                    self._decode_step()
             except Exception as exc:  # noqa: BLE001 - a failed batched forward fails the requests in it
                 log.exception("scheduler step failed")
                 for request in list(self._running) + list(self._prefilling):
