@@ -10,6 +10,7 @@ reading nothing."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -71,11 +72,18 @@ def _known(name: str, modules: set[str]) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def parsed(source: str) -> ast.Module:
+    """A source's tree, parsed once: the checks and their mutants walk the same files many
+    times (a mutant re-parses only the file it changed). Read-only: nothing edits a tree."""
+    return ast.parse(source)
+
+
 def imports_of(module: str, path: Path, source: str, modules: set[str]) -> set[str]:
     """Every module of ours `module` imports, wherever the import sits (module level, inside a
     function, or as a string given to importlib: a literal naming one of our modules, alone or
     as "module:function", in a file that calls importlib; "namespace::op" names a torch op)."""
-    tree = ast.parse(source)
+    tree = parsed(source)
     names: set[str] = set()
     dynamic = "importlib" in source
     for node in ast.walk(tree):
@@ -157,7 +165,7 @@ def proposer_probes(sources: dict[str, tuple[Path, str]]) -> list[str]:
     says what every proposer and state has; probing for it is dispatch by accident)."""
     out = []
     for module, (path, text) in sources.items():
-        for node in ast.walk(ast.parse(text)):
+        for node in ast.walk(parsed(text)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id in ("hasattr", "getattr") and node.args
                     and PROPOSER_PROBE.search(ast.unparse(node.args[0]))):
@@ -231,7 +239,7 @@ def live_reach_ins(sources: dict[str, tuple[Path, str]]) -> list[str]:
     for module, (_, text) in sources.items():
         if not module.startswith(LIVE_CODE):
             continue
-        for node in ast.walk(ast.parse(text)):
+        for node in ast.walk(parsed(text)):
             if isinstance(node, ast.Attribute) and REACH_IN.search("." + node.attr):
                 out.append(f"{module}:{node.lineno}: .{node.attr}")
     return out
