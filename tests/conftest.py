@@ -76,10 +76,37 @@ assert RAY_SERIAL_MODULES <= SERIAL_MODULES
 # test_prefill_together, test_live_fairness
 
 
+def _shares_one_worker(path: str) -> bool:
+    """Whether a test module's tests must share one worker: it has module-scoped fixtures."""
+    with open(path) as f:
+        return 'scope="module"' in f.read()
+
+
 def _xdist_group(item) -> str | None:
     """The module's name when its tests must share one worker (module-scoped fixtures), else None."""
-    with open(item.module.__file__) as f:
-        return item.module.__name__.rsplit(".", 1)[-1] if 'scope="module"' in f.read() else None
+    return item.module.__name__.rsplit(".", 1)[-1] if _shares_one_worker(item.module.__file__) else None
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, done here: xdist 3.8 marks a group by editing an item's `_nodeid`, which
+    pytest 9 no longer reads, so no group ever formed and every module-scoped fixture (a server, a
+    load run) was built once per worker. This scheduler groups by the module file instead: a module
+    with module-scoped fixtures goes whole to one worker, any other test goes wherever is free."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    rootdir = config.rootpath
+    shared: dict[str, bool] = {}
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if module not in shared:
+                shared[module] = _shares_one_worker(str(rootdir / module))
+            return module if shared[module] else nodeid
+
+    return ModuleGroups(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
