@@ -87,6 +87,7 @@ def _xdist_group(item) -> str | None:
     return item.module.__name__.rsplit(".", 1)[-1] if _shares_one_worker(item.module.__file__) else None
 
 
+@pytest.hookimpl(optionalhook=True)     # the serial phase runs without xdist (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadgroup, done here: xdist 3.8 marks a group by editing an item's `_nodeid`, which
     pytest 9 no longer reads, so no group ever formed and every module-scoped fixture (a server, a
