@@ -35,7 +35,6 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from .config import EngineConfig, SamplingParams
-from .tuning_gate import GATE as TUNING_GATE
 from .draft_policy import DraftPolicy, TreeTrim
 from .errors import ResourceExhausted
 from .model_runner import ModelRunner
@@ -43,6 +42,7 @@ from .output import TokenDelta
 from .prefix_cache import PrefillsInFlight, PrefixEntry
 from .request import Request
 from .step_costs import CostModel
+from .tuning_gate import GATE as TUNING_GATE
 
 log = logging.getLogger(__name__)
 

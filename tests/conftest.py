@@ -82,16 +82,11 @@ def _shares_one_worker(path: str) -> bool:
         return 'scope="module"' in f.read()
 
 
-def _xdist_group(item) -> str | None:
-    """The module's name when its tests must share one worker (module-scoped fixtures), else None."""
-    return item.module.__name__.rsplit(".", 1)[-1] if _shares_one_worker(item.module.__file__) else None
-
-
 @pytest.hookimpl(optionalhook=True)     # the serial phase runs without xdist (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadgroup, done here: xdist 3.8 marks a group by editing an item's `_nodeid`, which
-    pytest 9 no longer reads, so no group ever formed and every module-scoped fixture (a server, a
-    load run) was built once per worker. This scheduler groups by the module file instead: a module
+    """--dist loadgroup, done here: xdist 3.8 marks a group (an xdist_group marker) by editing an
+    item's `_nodeid`, which pytest 9 no longer reads, so no group ever formed and every
+    module-scoped fixture (a server, a load run) was built once per worker. This scheduler groups by the module file instead: a module
     with module-scoped fixtures goes whole to one worker, any other test goes wherever is free."""
     if config.getvalue("dist") != "loadgroup":
         return None
@@ -111,7 +106,6 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    groups: dict[str, str | None] = {}
     for item in items:
         name = item.module.__name__.rsplit(".", 1)[-1]
         if name in SLOW_MODULES or any(n in item.name for n in SLOW_NAMES):
@@ -120,7 +114,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.serial)
         if name in RAY_SERIAL_MODULES:
             item.add_marker(pytest.mark.ray_serial)
-        if name not in groups:
-            groups[name] = _xdist_group(item)
-        if groups[name] is not None:
-            item.add_marker(pytest.mark.xdist_group(groups[name]))

@@ -57,39 +57,31 @@ def test_an_idle_engine_lets_the_tuner_run_unpaused():
     assert gate.stats["paused_s"] == 0.0 and gate.stats["calls"] == 5
 
 
+def waited_beside(gate: TuningGate, holder, waiter) -> float:
+    """Seconds `waiter` (a gate's context) took to enter while another thread held `holder`
+    (the other one) and never let go."""
+    release = threading.Event()
+
+    def hold():
+        with holder(gate):
+            release.wait(5)
+    t = threading.Thread(target=hold)
+    t.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    with waiter(gate):
+        waited = time.perf_counter() - t0
+    release.set()
+    t.join(5)
+    return waited
+
+
 def test_every_wait_is_bounded():
     """A timed call that hangs holds a turn back at most max_wait_s; a turn that never ends holds
     the tuner back at most max_wait_s."""
     gate = TuningGate(max_wait_s=0.2)
-    release = threading.Event()
-
-    def stuck_call():
-        with gate.tuning():
-            release.wait(5)
-    t = threading.Thread(target=stuck_call)
-    t.start()
-    time.sleep(0.05)
-    t0 = time.perf_counter()
-    with gate.serving():
-        waited = time.perf_counter() - t0
-    release.set()
-    t.join(5)
-    assert 0.15 < waited < 1.0
-
-    done = threading.Event()
-
-    def endless_turn():
-        with gate.serving():
-            done.wait(5)
-    t = threading.Thread(target=endless_turn)
-    t.start()
-    time.sleep(0.05)
-    t0 = time.perf_counter()
-    with gate.tuning():
-        waited = time.perf_counter() - t0
-    done.set()
-    t.join(5)
-    assert 0.15 < waited < 1.0
+    assert 0.15 < waited_beside(gate, TuningGate.tuning, TuningGate.serving) < 1.0
+    assert 0.15 < waited_beside(gate, TuningGate.serving, TuningGate.tuning) < 1.0
 
 
 def test_a_call_made_inside_a_turn_does_not_wait_on_itself():
