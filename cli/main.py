@@ -23,24 +23,28 @@ from sparrow.errors import InvalidRequest
 from sparrow.cli import demo, generate, live, serve
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with `command` (the one about to run), the training commands' options
+    (their configs live beside torch code) are built only when it is one of them, so a client
+    command (`sparrow generate`, `sparrow live`) starts without importing torch."""
     from sparrow.progress import verbose_option
+    from sparrow.training.commands import TRAINING_COMMANDS, add_commands as _add_training
 
     parser = argparse.ArgumentParser(prog="sparrow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     common = verbose_option()
-    for command in (demo, serve, generate, live):
-        command.add_command(sub, common)
-    from sparrow.training.commands import add_commands as _add_training   # train-draft, world
-    _add_training(sub, common)
+    for module in (demo, serve, generate, live):
+        module.add_command(sub, common)
+    _add_training(sub, common, options=command is None or command in TRAINING_COMMANDS)   # train-draft, world
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from sparrow.progress import quiet_third_party
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv and not argv[0].startswith("-") else None).parse_args(argv)
     quiet_third_party(args.verbose)
     try:
         return args.func(args)

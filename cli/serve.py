@@ -205,11 +205,10 @@ def add_command(sub, common) -> None:
                         "compiled (torch.compile on a CPU, CUDA graphs on a GPU: ~2.5x faster on a CPU; each batch "
                         "bucket compiles on its first step, seconds, logged) or reference")
     add_placement_arguments(p, device_map=True)
-    from sparrow.models.ragged import VERIFY_KERNELS
+    from sparrow.config import TARGET_STEPS, VERIFY_KERNELS
     p.add_argument("--verify-attention", choices=("auto", "sdpa", *VERIFY_KERNELS), default="auto",
                    help="decode/verify attention over the cache: auto (Triton split-KV on CUDA, packed on a CPU), "
                         "packed, sdpa, split or triton")
-    from sparrow.models.step_graph import TARGET_STEPS
     p.add_argument("--target-step", choices=TARGET_STEPS, default="compiled",
                    help="how the target's decode/verify steps run: compiled (default: torch.compile, one graph per "
                         "token bucket, each compiled on a background thread the first time a step needs it, 1-8 s "

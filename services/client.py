@@ -33,7 +33,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .protos import pb, pb_grpc
-from .server import message_options
+from .wire import message_options
 
 MiB = 1 << 20
 # Ray Serve routes a call carrying this metadata to a replica that has "loaded" the id (model

@@ -21,7 +21,7 @@ from sparrow.services.grpc_status import log_failure
 from sparrow.services.handler import SparrowMethods
 from sparrow.services.protos import SERVICE_NAME, pb_grpc
 from sparrow.services.servicer import SparrowService, deadline_from_metadata
-from sparrow.services.wire import add_sparrow_servicer, check_decoded
+from sparrow.services.wire import add_sparrow_servicer, check_decoded, message_options
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +32,6 @@ log = logging.getLogger(__name__)
 # MiB at once peaked at +500 MiB. A fixed window bounds it per stream; the window still opens
 # for whichever message the handler waits on, so chunks larger than it still arrive.
 READ_AHEAD_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 4 << 20)]
-
-
-def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """gRPC channel/server options bounding message sizes (set on both ends)."""
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
 
 
 def request_deadline(context: grpc.aio.ServicerContext) -> float | None:

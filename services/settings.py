@@ -6,15 +6,12 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from sparrow.config import SpecConfig
+from sparrow.config import TARGET_STEPS, VERIFY_KERNELS, EngineConfig, SpecConfig
 from sparrow.models.draft import DraftArchitecture, SparrowDraft
-from sparrow.config import EngineConfig
 from sparrow.engine import Engine
 from sparrow.models.placement import check_placement
 from sparrow.kernels import cpu_prefix
 from sparrow.kernels import draft_chain
-from sparrow.models.ragged import VERIFY_KERNELS
-from sparrow.models.step_graph import TARGET_STEPS
 from sparrow.prefix_cache import PrefixCache
 from sparrow.speculative.sparrow_proposer import SparrowProposer
 from sparrow.services.state_cache import StateCache, open_cache

@@ -18,6 +18,12 @@ from sparrow.services.protos import pb_grpc
 from sparrow.services.ray_proxy import guarded_handlers
 
 
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC channel/server options bounding message sizes (set on both ends)."""
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
 class Undecodable:
     """Stands in for a request message that could not be parsed; picklable, so it can cross
     from Serve's proxy to a replica."""

@@ -13,6 +13,16 @@ from .errors import InvalidRequest
 SPEC_METHODS = ("sparrow", "eagle-style", "eagle3", "specvlm", "none")
 DRAFT_CONTEXTS = ("text", "all", "pruned")
 DRAFT_STEPS = ("reference", "static", "compiled")
+TARGET_STEPS = ("eager", "compiled")      # how the target's decode/verify steps run (models/step_graph.py)
+# Verify attention kernels by name: (module, function), imported on first use (models/ragged.py's
+# verify_kernel). "packed": the prefix unmasked + the new tokens' own mask, merged by log-sum-exp
+# (the CPU default); "split": flash-decoding in torch; "triton": the split-KV Triton kernel (CUDA;
+# on CPU only under TRITON_INTERPRET=1, for tests). "sdpa", besides them, is ragged SDPA.
+VERIFY_KERNELS: dict[str, tuple[str, str]] = {
+    "packed": ("sparrow.kernels.packed", "verify_attention_packed"),
+    "split": ("sparrow.kernels.split_kv", "verify_attention_split"),
+    "triton": ("sparrow.kernels.triton_attention", "verify_attention_triton"),
+}
 
 
 def check(cond: bool, message: str) -> None:

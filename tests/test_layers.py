@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import sparrow
 import sparrow.kernels
 
@@ -58,6 +60,34 @@ def test_importing_the_core_loads_neither_training_nor_services():
     assert out.returncode == 0, out.stderr
     assert "sparrow.engine" in core and "sparrow.scheduler" in core and "sparrow.tiny" in core
     assert out.stdout.strip() == "[]", f"the core pulled in {out.stdout.strip()}"
+
+
+def test_a_client_command_starts_without_torch(tmp_path):
+    """`sparrow generate` / `sparrow live` talk to a server: their parser, the gRPC client and the
+    stubs import neither torch nor transformers (they took ~7 s to start when the package's
+    names and the training commands' configs loaded the engine); `--help` exits 0."""
+    code = (
+        "import sys\n"
+        "from sparrow.cli.main import main\n"
+        "import sparrow.services.client, sparrow.services.player, sparrow.video.policy\n"
+        "import sparrow.cli.generate, sparrow.cli.live\n"
+        "for command in ('generate', 'live'):\n"
+        "    try:\n"
+        "        main([command, '--help'])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
+        "print('LOADED', sorted(m for m in ('torch', 'transformers', 'sparrow.engine') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "usage: sparrow generate" in out.stdout and "usage: sparrow live" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "LOADED []"
+    # the package's names still load on use
+    names = "import sparrow; print(sparrow.Engine.__module__, sparrow.SpecConfig.__name__)"
+    out = subprocess.run([sys.executable, "-c", names], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.stdout.split() == ["sparrow.engine", "SpecConfig"], out.stderr
+    with pytest.raises(AttributeError, match="no attribute 'Engin'"):
+        sparrow.Engin
 
 
 def test_core_imports_no_training_services_kernels_or_test_helpers():

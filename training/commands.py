@@ -271,19 +271,28 @@ def _sizes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(int(x) for x in part.split("x")) for part in text.split(","))
 
 
-def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
+TRAINING_COMMANDS = {"train-draft": "train a Sparrow draft for a target (online distillation)",
+                     "world": "the synthetic video world: data, a trained target and draft"}
+
+
+def add_commands(sub, common: argparse.ArgumentParser | None = None, options: bool = True) -> None:
     """Register `train-draft` and the `world` group on the `sparrow` subparsers; `common`: a
-    parent parser of options every command takes (--verbose)."""
+    parent parser of options every command takes (--verbose). options=False: the two names and
+    their help only (for a command line running another command: their configs import torch)."""
     from sparrow.models.placement import add_placement_arguments
     from sparrow.progress import verbose_option
 
+    if not options:
+        for name, text in TRAINING_COMMANDS.items():
+            sub.add_parser(name, help=text)
+        return
     from sparrow.training.config import TRAIN_HELP, TrainConfig
     from sparrow.training.feature_store import STORE_HELP, StoreConfig
     from sparrow.world.live_target import LIVE_TARGET_HELP, LIVE_UNUSED, LiveTargetConfig
     from sparrow.world.target_model import TUNE, WORLD_TARGET_HELP, WorldTargetConfig
 
     parents = [common if common is not None else verbose_option()]
-    p = sub.add_parser("train-draft", parents=parents, help="train a Sparrow draft for a target (online distillation)")
+    p = sub.add_parser("train-draft", parents=parents, help=TRAINING_COMMANDS["train-draft"])
     p.add_argument("--target", required=True, help="target model directory (save_pretrained form)")
     p.add_argument("--data", required=True, help="JSONL manifest (one sample a line: video, prompt or messages, "
                                                  "optional answer), a folder of videos, or a feature store")
@@ -309,7 +318,7 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None) -> None:
     add_placement_arguments(p)
     p.set_defaults(func=_cmd_build_features)
 
-    world = sub.add_parser("world", help="the synthetic video world: data, a trained target and draft")
+    world = sub.add_parser("world", help=TRAINING_COMMANDS["world"])
     wsub = world.add_subparsers(dest="world_command", required=True)
     p = wsub.add_parser("make-data", parents=parents, help="synthetic videos + a JSONL manifest of questions and answers")
     p.add_argument("--out", required=True, help="folder for the videos and manifest.jsonl")

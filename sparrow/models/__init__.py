@@ -1,7 +1,8 @@
-"""Target and draft models."""
+"""Target and draft models (loaded on first use: placement's settings import without torch)."""
 
-from .draft import DraftConfig, SparrowDraft
-from .prefill import PrefillOutput, TargetState
-from .target import TargetModel
+from ..lazy import lazy_exports
+
+__getattr__ = lazy_exports(__name__, {"DraftConfig": "draft", "SparrowDraft": "draft", "PrefillOutput": "prefill",
+                                      "TargetState": "prefill", "TargetModel": "target"})
 
 __all__ = ["TargetModel", "TargetState", "PrefillOutput", "SparrowDraft", "DraftConfig"]

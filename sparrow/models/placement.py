@@ -10,20 +10,25 @@ loader, CLI and deployment passes down, parsed and checked in one place.
 from __future__ import annotations
 
 import importlib.util
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequest
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# torch loads on first use, so a command line's parser (add_placement_arguments) does not need it.
+DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_NAMES = (*DTYPES, "auto")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
     """A torch dtype, or "auto" (HF then keeps the checkpoint's torch_dtype)."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
+        if str(dtype).removeprefix("torch.") not in DTYPES:
             raise InvalidRequest(f"dtype {dtype} is not supported; use one of {DTYPE_NAMES}")
         return dtype
     name = str(dtype).removeprefix("torch.")
@@ -31,11 +36,13 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
         return "auto"
     if name not in DTYPES:
         raise InvalidRequest(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
-    return DTYPES[name]
+    return getattr(torch, name)
 
 
 def parse_device(device: str | torch.device) -> torch.device:
     """A torch device; "auto" is the first GPU when one is visible, else the CPU."""
+    import torch
+
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -62,6 +69,8 @@ def check_device_map(device_map) -> None:
 def check_placement(dtype: str, device: str, device_map=None) -> None:
     """Validate settings strings where they are given (a config file, a CLI flag), without
     needing the device to exist here: a Ray head without GPUs checks a GPU replica's settings."""
+    import torch
+
     parse_dtype(dtype)
     if device != "auto":
         try:

@@ -31,17 +31,12 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
+from ..config import VERIFY_KERNELS
+
 # Verify attention for one request's new tokens over its cache (a chain or a draft tree):
 # "sdpa" (ragged_attention below: one SDPA call with a (G*n, L) mask) or a kernel of
-# sparrow.kernels with the verify contract of kernels/reference.py, imported by name on first
-# use. "packed": the prefix unmasked + the new tokens' own mask, merged by log-sum-exp (the CPU
-# default); "split": flash-decoding in torch; "triton": the split-KV Triton kernel (CUDA; on CPU
-# only under TRITON_INTERPRET=1, for tests).
-VERIFY_KERNELS: dict[str, tuple[str, str]] = {
-    "packed": ("sparrow.kernels.packed", "verify_attention_packed"),
-    "split": ("sparrow.kernels.split_kv", "verify_attention_split"),
-    "triton": ("sparrow.kernels.triton_attention", "verify_attention_triton"),
-}
+# sparrow.kernels with the verify contract of kernels/reference.py (config.VERIFY_KERNELS),
+# imported by name on first use.
 VerifyFn = Callable[..., torch.Tensor]
 
 

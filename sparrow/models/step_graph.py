@@ -49,7 +49,6 @@ from .ragged import RaggedBatch, RaggedStep, current_batch
 
 log = logging.getLogger(__name__)
 
-TARGET_STEPS = ("eager", "compiled")
 # Token counts a step is padded to: every count to 6 (one request's decode or verify step at
 # k <= 5), then steps of 2, 4, 8 and 16. Padding costs: on the 2-core CPU a k = 4 verify
 # step (5 tokens) takes 1.00 ms in its own graph, 1.15 ms padded to 8; eight of them (40

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from ..chat import Prompt, chat_template_messages
+from ..config import TARGET_STEPS
 from ..errors import ContextOverflow, InvalidRequest
 from ..video import ProcessedVideo, VideoProcessor, processor_for
 from . import gqa
@@ -29,7 +30,7 @@ from .compiling import GATE
 from .families import FAMILIES, Family
 from .kv_cache import new_kv_cache
 from .ragged import RaggedBatch, RaggedSegment, VerifyFn, verify_kernel
-from .step_graph import TARGET_STEPS, StepGraph
+from .step_graph import StepGraph
 from .placement import check_device_map, parse_device, parse_dtype
 from .prefill import FeatureCollector, FeatureNeeds, PrefillJob, PrefillOutput, TargetState, VideoPrefix
 

@@ -7,23 +7,20 @@ separate decode worker.
     load_frames(source, options, policy=policy) -> Frames; processor.process(frames)
 """
 
-from sparrow.video.decode import Source, load_frames, probe_video
-from sparrow.video.growing_stream import LiveSource
-from sparrow.video.options import QWEN_MAX_VISUAL_TOKENS, Frames, VideoOptions
-from sparrow.video.pipeline import prepare_video
-from sparrow.video.policy import URL_SCHEMES, SourcePolicy
-from sparrow.video.processors import (
-    LlavaOnevisionVideoProcessor,
-    ProcessedVideo,
-    QwenVLVideoProcessor,
-    VideoPlan,
-    VideoProcessor,
-    processor_for,
-    processor_from_hf,
-    smart_resize,
-)
-from sparrow.video.sources import ALLOWED_DEMUXERS
-from sparrow.video.synthetic import SyntheticVideo, write_synthetic_video
+from sparrow.lazy import lazy_exports
+
+# Loaded on first use: a client that only checks a URL (policy) does not import torch.
+__getattr__ = lazy_exports(__name__, {
+    **dict.fromkeys(("Source", "load_frames", "probe_video"), "decode"),
+    "LiveSource": "growing_stream",
+    **dict.fromkeys(("QWEN_MAX_VISUAL_TOKENS", "Frames", "VideoOptions"), "options"),
+    "prepare_video": "pipeline",
+    **dict.fromkeys(("URL_SCHEMES", "SourcePolicy"), "policy"),
+    **dict.fromkeys(("LlavaOnevisionVideoProcessor", "ProcessedVideo", "QwenVLVideoProcessor", "VideoPlan",
+                     "VideoProcessor", "processor_for", "processor_from_hf", "smart_resize"), "processors"),
+    "ALLOWED_DEMUXERS": "sources",
+    **dict.fromkeys(("SyntheticVideo", "write_synthetic_video"), "synthetic"),
+})
 
 __all__ = [
     "ALLOWED_DEMUXERS",
