@@ -16,7 +16,11 @@
 // Weights, flat: embed (V, E), fc (H, E + H), final norm (H), lm_head (V, H), fuse (H, F),
 // rotary inverse frequencies (D / 2), then per layer: input norm (H), qkv (Q, H), qkv bias (Q),
 // o (H, hq D), post norm (H), gate_up (2 I, H), down (H, I); Q = (hq + 2 hkv) D.
-#include <torch/extension.h>
+// Lean headers, not torch/extension.h (the whole C++ frontend: a fresh build took 39 s, now 21 s).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
