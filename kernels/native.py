@@ -197,9 +197,12 @@ class NativeExtension:
                 return
             self.background.set()
             t0 = time.perf_counter()
+            # Resolved once: a build is spawned, awaited and loaded in one directory, whatever
+            # TORCH_EXTENSIONS_DIR says by the time it ends.
+            build_dir = self.build_dir
             try:
-                if (self.build_dir / OK_MARKER).exists():
-                    self._loaded(_import(self.build_name, self.build_dir), t0)
+                if (build_dir / OK_MARKER).exists():
+                    self._loaded(_import(self.build_name, build_dir), t0)
                     return
             except Exception as exc:  # noqa: BLE001 - anything here means the torch path
                 self._failed(f"{type(exc).__name__}: {exc}")
@@ -207,7 +210,7 @@ class NativeExtension:
         # The builder is spawned by the thread that waits on it: Linux's parent-death signal follows
         # the spawning *thread*, so a caller's short-lived thread (a scheduler's, gone when idle)
         # would take the build down with it. A daemon: it only waits, nothing to join at exit.
-        threading.Thread(target=self._await_build, args=(t0,), name=f"sparrow-await-{self.name}",
+        threading.Thread(target=self._await_build, args=(t0, build_dir), name=f"sparrow-await-{self.name}",
                          daemon=True).start()
 
     def wait(self, timeout: float = BUILD_TIMEOUT_S + 10) -> None:
@@ -221,22 +224,22 @@ class NativeExtension:
         if proc is not None:
             _kill(proc)
 
-    def _spawn(self) -> subprocess.Popen:
-        self.build_dir.mkdir(parents=True, exist_ok=True)
+    def _spawn(self, build_dir: Path) -> subprocess.Popen:
+        build_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-c", _BUILDER, str(os.getpid()), self.build_name, str(self.source),
-               str(self.build_dir), *self.cflags]
-        with open(self.build_dir / f"build.{os.getpid()}.log", "wb") as out:
+               str(build_dir), *self.cflags]
+        with open(build_dir / f"build.{os.getpid()}.log", "wb") as out:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, env=os.environ.copy())
         _children.add(proc)
         self._builder = proc
-        log.info("building %s in %s (a process of its own, pid %d)", self.what, self.build_dir, proc.pid)
+        log.info("building %s in %s (a process of its own, pid %d)", self.what, build_dir, proc.pid)
         return proc
 
-    def _await_build(self, t0: float) -> None:
-        logfile = self.build_dir / f"build.{os.getpid()}.log"
+    def _await_build(self, t0: float, build_dir: Path) -> None:
+        logfile = build_dir / f"build.{os.getpid()}.log"
         try:
-            proc = self._spawn()
+            proc = self._spawn(build_dir)
             try:
                 code = proc.wait(timeout=BUILD_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -246,7 +249,7 @@ class NativeExtension:
             _children.discard(proc)
             if _exiting.is_set():
                 return                                    # killed by this process's own exit or stop
-            if code != 0 or not (self.build_dir / OK_MARKER).exists():
+            if code != 0 or not (build_dir / OK_MARKER).exists():
                 tail = ""
                 try:
                     tail = (logfile.read_text(errors="replace").strip().splitlines() or [""])[-1]
@@ -254,7 +257,7 @@ class NativeExtension:
                     pass
                 self._failed(f"builder exited {code}: {tail}")
                 return
-            self._loaded(_import(self.build_name, self.build_dir), t0)
+            self._loaded(_import(self.build_name, build_dir), t0)
         except Exception as exc:  # noqa: BLE001 - a broken build means the torch path, never a crash
             self._failed(f"{type(exc).__name__}: {exc}")
         finally:

@@ -314,7 +314,7 @@ def test_a_failed_build_leaves_the_levels_to_torch(draft, monkeypatch, tmp_path,
     proposals never wait on it and equal the reference's; the failure is logged once."""
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
-    ext = NativeExtension("broken_draft_for_test", bad, [], "native draft levels")
+    ext = NativeExtension("broken_draft_for_test", bad, [], "native draft levels (a broken source)")
     monkeypatch.setattr(draft_chain, "EXTENSION", ext)
     monkeypatch.setattr(draft_chain, "IMPL", "kernel")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
@@ -326,4 +326,5 @@ def test_a_failed_build_leaves_the_levels_to_torch(draft, monkeypatch, tmp_path,
     for a, b, c in zip(got, again, want):
         assert torch.equal(a.tokens, c.tokens) and torch.equal(b.tokens, c.tokens)
     assert ext.failed and ext.module is None
-    assert len([r for r in caplog.records if "not built" in r.getMessage()]) == 1
+    # (another extension's build, started by an earlier test in this process, may log its own line)
+    assert len([r for r in caplog.records if "not built" in r.getMessage() and ext.what in r.getMessage()]) == 1
