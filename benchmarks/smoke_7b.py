@@ -131,8 +131,9 @@ def _wait_ready(server: subprocess.Popen, port: int, timeout_s: float) -> None:
 
 
 def run(workdir: Path, vocab: int | None = None, device: str = "cpu", max_new_tokens: int = 8,
-        ready_timeout_s: float = 300.0, target_step: str = "compiled") -> dict:
-    """Build, serve, ask; returns the figures and the answer's last line (finish reason...)."""
+        ready_timeout_s: float = 300.0, target_step: str = "compiled", num_frames: int | None = None) -> dict:
+    """Build, serve, ask (num_frames: sampled from the 8-frame clip, default the server's fps);
+    returns the figures and the answer's last line (finish reason...)."""
     from sparrow.video import write_synthetic_video
 
     t0 = time.perf_counter()
@@ -158,7 +159,7 @@ def run(workdir: Path, vocab: int | None = None, device: str = "cpu", max_new_to
         t2 = time.perf_counter()
         answer = subprocess.run(_cli("generate", "--server", f"127.0.0.1:{port}", str(video),
                                      "What happens in the video?", "--max-new-tokens", str(max_new_tokens),
-                                     "--timeout", "120"), env=env, capture_output=True, text=True, timeout=180)
+                                     "--timeout", "120", *(["--num-frames", str(num_frames)] if num_frames else [])), env=env, capture_output=True, text=True, timeout=180)
         t_answer = time.perf_counter() - t2
         rss = _peak_rss_mb(server.pid)
     finally:

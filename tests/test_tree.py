@@ -121,7 +121,13 @@ def _exact_distribution(target, engine, video, sampling, n: int) -> dict[tuple[i
 
 TRIALS = 1200
 SEEDED_TRIALS = 240           # seeded speculative answers compared token for token with plain's
-_PLAIN: dict[tuple, dict[int, tuple[int, ...]]] = {}      # truncation -> {seed: plain decoding's answer}
+
+
+@pytest.fixture(scope="module")
+def plain_answers() -> dict[tuple, dict[int, tuple[int, ...]]]:
+    """truncation -> {seed: plain decoding's answer}, drawn once per module (module-scoped, so the
+    module's tests share one xdist worker and the 1200 draws are never made twice)."""
+    return {}
 
 
 def _engine(target, tree, mass: float, cap: int) -> Engine:
@@ -185,7 +191,7 @@ TRUNCATIONS = [dict(top_k=3, temperature=1.3), dict(top_p=0.7, temperature=0.3),
 
 @pytest.mark.parametrize("tree", [(1, 1), (2, 2), "specvlm"], ids=["chain", "tree", "close-draft"])
 @pytest.mark.parametrize("truncation", TRUNCATIONS, ids=["top_k", "top_p", "top_k-draft-cut"])
-def test_engine_samples_the_targets_distribution_end_to_end(qwen_target, tree, truncation):
+def test_engine_samples_the_targets_distribution_end_to_end(qwen_target, plain_answers, tree, truncation):
     """Seeded (request i has seed i: Gumbel-max keyed by position), a speculative answer is plain
     decoding's answer for that seed, token for token, whatever the draft; and plain decoding's
     TRIALS seeded three-token answers match the target's exact three-token distribution
@@ -199,17 +205,17 @@ def test_engine_samples_the_targets_distribution_end_to_end(qwen_target, tree, t
     video = synthetic_frames(4, 56, 56, seed=1)
     sampling = SamplingParams(max_new_tokens=3, ignore_eos=True, **truncation)
     key = tuple(sorted(truncation.items()))
-    if key not in _PLAIN:
+    if key not in plain_answers:
         plain = _engine(qwen_target, "none", 1.0, 0)
         answers, _, _ = _answers(plain, video, sampling, range(TRIALS))
         _assert_the_targets_distribution(list(answers.values()), _exact_distribution(qwen_target, plain, video, sampling, 3))
-        _PLAIN[key] = answers
+        plain_answers[key] = answers
     engine = _engine(qwen_target, tree, mass, cap)
     answers, drafted, accepted = _answers(engine, video, sampling, range(SEEDED_TRIALS))
     assert drafted > 0
     if tree == "specvlm":
         assert accepted > SEEDED_TRIALS // 4                  # a close draft: acceptance matters
-    differ = [seed for seed, got in answers.items() if got != _PLAIN[key][seed]]
+    differ = [seed for seed, got in answers.items() if got != plain_answers[key][seed]]
     assert not differ, f"{len(differ)} of {SEEDED_TRIALS} seeds answered unlike plain decoding: {differ[:10]}"
 
 
