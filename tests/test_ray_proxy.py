@@ -96,7 +96,9 @@ def test_unguarded_the_cancel_lands_at_the_yield():
 def test_the_grpc_deadline_reaches_the_replica_as_metadata():
     proxy = ServeLikeProxy()
     asyncio.run(cancels(proxy, guarded=True, calls=1))
-    assert 55_000 < int(proxy.metadata[0][TIMEOUT_METADATA]) <= 60_000     # the earlier: 60 s, not the client's 90 s
+    # The earlier: 60 s, not the client's 90 s. gRPC's wire timeout (the grpc-timeout header) keeps
+    # few digits and rounds up: a 60 s deadline arrived as 60.099 s remaining (CI, 2026-11-29).
+    assert 55_000 < int(proxy.metadata[0][TIMEOUT_METADATA]) <= 60_200
 
 
 class Context:
