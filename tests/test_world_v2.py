@@ -289,3 +289,62 @@ def test_where_names_the_third_of_the_frame_the_pixels_show(scenes):
             assert (column, row) == (want_col, want_row), (s.seed, o.ident, answer)
             checked += 1
     assert checked >= 20
+
+
+# ----- the lit background and the placed tower (world/v2/tower_v2.py) ----------------------------
+def test_the_background_is_lit_at_one_brightness_darker_than_any_object():
+    """Red grows across, blue down, R + G + B the same everywhere and far below every palette colour's."""
+    from sparrow.world.v2.render_v2 import BACKGROUND_SPAN, background
+
+    bg = background(SIDE).astype(int)
+    sums = bg.sum(-1)
+    assert sums.max() - sums.min() <= 2 and sums.max() + 100 < min(sum(rgb) for rgb in PALETTE.values())
+    assert np.all(np.diff(bg[..., 0], axis=1) >= 0) and np.all(np.diff(bg[..., 2], axis=0) >= 0)
+    assert bg[0, -1, 0] - bg[0, 0, 0] >= BACKGROUND_SPAN - 2 and bg[-1, 0, 2] - bg[0, 0, 2] >= BACKGROUND_SPAN - 2
+
+
+@pytest.fixture(scope="module")
+def placed():
+    from sparrow.world.v2.target_v2 import V2TargetConfig, new_v2_target
+
+    return new_v2_target(V2TargetConfig())
+
+
+def test_the_placed_tower_gives_an_objects_patch_its_place_and_an_empty_token_the_marker(placed):
+    """A 1-patch white square at each of the 64 (112 px) and 256 (224 px) patches: its token
+    reads the patch's column and row (in [-1, 1]); a blank frame's tokens are the marker alone."""
+    from sparrow.world.v2.tower_v2 import check_placed_tower
+
+    small, large = check_placed_tower(placed.hf.model.visual, 112), check_placed_tower(placed.hf.model.visual, 224)
+    assert small["empty_max"] < 0.3 and large["empty_max"] < 0.15, (small, large)
+    # a third of the frame is 0.67 wide; the edge patches read ~0.2 inward (their background is one-sided)
+    assert small["place_error_max"] < 0.3 and small["place_error_mean"] < 0.15, small
+    assert large["place_error_max"] < 0.15 and large["place_error_mean"] < 0.05, large
+
+
+def test_through_the_codec_an_objects_tokens_name_the_third_where_asks_about(placed):
+    """Real mp4s at the target's 112 px: in the first frame pair of one-object scenes, the
+    presence-weighted place of the object's patches falls in the third `where` answers (the
+    object's centre), for nearly every object `where` asks about; the ones it does not ask about
+    are near a border."""
+    from sparrow.world.v2.target_v2 import encode_video
+    from sparrow.world.v2.tower_v2 import PLACE_AMPLITUDE, PLACE_OUT, PRESENCE_AMPLITUDE, PRESENCE_OUT
+
+    right = asked = 0
+    for seed in range(300):
+        scene = make_scene(seed, 8)
+        (obj, *more) = scene.present(0.0) or (None,)
+        if obj is None or more or where(scene, obj.ident) is None:
+            continue
+        embeds, _ = encode_video(placed, seed, 8, 112)
+        first = embeds[:16].detach()                                # the first frame pair's 4 x 4 tokens
+        weight = (first[:, PRESENCE_OUT:PRESENCE_OUT + 4].reshape(-1) / PRESENCE_AMPLITUDE).clamp(min=0)
+        place = first[:, PLACE_OUT:PLACE_OUT + 8].reshape(-1, 2) / PLACE_AMPLITUDE
+        x, y = ((place * weight[:, None]).sum(0) / weight.sum()).tolist()
+        cx, cy = obj.centre(0.0)
+        third = lambda v: min(2, int((v + 1) / 2 * 3))              # noqa: E731 - [-1, 1] to 0, 1, 2
+        right += (third(x), third(y)) == (min(2, int(cx * 3)), min(2, int(cy * 3)))
+        asked += 1
+        if asked == 16:
+            break
+    assert asked == 16 and right >= 14, (right, asked)

@@ -15,16 +15,14 @@ from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.tiny import tiny_draft
 from sparrow.video import load_frames
 from sparrow.world.target_data import PooledVideo, pooled_loss
-from sparrow.world.target_model import WorldTargetConfig, new_world_target
 from sparrow.world.v2.narration import event_recall
 from sparrow.world.v2.questions_v2 import ask
 from sparrow.world.v2.render_v2 import make_video
 from sparrow.world.v2.splits_v2 import split_seeds
-from sparrow.world.v2.vocab_v2 import v2_tokenizer
+from sparrow.world.v2.target_v2 import V2TargetConfig, new_v2_target
 
-# world v2's time is real time (2 rope steps a second), as its target's; a tiny language model
-TINY_V2 = WorldTargetConfig(hidden=64, layers=2, heads=2, intermediate=128, mrope_section=(8, 4, 4),
-                            temporal_positions=None, seed=3)
+# the v2 target's time (real time, 2 rope steps a second) and placed tower; a tiny language model
+TINY_V2 = V2TargetConfig(hidden=64, layers=2, heads=2, intermediate=128, seed=3)
 SPEC = SpecConfig(adaptive_k=False, method="sparrow", num_draft_tokens=4, window=8, anchors=16)
 
 
@@ -33,7 +31,7 @@ def taught():
     """A tiny v2 target taught one held-out video's narration (a few hundred steps on its pooled
     visual tokens, the training path's loss), the video as the engine reads it, and the scene."""
     torch.manual_seed(0)
-    target = new_world_target(TINY_V2, tokenizer=v2_tokenizer())
+    target = new_v2_target(TINY_V2)
     v2 = make_video(split_seeds("test", 1, first=7)[0], 8, None, side=112)
     video = target.processor.process(load_frames(v2.source, v2.options()))
     hf = target.hf

@@ -12,6 +12,7 @@ pair per token: 14 px patches merged 2x2, 2 frames a temporal patch): a 224 px f
 
 from __future__ import annotations
 
+import functools
 import io
 import pathlib
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import numpy as np
 from sparrow.errors import InvalidRequest
 from sparrow.video import VideoOptions
 from sparrow.video.encode import default_codec, encode_mp4
-from sparrow.video.synthetic import BACKGROUND, PALETTE, draw_shape
+from sparrow.video.synthetic import PALETTE, draw_shape
 from sparrow.world.pair_demo import check_world_video
 
 from sparrow.world.v2.scenes_v2 import Scene, make_scene
@@ -31,6 +32,24 @@ FPS = 2.0                    # one temporal patch (2 frames) a second: events at
 LONGEST_TOKENS = 50_176      # 784 s at 224 px and 2 fps
 # seconds at SIDE and FPS for ~0.5k, 1.5k, 8k, 25k and 50k visual tokens (512 ... 50,176)
 LADDER_SECONDS = (8, 24, 125, 391, 784)
+# The background is lit, not flat: red grows left to right and blue top to bottom by SPAN levels
+# from BASE, green takes what they add, so R + G + B is the same everywhere (3 BASE + 2 SPAN, far
+# below any palette colour's). A patch's place is in the background around it (world/v2/tower_v2.py).
+BACKGROUND_BASE = 24
+BACKGROUND_SPAN = 48
+
+
+@functools.lru_cache(maxsize=8)
+def background(side: int) -> np.ndarray:
+    """uint8 (side, side, 3) RGB: the empty scene (read-only; render_frame copies it)."""
+    x = (np.arange(side) + 0.5) / side
+    xs, ys = np.meshgrid(x, x)                           # column, row fractions
+    red = BACKGROUND_BASE + BACKGROUND_SPAN * xs
+    blue = BACKGROUND_BASE + BACKGROUND_SPAN * ys
+    green = 3 * BACKGROUND_BASE + 2 * BACKGROUND_SPAN - red - blue
+    out = np.rint(np.stack([red, green, blue], axis=-1)).astype(np.uint8)
+    out.setflags(write=False)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +87,7 @@ def visual_tokens(seconds: int, side: int = SIDE, fps: float = FPS) -> int:
 
 def render_frame(scene: Scene, t: float, side: int = SIDE) -> np.ndarray:
     """uint8 (side, side, 3) RGB picture of the scene at `t` seconds, later objects on top."""
-    canvas = np.empty((side, side, 3), dtype=np.uint8)
-    canvas[:] = BACKGROUND
+    canvas = background(side).copy()
     for o in scene.present(t):
         x, y = o.centre(t)
         hx, hy = o.half

@@ -34,9 +34,10 @@ from sparrow.video import load_frames
 from sparrow.world.target_data import PooledVideo, Stage, length_groups, pool_batch, pooled_loss
 from sparrow.world.target_model import WORLD_TARGET_HELP, WorldTargetConfig, new_world_target
 from sparrow.world.v2.questions_v2 import QUESTION_KINDS_V2, ask
-from sparrow.world.v2.render_v2 import FPS, make_video
+from sparrow.world.v2.render_v2 import BACKGROUND_BASE, BACKGROUND_SPAN, FPS, make_video
 from sparrow.world.v2.scenes_v2 import Scene, make_scene
 from sparrow.world.v2.splits_v2 import split_seeds
+from sparrow.world.v2.tower_v2 import placed_vision_init
 from sparrow.world.v2.vocab_v2 import v2_tokenizer
 
 LONG_KINDS = ("narrate", "story")                 # answers of 20-270 tokens
@@ -49,6 +50,8 @@ class V2TargetConfig(WorldTargetConfig):
     """WorldTargetConfig's model and schedule fields with world v2's defaults and data."""
 
     temporal_positions: int | None = None        # real time: 2 rope steps a second
+    vision_depth: int = 3                        # the placed tower (world/v2/tower_v2.py)
+    vision_init: str = "placed"
     mrope_section: tuple[int, ...] = (8, 4, 4)   # more of the head for time (times are answers)
     kinds: tuple[str, ...] = SHORT_KINDS         # drawn uniformly per chat (repeat one to weigh it more)
     caption_prob: float = 0.0                    # share of chats that ask for the narration
@@ -93,8 +96,12 @@ STAGES_V2: dict[str, dict] = {
 
 
 def new_v2_target(c: V2TargetConfig) -> TargetModel:
-    """A fresh v2 target: the world target's model with v2's tokenizer and c's time."""
-    return new_world_target(c, tokenizer=v2_tokenizer())
+    """A fresh v2 target: the world target's model with v2's tokenizer, c's time and the placed
+    tower (its tokens carry an object's place: tower_v2.py), unless c asks for v1's."""
+    target = new_world_target(c, tokenizer=v2_tokenizer())
+    if c.vision_init == "placed":
+        placed_vision_init(target.hf.model.visual)
+    return target
 
 
 # ----- the pool -----------------------------------------------------------------------------------
@@ -124,7 +131,8 @@ def scene_pool(target: TargetModel, c: V2TargetConfig, log: Callable[[str], None
                cache: str | Path | None = None) -> list[PooledScene]:
     """c.pool videos, lengths c.seconds in turn; `cache`: a file that keeps the visual tokens
     between runs (a resumed stage reads them back instead of rendering again)."""
-    key = {"pool": c.pool, "seed": c.seed, "side": c.side, "seconds": list(c.seconds)}
+    key = {"pool": c.pool, "seed": c.seed, "side": c.side, "seconds": list(c.seconds), "tower": c.vision_init,
+           "depth": c.vision_depth, "background": [BACKGROUND_BASE, BACKGROUND_SPAN]}
     stored = torch.load(cache, weights_only=False) if cache is not None and Path(cache).is_file() else None
     if stored is not None and stored["key"] != key:
         log(f"pool cache {cache} is for {stored['key']}, not {key}: rendering again")
