@@ -101,3 +101,44 @@ def test_train_target_v2_and_eval_v2_commands(tmp_path):
     assert text.startswith("# card\n\nbefore\n") and "| count_start |" in text and "| yesno |" in text
     args.func(args)                                       # again: the section is replaced, not added
     assert card.read_text().count("eval-v2 begin") == 1
+
+
+
+def test_a_one_object_stage_asks_its_kinds_about_one_object_scenes_only(tmp_path, monkeypatch):
+    """`where@1:N:one` (a curriculum's first steps): every batch of the stage is of one-object
+    scenes, each chat a "where" question; mixed steps draw from the whole pool; a pool without
+    one-object scenes is refused up front."""
+    import random
+
+    import sparrow.world.v2.target_v2 as target_v2
+    from sparrow.world.target_data import training_stages
+    from sparrow.world.v2.questions_v2 import QUESTIONS_V2
+    from sparrow.world.v2.target_v2 import FALLBACK_KIND
+
+    c = V2TargetConfig(**{**TINY, "pool": 24, "batch": 4, "steps": 1, "stages": ("where@1:3:one",)})
+    stages = training_stages(c, V2Data.kinds)
+    assert stages[1].one and stages[1].kinds == ("where",) and not stages[0].one
+    target = new_v2_target(c)
+    data = V2Data(c, tmp_path / "pool.pt")
+    data.prepare(target, stages, lambda _: None)
+    drawn: list = []
+    monkeypatch.setattr(target_v2, "pooled_loss", lambda t, videos, chats, *a, **k: drawn.append((videos, chats)))
+    rng = random.Random(0)
+    for _ in range(6):
+        data.loss(target, stages[1], 1, True, rng)
+    def kind(question: str) -> str:
+        return next(k for k in ("where", FALLBACK_KIND) for w in QUESTIONS_V2[k] if question.startswith(w.split("{")[0]))
+
+    assert all(len(v.scene.objects) == 1 for videos, _ in drawn for v in videos)
+    # (an object near a border, or not there at the start, is not asked "where": the fallback kind)
+    kinds = [kind(q) for _, chats in drawn for ((q, _),) in chats]
+    assert kinds.count("where") >= len(kinds) // 4
+    drawn.clear()
+    for _ in range(6):
+        data.loss(target, stages[0], 0, False, rng)
+    assert any(len(v.scene.objects) > 1 for videos, _ in drawn for v in videos)     # the mix: the whole pool
+    whole = target_v2.scene_pool
+    monkeypatch.setattr(target_v2, "scene_pool",
+                        lambda *a, **k: [v for v in whole(*a, **k) if len(v.scene.objects) > 1])
+    with pytest.raises(ValueError, match="one-object"):
+        V2Data(c, tmp_path / "pool.pt").prepare(target, stages, lambda _: None)

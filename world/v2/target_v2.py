@@ -79,7 +79,8 @@ V2_TARGET_HELP = {
              "(repeat one to weigh it more)",
     "caption_prob": "share of chats that ask for the narration (besides kinds)",
     "stage_caption_prob": "narration share of the later stages' mixed steps (default: caption_prob)",
-    "stages": "later stages, comma-separated KINDS@SHARE:STEPS or mix:STEPS items",
+    "stages": "later stages, comma-separated KINDS@SHARE:STEPS[:one] or mix:STEPS items (:one: focus steps on "
+              "one-object scenes)",
     "pool": "videos rendered once and reused with fresh questions",
     "side": "frame side in px (a multiple of 28; 224 is the benchmark's)",
     "seconds": "pooled video lengths in seconds, comma-separated, in turn",
@@ -177,14 +178,27 @@ class V2Data:
         self.c, self.cache, self.eval_seconds = c, cache, eval_seconds
         self.pool: list[PooledScene] = []
         self.same_length: list[list[int]] | None = None
+        self.one_object: list[list[int]] | None = None     # length groups of the one-object scenes
 
     def prepare(self, target: TargetModel, stages: list[Stage], log: Callable[[str], None]) -> None:
         self.pool = scene_pool(target, self.c, log, self.cache)
         self.same_length = length_groups(self.pool) if self.c.length_batches else None
+        if any(s.one for s in stages):
+            ones = [i for i, v in enumerate(self.pool) if len(v.scene.objects) == 1]
+            if not ones:
+                raise ValueError("a ':one' stage needs one-object scenes in the pool; none are")
+            by_length: dict[int, list[int]] = {}
+            for i in ones:
+                by_length.setdefault(self.pool[i].embeds.shape[0], []).append(i)
+            self.one_object = list(by_length.values())
 
     def loss(self, target: TargetModel, stage: Stage, step: int, focus: bool, rng: random.Random) -> torch.Tensor:
         c = self.c
-        videos = pool_batch(self.pool, self.same_length, rng, c.batch)
+        if focus and stage.one:                  # scenes of one object (a curriculum's first steps)
+            group = rng.choice(self.one_object)
+            videos = [self.pool[rng.choice(group)] for _ in range(c.batch)]
+        else:
+            videos = pool_batch(self.pool, self.same_length, rng, c.batch)
         kinds = stage.kinds if focus else c.kinds
         narration = 0.0 if focus else c.caption_prob if stage.start == 0 or c.stage_caption_prob is None \
             else c.stage_caption_prob
