@@ -46,6 +46,9 @@ CSRC = Path(__file__).with_name("csrc")
 # torch/extension.h: draft_chain 39 -> 21 s, cpu_prefix 48 -> 44 s); one still running after
 # this is killed and the torch path serves (a wait on another process's build counts too).
 BUILD_TIMEOUT_S = float(os.environ.get("SPARROW_BUILD_TIMEOUT_S", "300"))
+# Niceness of a builder and its compilers (0: the caller's): a server that builds while it serves
+# can leave the CPU to its requests (10), which the torch path serves meanwhile.
+BUILD_NICE = "SPARROW_BUILD_NICE"
 OK_MARKER = "built.ok"         # written after the module is complete: its presence means "load it"
 OWNER_LOCK = "owner.lock"      # flock held by the one live builder; holds its pid
 
@@ -314,6 +317,9 @@ def build_main(argv: list[str]) -> int:
     import fcntl
     parent, name, source, build_dir, cflags = int(argv[0]), argv[1], argv[2], Path(argv[3]), argv[4:]
     _die_with_parent(parent)
+    nice = int(os.environ.get(BUILD_NICE) or 0)
+    if nice > 0:
+        os.nice(nice)                            # the compilers inherit it
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / OWNER_LOCK, "a+") as owner:
         fcntl.flock(owner, fcntl.LOCK_EX)        # released by the kernel when this process dies

@@ -146,7 +146,7 @@ def test_a_build_waits_bounded_then_torch_serves(ext_dir, monkeypatch, caplog):
     import logging
     monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 3.0)
     ext = native.NativeExtension(cpu_prefix.EXTENSION.name, cpu_prefix.EXTENSION.source,
-                                 cpu_prefix.EXTENSION.cflags, "CPU prefix attention kernel")
+                                 cpu_prefix.EXTENSION.cflags, "CPU prefix attention kernel (a wait that cannot end)")
     ext.build_dir.mkdir(parents=True)
     with open(ext.build_dir / native.OWNER_LOCK, "a+") as owner, \
             caplog.at_level(logging.WARNING, logger=native.__name__):
@@ -155,7 +155,33 @@ def test_a_build_waits_bounded_then_torch_serves(ext_dir, monkeypatch, caplog):
         assert ext.load(timeout=30) is None
         assert time.monotonic() - t0 < 15
     assert ext.failed
-    assert len([r for r in caplog.records if "not built" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "not built" in r.getMessage() and ext.what in r.getMessage()]) == 1
+
+
+def test_a_builder_runs_at_the_niceness_asked_for(ext_dir, monkeypatch):
+    """SPARROW_BUILD_NICE: the builder (and so its compilers) runs that much nicer than its caller."""
+    import fcntl
+    monkeypatch.setenv(native.BUILD_NICE, "7")
+    ext = native.NativeExtension(cpu_prefix.EXTENSION.name, cpu_prefix.EXTENSION.source,
+                                 cpu_prefix.EXTENSION.cflags, "CPU prefix attention kernel (a nice build)")
+    ext.build_dir.mkdir(parents=True)
+    with open(ext.build_dir / native.OWNER_LOCK, "a+") as owner:
+        fcntl.flock(owner, fcntl.LOCK_EX)            # the builder waits here, after it took its niceness
+        ext.start_loading()
+        mine, seen = os.getpriority(os.PRIO_PROCESS, 0), None
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and seen != mine + 7:
+                builder = ext._builder
+                if builder is not None:
+                    try:
+                        seen = os.getpriority(os.PRIO_PROCESS, builder.pid)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.05)
+        finally:
+            ext.stop()
+    assert seen == min(19, mine + 7)
 
 
 def test_the_build_directory_is_named_by_what_changes_the_binary(monkeypatch, tmp_path):

@@ -91,8 +91,10 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray-bind")
     port, http_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")}
-    # An empty extension directory: the replica's C++ kernels are still building when SIGTERM comes.
-    env.update(RAY_AUTH_TOKEN_PATH=str(tmp / "token"), OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(tmp / "ext"))
+    # An empty extension directory: the replica's C++ kernels are still building when SIGTERM comes
+    # (at nice 19: the builds, killed by that SIGTERM, leave the CPU to the tests beside them).
+    env.update(RAY_AUTH_TOKEN_PATH=str(tmp / "token"), OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(tmp / "ext"),
+               SPARROW_BUILD_NICE="19")
     cli = subprocess.Popen([sys.executable, "-m", "sparrow.cli", "serve", "--ray", "--host", "127.0.0.1",
                             "--port", str(port), "--http-port", str(http_port), "--target", "tiny:qwen2_5_vl",
                             "--draft", "tiny", "--log-format", "text"],
