@@ -178,25 +178,22 @@ class V2Data:
         self.c, self.cache, self.eval_seconds = c, cache, eval_seconds
         self.pool: list[PooledScene] = []
         self.same_length: list[list[int]] | None = None
-        self.one_object: list[list[int]] | None = None     # length groups of the one-object scenes
+        self.one_object: list[PooledScene] = []            # the pool's one-object scenes (':one' stages)
+        self.one_object_lengths: list[list[int]] | None = None
 
     def prepare(self, target: TargetModel, stages: list[Stage], log: Callable[[str], None]) -> None:
         self.pool = scene_pool(target, self.c, log, self.cache)
         self.same_length = length_groups(self.pool) if self.c.length_batches else None
         if any(s.one for s in stages):
-            ones = [i for i, v in enumerate(self.pool) if len(v.scene.objects) == 1]
-            if not ones:
+            self.one_object = [v for v in self.pool if len(v.scene.objects) == 1]
+            if not self.one_object:
                 raise ValueError("a ':one' stage needs one-object scenes in the pool; none are")
-            by_length: dict[int, list[int]] = {}
-            for i in ones:
-                by_length.setdefault(self.pool[i].embeds.shape[0], []).append(i)
-            self.one_object = list(by_length.values())
+            self.one_object_lengths = length_groups(self.one_object)
 
     def loss(self, target: TargetModel, stage: Stage, step: int, focus: bool, rng: random.Random) -> torch.Tensor:
         c = self.c
         if focus and stage.one:                  # scenes of one object (a curriculum's first steps)
-            group = rng.choice(self.one_object)
-            videos = [self.pool[rng.choice(group)] for _ in range(c.batch)]
+            videos = pool_batch(self.one_object, self.one_object_lengths, rng, c.batch)
         else:
             videos = pool_batch(self.pool, self.same_length, rng, c.batch)
         kinds = stage.kinds if focus else c.kinds

@@ -178,17 +178,12 @@ def placed_vision_init(visual) -> None:
 
 def _tokens(visual, frame: torch.Tensor) -> torch.Tensor:
     """The tower's tokens for one frame pair of the uint8 (H, W, 3) picture `frame`, shown twice,
-    normalised as the processor does (rows in the merger's order, row-major tokens)."""
-    h, w, _ = frame.shape
-    x = (frame.float() / 255 - torch.tensor(MEAN)) / torch.tensor(STD)        # (H, W, 3)
-    p, m = visual.patch_size, visual.spatial_merge_size
-    gh, gw = h // p, w // p
-    # the processor's patch order: merge units of m x m patches, row-major; channels, time, rows, cols
-    patches = x.permute(2, 0, 1).reshape(3, gh // m, m, p, gw // m, m, p)
-    patches = patches.permute(1, 4, 2, 5, 0, 3, 6)                             # (gh/m, gw/m, m, m, 3, p, p)
-    patches = patches.unsqueeze(5).expand(-1, -1, -1, -1, -1, 2, -1, -1)      # two frames
-    flat = patches.reshape(gh * gw, -1)
-    out = visual(flat, grid_thw=torch.tensor([[1, gh, gw]]))
+    patchified and normalised by the serving processor (row-major tokens)."""
+    from sparrow.video.processors import QwenVLVideoProcessor
+
+    pair = frame.numpy()[None].repeat(2, axis=0)                      # (2, H, W, 3)
+    patches, grid = QwenVLVideoProcessor(patch_size=visual.patch_size, merge_size=visual.spatial_merge_size)._patchify(pair)
+    out = visual(torch.from_numpy(patches), grid_thw=torch.tensor([grid]))
     return out if torch.is_tensor(out) else out.pooler_output
 
 
