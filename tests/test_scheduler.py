@@ -224,7 +224,10 @@ def test_an_ended_request_is_never_prepared_and_its_decode_stops(qwen_target, sm
     outputs.clear()
     late = engine.submit(small_video, PROMPTS[0], SamplingParams(max_new_tokens=4000, ignore_eos=True),
                          sink=outputs.append, deadline=time.monotonic() + 1.0)
-    while not late.done and time.monotonic() < deadline:
+    # `done` is the scheduler's own mark, set as the request leaves and before its final event
+    # reaches the sink: wait for the event itself
+    deadline = time.monotonic() + 30
+    while not (outputs and hasattr(outputs[-1], "finish_reason")) and time.monotonic() < deadline:
         time.sleep(0.01)
     final = outputs[-1]
     assert final.finish_reason == "abort" and 0 < len(final.token_ids) < 4000
