@@ -134,6 +134,12 @@ class FeatureCollector:
 
     @staticmethod
     def _cat(parts: list[torch.Tensor]) -> torch.Tensor | None:
+        """The parts as one tensor; one part with rows is returned as it is, not copied (a question
+        after a cached video adds no visual rows: its bridge-layer visual states, 12.8 MB at 25k
+        visual tokens on the world target, are the cached prefix's, which nothing writes)."""
+        full = [p for p in parts if p.shape[0]]
+        if len(full) == 1:
+            return full[0]
         return torch.cat(parts) if parts else None
 
     def output(self, state: "TargetState", logits: torch.Tensor) -> "PrefillOutput":
