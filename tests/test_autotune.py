@@ -177,3 +177,34 @@ def test_two_tuners_never_measure_at_once(monkeypatch):
     first = {tag: min(t0 for t, t0, _ in spans if t == tag) for tag in "ab"}
     last = {tag: max(t1 for t, _, t1 in spans if t == tag) for tag in "ab"}
     assert last["a"] <= first["b"] or last["b"] <= first["a"], "two measurements ran at once"
+
+
+def test_a_timing_reads_its_keys_cold(monkeypatch):
+    """packed._bench's runners take the next of several caches each call, as many as fill
+    cold_bytes() (twice the last-level cache): a timing sees keys coming from memory, as a serving
+    step over many requests and layers does, not the cache the last call left warm. The copies
+    hold the same values, so every call computes the same output."""
+    monkeypatch.setattr(packed, "cold_bytes", lambda: 1 << 20)
+    seen, outs = [], []
+    real = packed.run_path
+
+    def spy(name, q, k, v, prefix_len, bias, scale):
+        seen.append((k.data_ptr(), v.data_ptr()))
+        return real(name, q, k, v, prefix_len, bias, scale)
+
+    monkeypatch.setattr(packed, "run_path", spy)
+    nq, prefix = 5, 1000                     # a set: 2 x (2 kv heads x 1005 keys x 32) fp32 = 514 KB
+    run = packed._bench((1, 4, nq, 32), (1, 2, prefix + nq, 32), torch.float32, prefix)("dense")
+    for _ in range(6):
+        outs.append(run())
+    per_set = 2 * 2 * (prefix + nq) * 32 * 4
+    sets = -(-(1 << 20) // per_set)
+    assert sets == 3 and len(set(seen)) == sets and seen[:sets] == seen[sets:]
+    assert len({k for k, _ in seen} | {v for _, v in seen}) == 2 * sets        # no two share memory
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    monkeypatch.setattr(packed, "cold_bytes", lambda: 1 << 40)
+    seen.clear()
+    run = packed._bench((1, 4, 1, 32), (1, 2, 2, 32), torch.float32, 1)("dense")
+    for _ in range(packed.COLD_SETS + 1):
+        run()
+    assert len(set(seen)) == packed.COLD_SETS                               # capped
