@@ -5,7 +5,8 @@ heads, head dim 32; --heads/--kv-heads/--head-dim for others): every CPU path of
 kernels/packed.py (dense: one SDPA call; flash: the split with torch's flash op; kernel: the
 split with the compiled C++ kernel) timed here, interleaved within each repetition, and the
 path the tuner chose (kernels/autotune.py, measured first by its own worker as a server's would
-be) with its time against the fastest here.
+be) with its time against the fastest here. Timed as the tuner times them: each call reads its
+keys cold (kernels/packed.py `_bench`).
 
     python -m benchmarks.attention_paths [--rows 1,5,13] [--keys 504,8064,25056] [--reps 30]
                                          [--dtype float32] [--out BENCHMARKS.md]
@@ -60,15 +61,16 @@ def main(argv: list[str] | None = None) -> None:
             q = torch.randn(1, args.heads, nq, args.head_dim, generator=g).to(dtype)
             k = torch.randn(1, args.kv_heads, p + nq, args.head_dim, generator=g).to(dtype)
             v = torch.randn(k.shape, generator=g).to(dtype)
-            bias = packed.own_bias(None, nq, args.heads // args.kv_heads, q.device) if nq > 1 else None
             packed.packed_attention(q, k, v, p)              # the first use queues the tuner's measurement
             packed.TUNER.wait(300)
             chosen = packed.cpu_path(q, k, p)
+            runners = packed._bench(tuple(q.shape), tuple(k.shape), dtype, p)   # the tuner's own: keys read cold
+            runs = {name: runners(name) for name in paths}
             times: dict[str, list[float]] = {name: [] for name in paths}
             for _ in range(args.reps + 2):
                 for name in paths:
                     s = time.perf_counter()
-                    packed.run_path(name, q, k, v, p, bias, args.head_dim ** -0.5)
+                    runs[name]()
                     times[name].append(time.perf_counter() - s)
             ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
             best = min(ms.values())
@@ -84,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         body = "\n".join([
             f"Machine: {machine()}; load average {load:.1f} at the end; {args.threads} torch thread(s), {args.dtype}. "
             f"One layer of {args.heads} query heads / {args.kv_heads} kv heads / dim {args.head_dim}; medians of "
-            f"{args.reps}, paths interleaved. `chosen` is what the tuner (kernels/autotune.py) measured on its own "
+            f"{args.reps}, paths interleaved, each call over the next of several copies of the keys filling "
+            f"{packed.cold_bytes() >> 20} MiB (twice the last-level cache): read from memory, as a serving step "
+            "reads them (the tuner's own timing). `chosen` is what the tuner (kernels/autotune.py) measured on its own "
             "worker before these timings, the path a server on this machine serves; the ratio is its time here "
             f"over the fastest path's here. Worst: {worst:.3f}x.", "", *table])
         write_section(args.out, "attention-paths", "Attention paths chosen by measurement (this machine)",
