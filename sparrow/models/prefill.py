@@ -43,6 +43,11 @@ class PrefillOutput:
     visual_positions: torch.Tensor | None = None   # (Nv',) prompt positions t >= 1 of the visual tokens
     visual_features: torch.Tensor | None = None    # (Nv', F*H) target features at t-1 of each of them
     video_token_id: int | None = None              # the token id at the visual positions
+    # The bridge-layer text rows before the video's end (the system prompt's: the same for every
+    # question about the video), and the cached video prefix the prompt started from, if any: the
+    # glimpse scores those rows against the video once per video (glimpse.prompt_attention).
+    video_text_rows: int = 0
+    prefix: "VideoPrefix | None" = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,7 @@ class FeatureCollector:
         self.bridge_text: list[torch.Tensor] = []
         self.bridge_visual: list[torch.Tensor] = []
         self.last: torch.Tensor | None = None
+        self.started_from = prefix                         # the cached video prefix, if any
         if prefix is not None:                            # rows of the prefix span, prefilled before
             if (missing := prefix.missing(needs)) is not None:
                 raise ValueError(f"this video prefix was prefilled without {missing}")
@@ -147,8 +153,10 @@ class FeatureCollector:
         if self.needs.feature_layers and self.needs.visual_features:
             visual = dict(text_positions=self.text_pos, visual_positions=self.visual_pos,
                           visual_features=self._cat(self.visual_features), video_token_id=self.video_token_id)
+        video_end = int(self.visual_all[-1]) + 1 if self.visual_all.numel() else 0
         return PrefillOutput(state, logits, self.ids[self.text_pos], self._cat(self.features), self.last,
-                             self._cat(self.bridge_text), self._cat(self.bridge_visual), **visual)
+                             self._cat(self.bridge_text), self._cat(self.bridge_visual), **visual,
+                             video_text_rows=int((self.text_pos < video_end).sum()), prefix=self.started_from)
 
     def prefix(self, kv, end: int) -> "VideoPrefix":
         """The VideoPrefix of positions [0, end) from a cache that holds them and the rows
@@ -330,6 +338,9 @@ class VideoPrefix:
     # A live window (sparrow/live/window.py) whose oldest frames were evicted: the text after it sits
     # this much later on the temporal rope axis, as the text before it was re-positioned.
     time_shift: int = 0
+    # glimpse.visual_mass of bridge_text over bridge_visual (Nv,), made by the first question that
+    # needs it and read by the later ones (glimpse.prompt_attention); the tensors above stay unwritten.
+    glimpse_mass: torch.Tensor | None = None
 
     @property
     def length(self) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.models.draft import SparrowDraft
-from sparrow.speculative.glimpse import select_glimpse, text_to_visual_attention
+from sparrow.speculative.glimpse import prompt_attention, select_glimpse, text_to_visual_attention
 from sparrow.speculative.prune import prune_budget, prune_visual
 
 # A window no sequence reaches: with it nothing slides out of view and nothing is evicted, so
@@ -115,6 +115,5 @@ def build_context(prefill, first_token: int, glimpse: int, context: str = "text"
     feats = torch.cat([feats, prefill.last_feature[None]])
     g = prefill.bridge_visual[:0] if prefill.bridge_visual is not None else feats.new_zeros(0, 0)
     if glimpse > 0 and prefill.bridge_visual is not None:
-        att = text_to_visual_attention(prefill.bridge_text, prefill.bridge_visual)
-        g = prefill.bridge_visual[select_glimpse(att, glimpse)]
+        g = prefill.bridge_visual[select_glimpse(prompt_attention(prefill), glimpse)]
     return DraftContext(ids.to(feats.device), feats, ids.shape[0] - 1, g, num_visual)
