@@ -106,8 +106,8 @@ def test_train_target_v2_and_eval_v2_commands(tmp_path):
 
 def test_a_one_object_stage_asks_its_kinds_about_one_object_scenes_only(tmp_path, monkeypatch):
     """`where@1:N:one` (a curriculum's first steps): every batch of the stage is of one-object
-    scenes, each chat a "where" question; mixed steps draw from the whole pool; a pool without
-    one-object scenes is refused up front."""
+    scenes, each chat a "where" question; `:two` draws scenes of at most two objects; mixed steps
+    draw from the whole pool; a pool without one-object scenes is refused up front."""
     import random
 
     import sparrow.world.v2.target_v2 as target_v2
@@ -115,9 +115,9 @@ def test_a_one_object_stage_asks_its_kinds_about_one_object_scenes_only(tmp_path
     from sparrow.world.v2.questions_v2 import QUESTIONS_V2
     from sparrow.world.v2.target_v2 import FALLBACK_KIND
 
-    c = V2TargetConfig(**{**TINY, "pool": 24, "batch": 4, "steps": 1, "stages": ("where@1:3:one",)})
+    c = V2TargetConfig(**{**TINY, "pool": 24, "batch": 4, "steps": 1, "stages": ("where@1:3:one", "where@1:3:two")})
     stages = training_stages(c, V2Data.kinds)
-    assert stages[1].one and stages[1].kinds == ("where",) and not stages[0].one
+    assert [s.objects for s in stages] == [0, 1, 2] and stages[1].kinds == ("where",)
     target = new_v2_target(c)
     data = V2Data(c, tmp_path / "pool.pt")
     data.prepare(target, stages, lambda _: None)
@@ -136,7 +136,11 @@ def test_a_one_object_stage_asks_its_kinds_about_one_object_scenes_only(tmp_path
     drawn.clear()
     for _ in range(6):
         data.loss(target, stages[0], 0, False, rng)
-    assert any(len(v.scene.objects) > 1 for videos, _ in drawn for v in videos)     # the mix: the whole pool
+    assert any(len(v.scene.objects) > 2 for videos, _ in drawn for v in videos)     # the mix: the whole pool
+    drawn.clear()
+    for _ in range(12):
+        data.loss(target, stages[2], 2, True, rng)
+    assert {len(v.scene.objects) for videos, _ in drawn for v in videos} == {1, 2}
     whole = target_v2.scene_pool
     monkeypatch.setattr(target_v2, "scene_pool",
                         lambda *a, **k: [v for v in whole(*a, **k) if len(v.scene.objects) > 1])

@@ -209,6 +209,10 @@ def pooled_logits(target: TargetModel, videos: list[PooledVideo], chats: list[li
 
 
 # ----- stages -----------------------------------------------------------------------------------------
+# A stage's flag for a curriculum by object count: its focus steps ask about scenes of at most this many objects.
+OBJECT_FLAGS = {"one": 1, "two": 2, "three": 3}
+
+
 @dataclass(frozen=True, slots=True)
 class Stage:
     """A stretch of training with its own learning-rate schedule and question mix."""
@@ -220,20 +224,21 @@ class Stage:
     kinds: tuple[str, ...] = ()    # asked alone on a `share` of the stage's steps
     share: float = 0.0
     short: bool = False            # videos of at most short_tokens visual tokens only
-    one: bool = False              # focus steps on scenes of one object only (world v2's pool)
+    objects: int = 0               # focus steps on scenes of at most this many objects (world v2's pool; 0: any)
 
     @staticmethod
     def parse(spec: str, start: int, c: WorldTargetConfig, known: tuple[str, ...] = QUESTION_KINDS) -> "Stage":
         try:
             head, steps, *flags = spec.split(":")
             kinds, share = ("", "0") if head == "mix" and not flags else head.split("@")   # mixed steps only
-            if flags not in ([], ["short"], ["one"]):
+            if flags not in ([], ["short"], *([f] for f in OBJECT_FLAGS)):
                 raise ValueError(flags)
             stage = Stage(start, int(steps), c.stage_lr, c.stage_warmup, tuple(filter(None, kinds.split("+"))),
-                          float(share), flags == ["short"], flags == ["one"])
+                          float(share), flags == ["short"], OBJECT_FLAGS.get(flags[0], 0) if flags else 0)
         except ValueError:
             raise ValueError(f"stage {spec!r}: expected KINDS@SHARE:STEPS, KINDS@SHARE:STEPS:short, "
-                             "KINDS@SHARE:STEPS:one or mix:STEPS") from None
+                             "KINDS@SHARE:STEPS:one (or :two, :three: scenes of at most that many objects) "
+                             "or mix:STEPS") from None
         unknown = set(stage.kinds) - set(known)
         if unknown or not 0 <= stage.share <= 1 or stage.steps <= 0:
             raise ValueError(f"stage {spec!r}: kinds among {known}, share in [0, 1], steps > 0")
@@ -295,8 +300,9 @@ class WorldData:
                       if self.pool is not None else None)
         if self.short is not None and not self.short and any(s.short for s in stages):
             raise ValueError(f"no pooled video has at most short_tokens={c.short_tokens} visual tokens")
-        if any(s.one for s in stages):
-            raise ValueError("a stage of one-object scenes (':one') is world v2's (train-target-v2)")
+        if any(s.objects for s in stages):
+            raise ValueError("a stage of scenes by object count (':one', ':two', ':three') is world v2's "
+                             "(train-target-v2)")
 
     def loss(self, target: TargetModel, stage: Stage, step: int, focus: bool, rng: random.Random) -> torch.Tensor:
         """One step's batch, drawn with `rng`, and its loss."""

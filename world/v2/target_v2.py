@@ -79,8 +79,8 @@ V2_TARGET_HELP = {
              "(repeat one to weigh it more)",
     "caption_prob": "share of chats that ask for the narration (besides kinds)",
     "stage_caption_prob": "narration share of the later stages' mixed steps (default: caption_prob)",
-    "stages": "later stages, comma-separated KINDS@SHARE:STEPS[:one] or mix:STEPS items (:one: focus steps on "
-              "one-object scenes)",
+    "stages": "later stages, comma-separated KINDS@SHARE:STEPS[:one|:two|:three] or mix:STEPS items (:one: focus "
+              "steps on one-object scenes; :two, :three: on scenes of at most that many)",
     "pool": "videos rendered once and reused with fresh questions",
     "side": "frame side in px (a multiple of 28; 224 is the benchmark's)",
     "seconds": "pooled video lengths in seconds, comma-separated, in turn",
@@ -178,22 +178,23 @@ class V2Data:
         self.c, self.cache, self.eval_seconds = c, cache, eval_seconds
         self.pool: list[PooledScene] = []
         self.same_length: list[list[int]] | None = None
-        self.one_object: list[PooledScene] = []            # the pool's one-object scenes (':one' stages)
-        self.one_object_lengths: list[list[int]] | None = None
+        # the pool's scenes of at most N objects, for the stages that ask about them (':one', ':two', ...)
+        self.few_objects: dict[int, tuple[list[PooledScene], list[list[int]] | None]] = {}
 
     def prepare(self, target: TargetModel, stages: list[Stage], log: Callable[[str], None]) -> None:
         self.pool = scene_pool(target, self.c, log, self.cache)
         self.same_length = length_groups(self.pool) if self.c.length_batches else None
-        if any(s.one for s in stages):
-            self.one_object = [v for v in self.pool if len(v.scene.objects) == 1]
-            if not self.one_object:
-                raise ValueError("a ':one' stage needs one-object scenes in the pool; none are")
-            self.one_object_lengths = length_groups(self.one_object)
+        for most in sorted({s.objects for s in stages if s.objects}):
+            few = [v for v in self.pool if len(v.scene.objects) <= most]
+            if not few:
+                raise ValueError(f"a stage of scenes of at most {most} objects needs such scenes in the pool; "
+                                 "none are (one-object scenes: ':one')")
+            self.few_objects[most] = (few, length_groups(few))
 
     def loss(self, target: TargetModel, stage: Stage, step: int, focus: bool, rng: random.Random) -> torch.Tensor:
         c = self.c
-        if focus and stage.one:                  # scenes of one object (a curriculum's first steps)
-            videos = pool_batch(self.one_object, self.one_object_lengths, rng, c.batch)
+        if focus and stage.objects:              # scenes of few objects (a curriculum's first steps)
+            videos = pool_batch(*self.few_objects[stage.objects], rng, c.batch)
         else:
             videos = pool_batch(self.pool, self.same_length, rng, c.batch)
         kinds = stage.kinds if focus else c.kinds
