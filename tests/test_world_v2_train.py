@@ -68,6 +68,12 @@ def test_train_target_v2_and_eval_v2_commands(tmp_path):
     out, card = tmp_path / "target", tmp_path / "MODEL_CARD.md"
     tiny = ["--hidden", "64", "--layers", "1", "--heads", "2", "--intermediate", "64", "--batch", "2", "--pool", "2",
             "--side", "56", "--seconds", "8", "--eval-every", "0", "--save-every", "1", "--final-eval-scenes", "1"]
+    # --final-eval-scenes 0: the target is saved with no final scores (it used to fail after saving)
+    bare = tmp_path / "bare"
+    args = build_parser().parse_args(["world", "train-target-v2", "--out", str(bare), "--steps", "2",
+                                      *tiny[:-1], "0"])
+    assert args.func(args) == 0 and json.loads((bare / "world_target_v2.json").read_text())["heldout"] is None
+    assert (bare / "model.safetensors").is_file()
     args = build_parser().parse_args(["world", "train-target-v2", "--out", str(out), "--steps", "2", *tiny])
     assert args.func(args) == 0
     report = json.loads((out / "world_target_v2.json").read_text())

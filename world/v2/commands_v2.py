@@ -73,7 +73,8 @@ def train_target_v2(c, out: str | Path, stage: str, init: str | Path | None = No
         return run
     target.save_pretrained(out)
     shutil.rmtree(checkpoint, ignore_errors=True)     # done: the next stage starts from OUT (--init)
-    report = evaluate_v2(out, "test", final_eval_scenes, (8, 30), c.side, (*SHORT_KINDS, "narrate", "story"), log=log)
+    report = (evaluate_v2(out, "test", final_eval_scenes, (8, 30), c.side, (*SHORT_KINDS, "narrate", "story"), log=log)
+              if final_eval_scenes > 0 else None)              # 0: no final scores (a probe scores itself)
     runs = [json.loads(line) for line in runs_file.read_text().splitlines()]
     summary = {"stage": stage, "config": asdict(c), "init": None if init is None else str(init),
                "train_seconds": sum(r["seconds"] for r in runs if r["stage"] == stage),
@@ -127,7 +128,7 @@ def add_v2_commands(wsub, parents: list, add_config_options, config_from_args) -
     p.add_argument("--max-minutes", type=float, help="stop at a checkpoint after this long (resume with the same command)")
     p.add_argument("--stop-at", type=int, help="stop at a checkpoint after this many of the stage's steps")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--final-eval-scenes", type=int, default=5, help="test scenes (at 8 s and 30 s) for the final scores")
+    p.add_argument("--final-eval-scenes", type=int, default=5, help="test scenes (at 8 s and 30 s) for the final scores (0: none)")
     add_config_options(p, V2TargetConfig, V2_TARGET_HELP, skip=V2_UNUSED)
     p.set_defaults(func=_cmd_train_target_v2, config_from_args=config_from_args)
 
