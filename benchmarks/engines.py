@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow import Engine, SpecConfig
+from sparrow.config import EngineConfig
 from sparrow.kernels import cpu_prefix
 from sparrow.kernels import draft_chain
 from sparrow.models.draft import CONFIG_NAME as DRAFT_CONFIG, SparrowDraft
@@ -115,20 +116,26 @@ class Models:
         return self._small
 
 
+# The engine config a server runs (`sparrow serve`'s defaults): its KV memory written at start.
+SERVED = EngineConfig(kv_prefault=True)
+
+
 def _spec(cfg: BenchConfig, **kw) -> SpecConfig:
     """The baselines, trees and ablations draft k tokens every step (adaptive_k=False), as
     measured before k became adaptive by default; "sparrow" is the default engine."""
     return SpecConfig(**{"num_draft_tokens": cfg.k, "window": cfg.window, "anchors": cfg.anchors, "adaptive_k": False, **kw})
 
 
-def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache, keyed_videos: int = 0) -> Engine:
+def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache, keyed_videos: int = 0,
+                 config: EngineConfig | None = None) -> Engine:
     """The engine of one method, sharing `cache` (the videos' prefixes) with all the others.
     keyed_videos (SpecVLM only): 0, no prefix cache (its whole prefill is timed, as here); > 0,
     answers from `cache` and keeps that many videos' small-VLM visual tokens for its hits (the
-    serving case: the concurrency benchmark)."""
+    serving case: the concurrency benchmark). config: the engine's (a served benchmark passes
+    SERVED, what `sparrow serve` runs)."""
     target = models.target
     if name == "plain":
-        return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache)
+        return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache, config=config)
     if name.startswith("sparrow"):
         draft = models.draft("world/draft")
         glimpse = draft.trained_with.get("glimpse", 0)       # the Sparrow methods run the draft's own glimpse
@@ -143,12 +150,12 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
             spec = _spec(cfg, glimpse=glimpse)
         else:
             spec = _spec(cfg, glimpse=cfg.glimpse if name == "sparrow-glimpse" else 0)
-        return Engine(target, draft, spec, prefix_cache=cache)
+        return Engine(target, draft, spec, prefix_cache=cache, config=config)
     if name == "eagle":
-        return Engine(target, models.draft("bench/draft-eagle"), _spec(cfg, draft_context="all"), prefix_cache=cache)
+        return Engine(target, models.draft("bench/draft-eagle"), _spec(cfg, draft_context="all"), prefix_cache=cache, config=config)
     if name == "specvlm-eagle":
         return Engine(target, models.draft("bench/draft-eagle"),
-                      _spec(cfg, draft_context="pruned", prune_keep=0.1), prefix_cache=cache)
+                      _spec(cfg, draft_context="pruned", prune_keep=0.1), prefix_cache=cache, config=config)
     if name == "specvlm":
         from sparrow.speculative.specvlm import SpecVLMProposer
 
@@ -157,11 +164,11 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
         proposer = SpecVLMProposer(target, models.small_target(), keep_ratio=0.1, mass=0.5,
                                    video_cache_entries=keyed_videos)
         return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=cfg.k, adaptive_k=False), proposer=proposer,
-                      prefix_cache=cache if keyed_videos else None)
+                      prefix_cache=cache if keyed_videos else None, config=config)
     if name.startswith("ablation-"):
         kind = name.removeprefix("ablation-")
         return Engine(target, models.draft(f"bench/ablation/{kind}"), _spec(cfg, draft_context=ABLATIONS[kind]),
-                      prefix_cache=cache)
+                      prefix_cache=cache, config=config)
     raise ValueError(name)
 
 

@@ -17,6 +17,7 @@ from sparrow.errors import InvalidRequest
 def app_settings(args: argparse.Namespace):
     """The serve options as the AppSettings both hosts run."""
     from sparrow import SpecConfig
+    from sparrow.config import EngineConfig
     from sparrow.services.config import ServiceConfig
     from sparrow.services.settings import AppSettings
 
@@ -37,7 +38,8 @@ def app_settings(args: argparse.Namespace):
         spec=SpecConfig(draft_step=args.draft_step) if args.k is None else
         SpecConfig(num_draft_tokens=args.k, draft_step=args.draft_step),
         spec_given=frozenset() if args.k is None else frozenset({"num_draft_tokens"}),
-        service=service, target_deployment=deployments.get("target", {}), draft_deployment=deployments.get("draft", {}),
+        service=service, engine=EngineConfig(kv_cache_bytes=args.kv_cache_mb * MiB, kv_prefault=not args.no_kv_prefault),
+        target_deployment=deployments.get("target", {}), draft_deployment=deployments.get("draft", {}),
         dtype=args.dtype, device=args.device, device_map=args.device_map, verify_attention=args.verify_attention,
         target_step=args.target_step, served_model_name=args.served_model_name)
 
@@ -220,6 +222,10 @@ def add_command(sub, common) -> None:
     p.add_argument("--allow-webhook", action="append", default=[], metavar="PREFIX",
                    help="URL prefix a live session's alert webhook may start with (repeat; none: no webhooks)")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="most new tokens a request may ask for (default 2048)")
+    p.add_argument("--kv-cache-mb", type=int, default=2048, help="the target's KV memory, in MiB: requests are admitted "
+                   "while their KV fits (default 2048)")
+    p.add_argument("--no-kv-prefault", action="store_true", help="leave the KV memory unwritten until requests use it "
+                   "(default: written at start, so no request pays the first touch of its pages)")
     p.add_argument("--max-video-mb", type=int, default=2048, help="largest video accepted, in MiB (default 2048)")
     p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message, in MiB (default 64; "
                                                                  "larger videos go through UploadVideo in chunks)")

@@ -81,13 +81,16 @@ class ModelRunner:
         self.prefix_cache = prefix_cache
         self.times = StepTimes()
         self._arena: KVArena | None = None
+        if config.kv_prefault:
+            _ = self.arena     # made and written now, not by the first request (EngineConfig.kv_prefault)
 
     @property
     def arena(self) -> KVArena:
-        """The target's KV memory for every request, allocated on first use."""
+        """The target's KV memory for every request, allocated on first use (at once with kv_prefault)."""
         if self._arena is None:
             t = self.target
-            self._arena = KVArena.for_model(t.text_config, self.config.kv_cache_bytes, t.hf.dtype, t.device)
+            self._arena = KVArena.for_model(t.text_config, self.config.kv_cache_bytes, t.hf.dtype, t.device,
+                                            prefault=self.config.kv_prefault)
         return self._arena
 
     # ----- a request's start -----------------------------------------------------------------------

@@ -117,6 +117,13 @@ def test_serve_without_model_flags_serves_the_world_pair():
     assert str(DEFAULT_MODELS / "target") in line and str(DEFAULT_MODELS / "draft") in line and "RANDOM" not in line
 
 
+def test_serve_writes_its_kv_memory_at_start_unless_told_not_to():
+    s = _serve_settings("--target", "tiny:qwen2_5_vl", "--draft", "none")
+    assert s.engine.kv_prefault and s.engine.kv_cache_bytes == 2048 << 20
+    s = _serve_settings("--target", "tiny:qwen2_5_vl", "--draft", "none", "--kv-cache-mb", "64", "--no-kv-prefault")
+    assert not s.engine.kv_prefault and s.engine.kv_cache_bytes == 64 << 20
+
+
 def test_random_models_only_when_named(tiny_model_dirs):
     tiny = _serve_settings("--target", "tiny:qwen2_5_vl")
     assert tiny.draft == "tiny" and "RANDOM WEIGHTS" in models_line(tiny)

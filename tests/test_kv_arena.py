@@ -56,3 +56,39 @@ def test_rows_past_a_slot_are_refused_before_anything_is_written(qwen_target, sm
     for k, b in zip(arena.keys, before):
         assert torch.equal(k.view(torch.int32), b.view(torch.int32))   # bits (unused memory may hold NaN); the first row too
     assert [s.kv.get_seq_length() for s in states] == lengths
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_prefaulted_arena_is_resident_when_made_and_a_lazy_one_is_not():
+    """kv_prefault writes every page when the arena is made (no request pays their first touch);
+    without it the arena costs address space only until slots are used."""
+    size = 64 << 20
+    before = _resident_bytes()
+    lazy = KVArena(2, 2, 32, size // (2 * 2 * 2 * 32 * 4), torch.float32, "cpu")
+    lazy_grew = _resident_bytes() - before
+    before = _resident_bytes()
+    eager = KVArena(2, 2, 32, size // (2 * 2 * 2 * 32 * 4), torch.float32, "cpu", prefault=True)
+    eager_grew = _resident_bytes() - before
+    assert lazy_grew < size // 8 and eager_grew > size * 7 // 8, (lazy_grew, eager_grew)
+    assert all(not k.any() for k in eager.keys) and eager.tokens == lazy.tokens
+
+
+def test_an_engine_with_kv_prefault_makes_its_arena_at_once_and_answers_the_same(qwen_target, small_video):
+    from sparrow import SamplingParams
+    from sparrow.config import EngineConfig
+    lazy = Engine(qwen_target, spec=SpecConfig(method="none"), config=EngineConfig(kv_cache_bytes=8 << 20))
+    eager = Engine(qwen_target, spec=SpecConfig(method="none"),
+                   config=EngineConfig(kv_cache_bytes=8 << 20, kv_prefault=True))
+    try:
+        assert lazy.runner._arena is None and eager.runner._arena is not None
+        params = SamplingParams(max_new_tokens=6)
+        assert (eager.generate(small_video, "what happens?", params).token_ids
+                == lazy.generate(small_video, "what happens?", params).token_ids)
+    finally:
+        lazy.shutdown()
+        eager.shutdown()

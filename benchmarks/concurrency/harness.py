@@ -77,7 +77,7 @@ from benchmarks.concurrency.prefill_scenario import prefill_scenario  # noqa: E4
 from benchmarks.concurrency.results import merge, report, summarize, summarize_scenario  # noqa: E402
 from benchmarks.concurrency.streams import Trace, engine_call, grpc_call, run_configuration  # noqa: E402
 from benchmarks.concurrency.stream_videos import Video, cache_prefills, make_videos  # noqa: E402
-from benchmarks.engines import BenchConfig, Models, build_engine, compile_target_steps  # noqa: E402
+from benchmarks.engines import SERVED, BenchConfig, Models, build_engine, compile_target_steps  # noqa: E402
 from benchmarks.identity import first_difference  # noqa: E402
 from benchmarks.machine import describe_target, machine as describe_machine  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
@@ -118,7 +118,7 @@ def run_benchmark(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) ->
         clients = {}
         if "grpc" in cfg.paths:
             for m in cfg.methods:
-                service = SparrowService(build_engine(m, models, spec_cfg, new_cache(), keyed_videos=entries),
+                service = SparrowService(build_engine(m, models, spec_cfg, new_cache(), keyed_videos=entries, config=SERVED),
                                          open_cache("memory"), ServiceConfig(max_new_tokens=max(2048, cfg.tokens),
                                                                              max_concurrent=cfg.videos_per_rep + 8))
                 server = stack.enter_context(BackgroundServer(service))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from benchmarks.concurrency.streams import Trace, grpc_call
-from benchmarks.engines import BenchConfig, Models, build_engine
+from benchmarks.engines import SERVED, BenchConfig, Models, build_engine
 from benchmarks.serve_load.load_config import Ask, LoadConfig
 from benchmarks.world_videos import world_video
 from sparrow.prefix_cache import PrefixCache
@@ -56,7 +56,7 @@ class Servers:
         self.clients: dict[str, SparrowClient] = {}
         for m in cfg.methods:
             self.caches[m] = PrefixCache(max_bytes=64 << 30, max_entries=videos + 4)
-            engine = build_engine(m, self.models, bench, self.caches[m])
+            engine = build_engine(m, self.models, bench, self.caches[m], config=SERVED)
             service = SparrowService(engine, open_cache("memory"), ServiceConfig(
                 max_new_tokens=max(2048, cfg.max_new_tokens), max_concurrent=videos * cfg.questions + 8,
                 max_visual_tokens=max(32768, 2 * max_tokens(cfg))))
