@@ -183,7 +183,9 @@ class ModelRunner:
         job, sampling = request.job, request.sampling
         pre = job.output()
         if self.prefix_cache is not None and request.video_key is not None and request.entry is None:
-            self.prefix_cache.put(request.video_key, PrefixEntry.of(request.processed, job.video_prefix()))
+            made = job.video_prefix()
+            self.prefix_cache.put(request.video_key, PrefixEntry.of(request.processed, made))
+            pre.prefix = made        # what the draft's begin makes once per video is kept there (glimpse_mass)
         request.generator = new_generator(sampling.seed, self.target.device)   # sampling happens where the logits are
         request.noise = PositionNoise(sampling.seed) if sampling.replayable else None
         token = _first_token(pre.logits, sampling, request.generator, request.noise)

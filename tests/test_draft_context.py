@@ -311,9 +311,10 @@ def test_a_prefix_cached_for_a_draft_that_reads_less_is_prefilled_again(qwen_tar
 
 def test_the_glimpse_scores_a_cached_videos_prompt_rows_once(qwen_target, large_video, monkeypatch):
     """glimpse.prompt_attention: the text rows before the video's end (the system prompt's) are
-    scored against the video once per cached video; later questions score only their own rows.
-    The first, uncached question and a cached one split the rows at the same place, so their
-    attention is bitwise the same, and it equals one mean over all rows up to rounding."""
+    scored against the video once per cached video, by the question whose prefill made the cached
+    prefix (it keeps the mass there); later questions score only their own rows. The first,
+    uncached question and a cached one split the rows at the same place, so their attention is
+    bitwise the same, and it equals one mean over all rows up to rounding."""
     from sparrow.speculative import draft_context, glimpse
 
     seen, scored = [], []
@@ -334,14 +335,14 @@ def test_the_glimpse_scores_a_cached_videos_prompt_rows_once(qwen_target, large_
     engine = Engine(qwen_target, tiny_draft(qwen_target, seed=1), spec("text"), prefix_cache=PrefixCache())
     outs = [engine.generate(large_video, PROMPT, SamplingParams(max_new_tokens=6), video_key="v") for _ in range(3)]
     assert [o.metrics.cached_prompt_tokens > 0 for o in outs] == [False, True, True]
-    (first, ref, m, none), (second, _, m2, prefix), (third, _, _, same) = seen
-    assert none is None and prefix is not None and same is prefix and m == m2 == prefix.bridge_text.shape[0] > 0
+    (first, ref, m, made), (second, _, m2, prefix), (third, _, _, same) = seen
+    assert made is prefix is same and m == m2 == prefix.bridge_text.shape[0] > 0
     assert torch.equal(first, second) and torch.equal(second, third)
     torch.testing.assert_close(first, ref, rtol=1e-5, atol=1e-7)
     assert torch.equal(select_glimpse(first, 2), select_glimpse(ref, 2))
     assert torch.equal(prefix.glimpse_mass, real_mass(prefix.bridge_text, prefix.bridge_visual))
     # rows scored, each question's last call the reference mean over all n rows: the first question
-    # both parts; the second the prefix's rows (kept on the prefix), then its own; the third its own only
+    # both parts (the prefix's rows kept on the prefix it made); the later ones their own only
     n = prefix.bridge_text.shape[0] + (q := scored[1])
-    assert q > 0 and scored == [m, q, n, m, q, n, q, n]
+    assert q > 0 and scored == [m, q, n, q, n, q, n]
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids

@@ -124,3 +124,18 @@ def test_questions_admitted_together_prefill_in_one_forward_and_equal_their_solo
     assert scheduler.stats["prefills_together"] - before["prefills_together"] == len(jobs)
     assert scheduler.stats["prefill_slices"] - before["prefill_slices"] == 1      # one forward for all five
 
+
+
+def test_a_question_after_a_cached_prefix_is_placed_as_the_whole_prompt_would_be(any_target):
+    """VideoPrefix carries its own positions: a later question's (position_ids, rope delta) are
+    the prefix's and its text's, equal to what the family computes over the whole prompt."""
+    target = any_target
+    video = prepare_video(synthetic_frames(6, 56, 84, seed=5), target.processor, VideoOptions())
+    prefix = target.prefill_prefix(target.build_inputs(video, QUESTIONS[0]), (), None, False)
+    assert prefix.position_ids is not None and prefix.position_ids.shape[-1] == prefix.length
+    for question in [*QUESTIONS, "?" * 300]:
+        inputs = target.build_inputs(video, question)
+        kv = new_kv_cache("static", target.num_layers, inputs["input_ids"].shape[1] + 4)
+        job = PrefillJob(target, inputs, kv, FeatureNeeds(), prefix=prefix)
+        want, delta = target.family.prefill_positions(target.hf, inputs)
+        assert torch.equal(job.position_ids, want) and job.rope_delta == delta
