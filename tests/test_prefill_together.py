@@ -139,3 +139,32 @@ def test_a_question_after_a_cached_prefix_is_placed_as_the_whole_prompt_would_be
         job = PrefillJob(target, inputs, kv, FeatureNeeds(), prefix=prefix)
         want, delta = target.family.prefill_positions(target.hf, inputs)
         assert torch.equal(job.position_ids, want) and job.rope_delta == delta
+
+
+def test_a_real_time_videos_prefix_places_later_questions_as_the_whole_prompt_would_be():
+    """On a real-time Qwen2.5-VL target (the committed live one) a 30 s video's temporal positions
+    run past its text's, so the rope delta after a prompt depends on the question's length; the
+    positions a cached prefix gives later questions still equal the family's over the whole prompt."""
+    import random
+    from pathlib import Path
+
+    from sparrow.models import TargetModel
+    from sparrow.world.live_target import Clip, encoded_clip, heldout_clip, live_questions
+    live = Path(__file__).resolve().parents[1] / "models" / "live" / "target"
+    target = TargetModel.from_pretrained(live)
+    stream, end = heldout_clip(3 * 10**9, 30)
+    frames, index = encoded_clip(stream, end - round(30 * stream.fps), 30)
+    video = target.processor.process(frames)
+    questions = [q for _, q, _ in live_questions(Clip.of(stream, index), random.Random(1),
+                                                 ("colour_now", "what_now", "present_now"))]
+    prefix = target.prefill_prefix(target.build_inputs(video, questions[0]), (), None, False)
+    assert prefix.position_ids is not None
+    deltas = set()
+    for question in [*questions, "what is in view ? " * 40]:
+        inputs = target.build_inputs(video, question)
+        kv = new_kv_cache("static", target.num_layers, inputs["input_ids"].shape[1] + 4)
+        job = PrefillJob(target, inputs, kv, FeatureNeeds(), prefix=prefix)
+        want, delta = target.family.prefill_positions(target.hf, inputs)
+        assert torch.equal(job.position_ids, want) and job.rope_delta == delta
+        deltas.add(delta)
+    assert len(deltas) > 1          # the case: the delta moved with the question's length

@@ -204,7 +204,7 @@ class PrefillJob:
             time_shift = prefix.time_shift      # a live window's text sits later in time
         # The prompt's positions (before any time shift, kept for video_prefix): after a prefix that
         # carries its own, only the text after it is placed (VideoPrefix.positions_for).
-        self.prompt_positions = (prefix.positions_for(self.ids.shape[0], target.family)
+        self.prompt_positions = (prefix.positions_for(self.ids.shape[0])
                                  if prefix is not None and prefix.position_ids is not None else
                                  target.family.prefill_positions(target.hf, inputs))      # pure, no pixels
         self.position_ids, self.rope_delta = self.prompt_positions
@@ -286,8 +286,13 @@ class PrefillJob:
             raise InvalidRequest("the prompt holds no video tokens")
         end = int(video_pos[-1]) + 1
         prefix = self.collector.prefix(self.kv, end)
-        positions, prefix.rope_delta = self.prompt_positions
-        prefix.position_ids = positions[..., :end].clone()
+        positions, delta = self.prompt_positions
+        if positions.shape[-1] > end:
+            prefix.position_ids, prefix.text_start = positions[..., :end].clone(), positions[..., end:end + 1].clone()
+            prefix.position_top = int(positions[..., :end].max()) + 1
+            again, again_delta = prefix.positions_for(positions.shape[-1])
+            if again_delta != delta or not torch.equal(again, positions):
+                prefix.position_ids = prefix.text_start = None    # placed otherwise: each prompt computes its own
         return prefix
 
 
@@ -351,11 +356,13 @@ class VideoPrefix:
     # needs it and read by the later ones (glimpse.prompt_attention); the tensors above stay unwritten.
     glimpse_mass: torch.Tensor | None = None
     # The prefix's own prompt positions (the family's prefill_positions through its last video token,
-    # before any time shift) and the rope delta of the text after it, where the prefix was made by a
-    # prefill (PrefillJob.video_prefix): a later question's positions are these and its text's, and
-    # are not recomputed over the whole prompt (Qwen2.5-VL's get_rope_index: ~7 ms at 25k visual tokens).
+    # before any time shift), where the first text after it goes, and the largest position in it + 1,
+    # kept by a prefill that made the prefix (PrefillJob.video_prefix) when they reproduce its own
+    # prompt's positions: a later question's are these and its text's (positions_for), not recomputed
+    # over the whole prompt (Qwen2.5-VL's get_rope_index: ~7 ms at 25k visual tokens).
     position_ids: torch.Tensor | None = None
-    rope_delta: int = 0
+    text_start: torch.Tensor | None = None
+    position_top: int = 0
 
     @property
     def length(self) -> int:
@@ -375,7 +382,7 @@ class VideoPrefix:
     @property
     def nbytes(self) -> int:
         tensors = [self.input_ids, *self.keys, *self.values, self.features, self.bridge_text, self.bridge_visual,
-                   self.visual_features, self.position_ids]
+                   self.visual_features, self.position_ids, self.text_start]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def matches(self, ids: torch.Tensor, video_token_id: int) -> bool:
@@ -384,11 +391,15 @@ class VideoPrefix:
         return (ids.shape[0] > n and torch.equal(ids[:n], self.input_ids.to(ids.device))
                 and not bool((ids[n:] == video_token_id).any()))
 
-    def positions_for(self, length: int, family) -> tuple[torch.Tensor, int]:
+    def positions_for(self, length: int) -> tuple[torch.Tensor, int]:
         """(position_ids, rope delta) of a prompt of `length` tokens that starts with this prefix
-        and has only text after it: what family.prefill_positions gives the whole prompt."""
-        rest = family.text_positions(torch.arange(self.length, length), self.rope_delta)
-        return torch.cat([self.position_ids, rest.to(self.position_ids)], dim=-1), self.rope_delta
+        and has only text after it, as the families place text: one position a token on every axis
+        from text_start, and the delta of what follows the prompt from the largest position in it
+        (on Qwen2.5-VL a real-time video's temporal positions can run past the text's, so the delta
+        depends on the text's length). video_prefix checks this against the prompt that made it."""
+        rest = self.text_start + torch.arange(length - self.length)
+        top = max(self.position_top, int(rest[..., -1].max()) + 1)
+        return torch.cat([self.position_ids, rest], dim=-1), top - length
 
     def load_into(self, kv) -> int:
         """Copy the prefix into a fresh KV cache (the cached tensors are never written)."""
