@@ -397,7 +397,7 @@ class VideoPrefix:
         from text_start, and the delta of what follows the prompt from the largest position in it
         (on Qwen2.5-VL a real-time video's temporal positions can run past the text's, so the delta
         depends on the text's length). video_prefix checks this against the prompt that made it."""
-        rest = self.text_start + torch.arange(length - self.length)
+        rest = self.text_start + torch.arange(length - self.length, device=self.text_start.device)
         top = max(self.position_top, int(rest[..., -1].max()) + 1)
         return torch.cat([self.position_ids, rest], dim=-1), top - length
 
