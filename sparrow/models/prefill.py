@@ -44,8 +44,9 @@ class PrefillOutput:
     visual_features: torch.Tensor | None = None    # (Nv', F*H) target features at t-1 of each of them
     video_token_id: int | None = None              # the token id at the visual positions
     # The bridge-layer text rows before the video's end (the system prompt's: the same for every
-    # question about the video), and the cached video prefix the prompt started from, if any: the
-    # glimpse scores those rows against the video once per video (glimpse.prompt_attention).
+    # question about the video), and the cached video prefix the prompt started from, or the one its
+    # prefill made for the cache (ModelRunner.start_decoding), if any: the glimpse scores those rows
+    # against the video once per video (glimpse.prompt_attention).
     video_text_rows: int = 0
     prefix: "VideoPrefix | None" = None
 
