@@ -171,6 +171,7 @@ def cpu_path(q: torch.Tensor, k: torch.Tensor, prefix_len: int) -> str | None:
                         functools.partial(_bench, tuple(q.shape), tuple(k.shape), q.dtype, prefix_len))
 
 
+@functools.lru_cache(maxsize=1)
 def cold_bytes() -> int:
     """How many bytes of caches a timing cycles through: twice this CPU's last-level cache (64 MiB
     where it cannot be read), so every timed call reads its keys from memory, as a serving step does."""
@@ -197,8 +198,9 @@ def _bench(q_shape: tuple, k_shape: tuple, dtype: torch.dtype, prefix_len: int):
     qq = torch.randn(q_shape, generator=g).to(dtype)
     kv_shape = (k_shape[0], k_shape[1], prefix_len + nq, k_shape[-1])
     per_set = 2 * math.prod(kv_shape) * torch.empty((), dtype=dtype).element_size()
-    first = (torch.randn(kv_shape, generator=g).to(dtype), torch.randn(kv_shape, generator=g).to(dtype))
-    sets = [first] + [(k.clone(), v.clone()) for k, v in [first] * (min(COLD_SETS, -(-cold_bytes() // per_set)) - 1)]
+    keys, values = torch.randn(kv_shape, generator=g).to(dtype), torch.randn(kv_shape, generator=g).to(dtype)
+    copies = min(COLD_SETS, -(-cold_bytes() // per_set))        # enough sets to fill cold_bytes(), rounded up
+    sets = [(keys, values)] + [(keys.clone(), values.clone()) for _ in range(copies - 1)]
     b = own_bias(None, nq, group, qq.device) if nq > 1 else None
     scale = q_shape[-1] ** -0.5
     turn = itertools.count()
