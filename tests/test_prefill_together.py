@@ -126,6 +126,17 @@ def test_questions_admitted_together_prefill_in_one_forward_and_equal_their_solo
 
 
 
+def _placed_as_whole(target, video, prefix, question: str) -> int:
+    """A question after `prefix`: its prefill's positions and rope delta equal the family's over
+    the whole prompt; returns the delta."""
+    inputs = target.build_inputs(video, question)
+    kv = new_kv_cache("static", target.num_layers, inputs["input_ids"].shape[1] + 4)
+    job = PrefillJob(target, inputs, kv, FeatureNeeds(), prefix=prefix)
+    want, delta = target.family.prefill_positions(target.hf, inputs)
+    assert torch.equal(job.position_ids, want) and job.rope_delta == delta
+    return delta
+
+
 def test_a_question_after_a_cached_prefix_is_placed_as_the_whole_prompt_would_be(any_target):
     """VideoPrefix carries its own positions: a later question's (position_ids, rope delta) are
     the prefix's and its text's, equal to what the family computes over the whole prompt."""
@@ -134,11 +145,7 @@ def test_a_question_after_a_cached_prefix_is_placed_as_the_whole_prompt_would_be
     prefix = target.prefill_prefix(target.build_inputs(video, QUESTIONS[0]), (), None, False)
     assert prefix.position_ids is not None and prefix.position_ids.shape[-1] == prefix.length
     for question in [*QUESTIONS, "?" * 300]:
-        inputs = target.build_inputs(video, question)
-        kv = new_kv_cache("static", target.num_layers, inputs["input_ids"].shape[1] + 4)
-        job = PrefillJob(target, inputs, kv, FeatureNeeds(), prefix=prefix)
-        want, delta = target.family.prefill_positions(target.hf, inputs)
-        assert torch.equal(job.position_ids, want) and job.rope_delta == delta
+        _placed_as_whole(target, video, prefix, question)
 
 
 def test_a_real_time_videos_prefix_places_later_questions_as_the_whole_prompt_would_be():
@@ -161,10 +168,5 @@ def test_a_real_time_videos_prefix_places_later_questions_as_the_whole_prompt_wo
     assert prefix.position_ids is not None
     deltas = set()
     for question in [*questions, "what is in view ? " * 40]:
-        inputs = target.build_inputs(video, question)
-        kv = new_kv_cache("static", target.num_layers, inputs["input_ids"].shape[1] + 4)
-        job = PrefillJob(target, inputs, kv, FeatureNeeds(), prefix=prefix)
-        want, delta = target.family.prefill_positions(target.hf, inputs)
-        assert torch.equal(job.position_ids, want) and job.rope_delta == delta
-        deltas.add(delta)
+        deltas.add(_placed_as_whole(target, video, prefix, question))
     assert len(deltas) > 1          # the case: the delta moved with the question's length
