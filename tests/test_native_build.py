@@ -5,6 +5,7 @@ by everything that changes the binary."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,29 +96,53 @@ def ext_dir(tmp_path, monkeypatch):
     return tmp_path / "ext"
 
 
-def test_a_process_killed_mid_build_costs_the_next_one_nothing_but_the_build(ext_dir):
+def test_a_process_killed_mid_build_costs_the_next_one_nothing_but_the_build(ext_dir, tmp_path):
     """SIGKILL a process while its build runs: the builder (and its compilers) go with it, its lock
     with them; a second process that wants the kernel answers right within 60 s (the kernel or
     torch's op) and exits within 2 s of its last line though a build is under way."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir), "PYTHONPATH": str(REPO)}
     build_dir = ext_dir / cpu_prefix.EXTENSION.build_name
-    first = subprocess.Popen([sys.executable, "-c", WANTS_THE_KERNEL, "hold"], env=env, stdout=subprocess.PIPE,
-                             text=True)
+    # The first process's compiler: the real one for torch's checks, and for the compile a process
+    # that says it started (its pid, in a file) and runs until killed. "Mid-build" is then an
+    # event, not a guess at how long a compile takes on a loaded machine.
+    compiling = tmp_path / "compiling"
+    wrapper = tmp_path / "bin" / "c++"
+    wrapper.parent.mkdir()
+    wrapper.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        for arg in "$@"; do
+          if [ "$arg" = "-c" ]; then
+            echo $$ > {compiling}.tmp && mv {compiling}.tmp {compiling}
+            exec sleep 600
+          fi
+        done
+        exec {shutil.which("c++")} "$@"
+        """))
+    wrapper.chmod(0o755)
+    first = subprocess.Popen([sys.executable, "-c", WANTS_THE_KERNEL, "hold"], env={**env, "CXX": str(wrapper)},
+                             stdout=subprocess.PIPE, text=True)
     try:
         assert first.stdout.readline().strip() == "started"
         builder = _owner(build_dir, 60)
         assert _alive(builder)
-        deadline = time.monotonic() + 30
-        while len(_session(builder)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)                        # until ninja and the compiler run
-        assert len(_session(builder)) >= 2, "the build never started its compiler"
+        deadline = time.monotonic() + 120          # bounds a broken build only: the event ends the wait
+        while not compiling.exists():
+            assert time.monotonic() < deadline, "the build never started its compiler"
+            assert _alive(builder), "the builder ended before it compiled"
+            time.sleep(0.05)
+        compiler = int(compiling.read_text())
+        assert compiler in _session(builder)
     finally:
         first.kill()
         first.wait(10)
     deadline = time.monotonic() + 5
     while _session(builder) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _session(builder), f"the build outlived the process that started it: {_session(builder)}"
+    left = _session(builder)
+    for pid in left:                               # a failed run leaves nothing running either
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"the build outlived the process that started it: {left}"
+    assert not _alive(compiler)
     (build_dir / "lock").touch()                   # torch's lock, as a build killed midway leaves it
 
     def run(how: str) -> tuple[list[str], float]:

@@ -308,13 +308,21 @@ def test_a_client_that_goes_away_frees_the_session_at_once(server, client, recor
         assert gauge(recorder, "live_sessions_active") == 1
         live.ask(QUESTION, question_id="long", max_new_tokens=1500, ignore_eos=True)
         reader.until(lambda r: r.HasField("chunk"))
-        steps_at_cancel = server.service.engine.scheduler.stats["steps"]
-    # Leaving the block before the stream ended cancelled it: the session is released at the
-    # next step (counted in steps, not seconds: a loaded machine's steps are slower, not more).
+        scheduler = server.service.engine.scheduler
+        closing, seen = session.close, []
+
+        def close_seen():                          # the server has seen the client go
+            seen.append(scheduler.stats["steps"])
+            closing()
+        session.close = close_seen
+    # Leaving the block before the stream ended cancelled it: the session is released at the next
+    # step after the server sees the cancel (counted in steps from that event, not from the test's
+    # own read, and not in seconds: a loaded machine's steps are slower, not more).
     wait_released(server)
-    assert server.service.engine.scheduler.stats["steps"] - steps_at_cancel <= 2
+    assert seen, "the server never closed the session"
+    steps_at_cancel = seen[0]
+    assert scheduler.stats["steps"] - steps_at_cancel <= 2
     assert session.closed and session.kv_bytes == 0 and session.running_answers == 0
-    scheduler = server.service.engine.scheduler
     deadline = time.monotonic() + 10.0
     while scheduler.num_running:                          # the long answer was aborted
         assert time.monotonic() < deadline, "the answer kept running after the client left"
