@@ -348,3 +348,29 @@ def test_through_the_codec_an_objects_tokens_name_the_third_where_asks_about(pla
         if asked == 16:
             break
     assert asked == 16 and right >= 14, (right, asked)
+
+
+def test_the_named_tower_gives_each_palette_colour_its_own_code():
+    """vision_init="named": a square of one palette colour over two whole patches (one in each of
+    two tokens, in both frames of the pair) lights that colour's code in those tokens (half of a
+    token's most: 4 patches x 2 frames of bumps) and no other colour's; a blank frame lights none;
+    the place codes still read right."""
+    import torch
+
+    from sparrow.world.v2.render_v2 import background
+    from sparrow.world.v2.target_v2 import V2TargetConfig, new_v2_target
+    from sparrow.world.v2.tower_v2 import NAME_AMPLITUDE, NAME_OUT, NAME_SHARPNESS, _tokens, check_placed_tower
+
+    visual = new_v2_target(V2TargetConfig(vision_init="named")).hf.model.visual
+    full = 4 * NAME_AMPLITUDE * NAME_SHARPNESS
+    with torch.no_grad():
+        assert check_placed_tower(visual, 112)["place_error_max"] < 0.3
+        blank = _tokens(visual, torch.from_numpy(background(112).copy()))
+        assert blank[:, NAME_OUT:NAME_OUT + len(PALETTE)].abs().max() < 0.05 * full
+        for ci, rgb in enumerate(PALETTE.values()):
+            frame = background(112).copy()
+            frame[28:42, 42:70] = rgb                           # patches (2, 3) and (2, 4): tokens 5 and 6
+            names = _tokens(visual, torch.from_numpy(frame))[:, NAME_OUT:NAME_OUT + len(PALETTE)]
+            lit = names.max(0).values
+            assert lit[ci] > 0.4 * full, (ci, lit)
+            assert torch.cat([lit[:ci], lit[ci + 1:]]).abs().max() < 0.05 * full, (ci, lit)

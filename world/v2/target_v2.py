@@ -70,7 +70,7 @@ class V2TargetConfig(WorldTargetConfig):
 
 # Fields of WorldTargetConfig that v2 does not read (not offered on its command line).
 V2_UNUSED = ("frames", "sizes", "long_frames", "long_prob", "long_size", "max_turns", "warm_steps", "warm_kinds",
-             "short_only_kinds", "vision_lr_scale", "vision_init", "short_tokens")
+             "short_only_kinds", "vision_lr_scale", "short_tokens")
 
 V2_TARGET_HELP = {
     **WORLD_TARGET_HELP,
@@ -85,6 +85,8 @@ V2_TARGET_HELP = {
     "side": "frame side in px (a multiple of 28; 224 is the benchmark's)",
     "seconds": "pooled video lengths in seconds, comma-separated, in turn",
     "eval_videos": "test-split videos per periodic accuracy check (at 8 s and 30 s)",
+    "vision_init": "the tower: placed (each object patch's colour, change and place) or named (also one code "
+                   "per palette colour: world/v2/tower_v2.py)",
 }
 
 # Each stage is a command on the previous one's output (--init); its options over the config's.
@@ -100,8 +102,8 @@ def new_v2_target(c: V2TargetConfig) -> TargetModel:
     """A fresh v2 target: the world target's model with v2's tokenizer, c's time and the placed
     tower (its tokens carry an object's place: tower_v2.py), unless c asks for v1's."""
     target = new_world_target(c, tokenizer=v2_tokenizer())
-    if c.vision_init == "placed":
-        placed_vision_init(target.hf.model.visual)
+    if c.vision_init in ("placed", "named"):
+        placed_vision_init(target.hf.model.visual, named=c.vision_init == "named")
     return target
 
 

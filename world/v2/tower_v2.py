@@ -52,6 +52,13 @@ STEP = 10.0                    # the soft steps' height before scaling to 1 (see
 SIGMA = 1.0                    # patches: the width of the neighbourhood the background is read from
 EXCLUDE = 30.0                 # attention logit taken from a patch that holds any of an object (X = 1)
 GATE = 20.0                    # SiLU(GATE (P - 1/2)): ~GATE/2 on an object's patch, ~0 elsewhere
+# named (placed_vision_init(named=True)): block 2's MLP also writes each frame's |colour|^2 /
+# SQUARE_DIV (units SQUARE_UNITS on), and the merger turns each patch's colour in each frame into a
+# bump per palette colour c, GELU(NAME_SHARPNESS (1 - |colour - c|^2 / r_c^2)), summed over the token
+SQUARE, SQUARE_DIV, SQUARE_UNITS, SQUARE_BIAS = 13, 4.0, 2, 20.0   # SQUARE, SQUARE + 1: the two frames
+NAME_REACH = 0.45              # a colour's radius: this share of its distance to the nearest other or the background
+NAME_SHARPNESS = 2.0
+NAME_OUT, NAME_AMPLITUDE = 68, 0.5
 # the merger's codes per patch, and where they land in the language model's input
 CODES = 9                      # colour - local background (3), change (3), place x, y (2), presence (1)
 # per token (4 patches): colours 0-11, changes 12-23, places 24-31, presences 32-35, then the
@@ -74,9 +81,10 @@ def _rms_of_constant(dim: int) -> float:
 
 
 @torch.no_grad()
-def placed_vision_init(visual) -> None:
+def placed_vision_init(visual, named: bool = False) -> None:
     """Set Qwen2.5-VL's vision tower `visual` (depth 3, width 32, 2 heads, merge 2) as the module
-    docstring says."""
+    docstring says; named: each token also says which palette colours its patches show (one code
+    per colour, NAME_OUT on), as a pretrained tower's features name colours."""
     cfg = visual.config
     dim, heads = cfg.hidden_size, cfg.num_heads
     head_dim = dim // heads
@@ -149,6 +157,9 @@ def placed_vision_init(visual) -> None:
         up.bias[unit] = 2 * (b - BACKGROUND_BASE) / BACKGROUND_SPAN - 1
         down.weight[PLACE + unit, unit] = 2 / GATE
 
+    if named:
+        _square_colour(b2.mlp)
+
     # the merger: ln_q undoes the constant's scale; per patch q, CODES near-linear GELU rows
     merger = visual.merger
     merger.ln_q.weight.fill_(rms)
@@ -170,10 +181,60 @@ def placed_vision_init(visual) -> None:
         first.weight[row + 8, col + PRESENCE] = 0.25
         last.weight[PRESENCE_OUT + qi, row + 8] = PRESENCE_SCALE
     first.bias[:patches * CODES] = 1.5                     # x/4 + 1.5 keeps GELU near-linear
+    if named:
+        _name_colours(first, last, dim, patches)
     # centred on an empty token (the middle of a blank frame pair), then the marker
     empty = _tokens(visual, torch.from_numpy(background(112).copy()))
     last.bias.copy_(-empty[empty.shape[0] // 2 + 1])
     last.bias[MARKER_OUT:MARKER_OUT + MARKER_WIDTH] += 0.25
+
+
+def _square_colour(mlp) -> None:
+    """Block 2's MLP writes each frame's |colour|^2 / SQUARE_DIV (normalised units) to SQUARE and
+    SQUARE + 1: a frame's colour is COLOUR -/+ CHANGE / 2 (the pair's mean and difference), and per
+    channel two units, silu(B + x) x and silu(B) x, differ by x^2 (silu(z) = z at the large B)."""
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    for frame, sign in enumerate((-0.5, 0.5)):
+        for c in range(3):
+            product = SQUARE_UNITS + 6 * frame + 2 * c
+            linear = product + 1
+            for unit in (product, linear):
+                up.weight[unit, COLOUR + c], up.weight[unit, CHANGE + c] = 1.0, sign
+            gate.weight[product, COLOUR + c], gate.weight[product, CHANGE + c] = 1.0, sign
+            gate.bias[product] = gate.bias[linear] = SQUARE_BIAS
+            down.weight[SQUARE + frame, product], down.weight[SQUARE + frame, linear] = 1 / SQUARE_DIV, -1 / SQUARE_DIV
+
+
+def _name_colours(first, last, dim: int, patches: int) -> None:
+    """The merger's class rows: per patch, frame and palette colour c, GELU(a) with a =
+    NAME_SHARPNESS (1 - |x - c|^2 / r_c^2), linear in the frame's colour x and |x|^2 (|x - c|^2 =
+    |x|^2 - 2 c.x + |c|^2): a bump, NAME_SHARPNESS at c and 0 from r_c out, summed over the token's
+    patches and both frames into NAME_OUT + c."""
+    from sparrow.video.synthetic import PALETTE
+
+    rows = patches * CODES
+    if rows + 2 * patches * len(PALETTE) > first.out_features or NAME_OUT + len(PALETTE) > last.out_features:
+        raise ValueError("the merger or the language model is too narrow for the colour names")
+    scales = [_levels(c)[0] for c in range(3)]                     # pixel levels per normalised unit
+    s2 = sum(scale ** 2 for scale in scales) / 3
+    lit = [tuple(rgb) for rgb in background(112).reshape(-1, 3)[::7].tolist()]    # the background's colours
+    unit = rows
+    for ci, rgb in enumerate(PALETTE.values()):
+        radius = NAME_REACH * min(math.dist(rgb, other) for other in (*PALETTE.values(), *lit) if other != rgb)
+        centre = [(rgb[c] - _levels(c)[1]) / scales[c] for c in range(3)]    # c in normalised units
+        # the distance is taken in normalised units and the radius brought to them by the channels'
+        # mean scale (the three are within 5% of each other)
+        k = NAME_SHARPNESS / radius ** 2 * s2
+        for qi in range(patches):
+            col = qi * dim
+            for frame, sign in enumerate((-0.5, 0.5)):
+                for c in range(3):
+                    first.weight[unit, col + COLOUR + c] = 2 * k * centre[c]
+                    first.weight[unit, col + CHANGE + c] = 2 * k * centre[c] * sign
+                first.weight[unit, col + SQUARE + frame] = -k * SQUARE_DIV
+                first.bias[unit] = NAME_SHARPNESS - k * sum(v * v for v in centre)
+                last.weight[NAME_OUT + ci, unit] = NAME_AMPLITUDE
+                unit += 1
 
 
 def _tokens(visual, frame: torch.Tensor) -> torch.Tensor:
