@@ -26,6 +26,14 @@ background around it:
   change between the two frames, the gated place and P; centred so that an empty token is the
   marker alone, as v1's tower gives.
 
+Named (`placed_vision_init(visual, named=True)`, the target's `vision_init="named"`): as a
+pretrained tower's features name colours, each token also carries one code per palette colour,
+the sum over its patches and both frames of a bump GELU(s (1 - |x - c|^2 / r_c^2)) of the frame's
+patch colour x around the colour c (r_c: 0.45 of c's distance to the nearest other palette or
+background colour). |x|^2 comes from block 2's MLP (products of its gated units); the rest is
+linear in the merger's input. A patch an object only partly covers mixes in the background and
+lights nothing: at 112 px a small object may light no code in a frame.
+
 Every weight is set here; nothing is trained. `check_placed_tower` measures what it gives.
 """
 
