@@ -69,6 +69,9 @@ def test_result_structure_and_identity(models_dir):
     assert "| 0 | 36 | gRPC | Sparrow | 2 |" in text and "load average (1/5/15 min) before" in text
     assert "**T = 0, gRPC.**" in text                            # the methods side by side
     assert any("prefill scenario, sparrow" in line for line in lines)
+    # the length's shapes met once, untimed, before its first rep (not among the runs above)
+    assert sum("warm round at 36 visual tokens" in line for line in lines) == 1
+    assert "the whole configuration once, untimed" in text
 
 
 def _corrupt_concurrent(monkeypatch):
@@ -131,7 +134,8 @@ def test_baselines_at_two_temperatures_from_one_shared_prefill(models_dir, monke
     result = cb.run_benchmark(cfg, log=lambda _: None)
 
     assert result["identical"], cb.mismatch_lines(result["mismatches"])
-    assert shared == [["eagle", "plain", "sparrow-tree"]] * cfg.videos_per_rep    # one prefill a video, SpecVLM apart
+    # one prefill a video, SpecVLM apart: the rep's videos and the warm round's (one a stream)
+    assert shared == [["eagle", "plain", "sparrow-tree"]] * (cfg.streams[-1] + cfg.videos_per_rep)
     cells = {(r["temperature"], r["method"], r["streams"]): r for r in result["summary"]}
     assert set(cells) == {(t, m, n) for t in (0.0, 1.0) for m in methods for n in (1, 2)}
     for (t, m, n), row in cells.items():

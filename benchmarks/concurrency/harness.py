@@ -66,6 +66,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -145,6 +146,8 @@ def run_length(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clien
     cache_prefills(videos, engines if "in-process" in cfg.paths else {}, clients, f"r{rep}l{li}", shared, target)
     n_vis = videos[0].visual_tokens
     log(f"rep {rep}: {len(videos)} videos of {side}px x {frames} frames = {n_vis} visual tokens, prefills cached")
+    if rep == 0 and cfg.warm_lengths:
+        warm_round(cfg, target, engines, clients, li, log, shared)
     runs, outputs = [], {}
     for method in cfg.methods[rep % len(cfg.methods):] + cfg.methods[:rep % len(cfg.methods)]:
         for path in cfg.paths:
@@ -168,6 +171,22 @@ def run_length(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clien
     if li == 0 and cfg.prefill_video and rep < cfg.prefill_reps and "in-process" in cfg.paths:
         scenario = prefill_scenario(target, engines, videos[:cfg.prefill_streams], cfg, rep, log)
     return {"runs": runs, "mismatches": mismatches, "prefill_scenario": scenario}
+
+
+def warm_round(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clients: dict[str, SparrowClient],
+               li: int, log: Callable[[str], None], shared: PrefixCache | None = None) -> None:
+    """Every method, path and stream count once on fresh videos of length li (seeds no rep uses),
+    untimed and unchecked: the shapes a length brings (attention over its keys at each batch) are
+    timed by the path tuner and fitted by the policy here, not inside rep 0's timed runs."""
+    side, frames = cfg.lengths[li]
+    videos = make_videos(target, side, frames, cfg.streams[-1], cfg.seed + 10_000 * cfg.reps + 1000 * li + 500)
+    cache_prefills(videos, engines if "in-process" in cfg.paths else {}, clients, f"w{li}", shared, target)
+    t0 = time.perf_counter()
+    for method in cfg.methods:
+        for path in cfg.paths:
+            run_configuration(_calls(path, engines[method], clients.get(method), videos, cfg.tokens, method,
+                                     cfg.temperatures[0], cfg.seed, not cfg.stop_at_eos), cfg.streams)
+    log(f"warm round at {videos[0].visual_tokens} visual tokens: {time.perf_counter() - t0:.1f} s, untimed")
 
 
 def _calls(path: str, engine: Engine, client: SparrowClient | None, videos: list[Video], tokens: int, method: str,
@@ -240,7 +259,7 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
         streams=_ints(args.streams) if args.streams else (1, 2) if tiny else (1, 2, 4, 8) if quick else defaults.streams,
         tokens=args.tokens or (8 if tiny else 32 if quick else defaults.tokens), reps=reps,
         temperatures=tuple(float(x) for x in args.temperatures.split(",")), share_prefill=args.share_prefill,
-        stop_at_eos=args.stop_at_eos, target_step=args.target_step,
+        stop_at_eos=args.stop_at_eos, target_step=args.target_step, warm_lengths=not args.no_warm_lengths,
         methods=_names(args.methods), paths=_names(args.paths), k=args.k, seed=args.seed,
         tree=tuple(int(x) for x in args.tree.split(",")),
         prefill_video=prefill, prefill_streams=args.prefill_streams or (2 if tiny else defaults.prefill_streams),
@@ -283,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-at-eos", action="store_true",
                     help="a stream ends at its answer's end (or --tokens), as a user's does; default: every stream "
                          "runs --tokens, past the answer's end")
+    ap.add_argument("--no-warm-lengths", action="store_true",
+                    help="no untimed round of the whole configuration before each length's first rep")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="torch intra-op threads (default: every core, as a server would run)")
     ap.add_argument("--target-step", choices=("eager", "compiled"), default="eager",

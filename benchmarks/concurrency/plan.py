@@ -28,6 +28,9 @@ class ConcurrencyConfig:
     tree: tuple[int, int, int] = (2, 2, 12)      # sparrow-tree: width, branch, node budget
     seed: int = SEED
     warmup_tokens: int = 8                               # one untimed request per method and path first
+    # Before each length's first rep, the whole configuration once, untimed, on videos of its own:
+    # a server in service has met its shapes (the path tuner's timings, the policy's cost fits)
+    warm_lengths: bool = True
     prefill_video: tuple[int, int] | None = LADDER[-1]   # 25,056 tokens; None: no prefill scenario
     prefill_streams: int = 8
     prefill_reps: int = 5

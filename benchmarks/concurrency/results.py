@@ -81,7 +81,8 @@ def report(result: dict) -> str:
              f"{'x'.join(map(str, cfg['tree'][:2]))}, at most {cfg['tree'][2]} nodes. "
              f"{per_stream}, T = {temps} (T > 0: request i seeded), caption "
              f"prompts; {_reps(result)}, each with fresh world videos, one per stream (seeds from {cfg['seed']}); "
-             f"prefills cached before timing{' (one shared prefill per video in-process)' if cfg.get('share_prefill') else ''}. "
+             f"prefills cached before timing{' (one shared prefill per video in-process)' if cfg.get('share_prefill') else ''}"
+             f"{'; before each length, the whole configuration once, untimed, on videos of its own' if cfg.get('warm_lengths') else ''}. "
              "Cells: median (min-max) over reps. One at a time: the same requests one after another. ITL: the gap "
              "between two chunks of a stream (a speculative chunk holds tau tokens on average).", ""]
     ident = ("every output (every method and path, one at a time and concurrent) equals plain decoding's "
