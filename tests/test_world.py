@@ -165,7 +165,10 @@ def test_demo_streams_lossless_answers_with_real_acceptance(world_pair):
     from sparrow.world.pair_demo import run_world_demo
 
     lines = []
-    report = run_world_demo(seed=2 * 10**9 + 11, print_fn=lambda *a, **kw: lines.append(" ".join(map(str, a))))
+    # k fixed: the adaptive policy drafts less on a loaded machine (it measures), and this asserts
+    # acceptance, which must not depend on what else the machine runs
+    report = run_world_demo(seed=2 * 10**9 + 11, print_fn=lambda *a, **kw: lines.append(" ".join(map(str, a))),
+                            adaptive_k=False)
     caption, *asks = report["results"]
     assert all(r["lossless"] for r in report["results"])
     assert caption["tau"] > 1.5 and caption["decode_speedup"] is not None and caption["decode_speedup"] > 0

@@ -40,14 +40,16 @@ def check_world_video(frames: int, size: int, max_visual_tokens: int) -> int:
 
 def run_world_demo(seed: int | None = None, models: str | Path = DEFAULT_MODELS, k: int = 4,
                    num_frames: int = 8, print_fn=print, dtype: str = "float32", device: str = "cpu",
-                   size: int = 84, max_new_tokens: int = 96, threads: int = 1) -> dict:
+                   size: int = 84, max_new_tokens: int = 96, threads: int = 1, adaptive_k: bool = True) -> dict:
+    """Stream answers about a fresh world video with Sparrow beside plain decoding; adaptive_k:
+    False drafts k every step (tau then depends on the tokens alone, not on this machine's timings)."""
     check_world_video(num_frames, size, LONGEST_VIDEO_TOKENS)
     models = Path(models)
     torch.set_num_threads(threads)      # a tiny model: a second thread costs more in sync than it gives
     seed = random.SystemRandom().randrange(10**6, 10**9) if seed is None else seed
     target = TargetModel.from_pretrained(models / "target", dtype=dtype, device=device)
     draft = SparrowDraft.from_pretrained(models / "draft", target)        # on the target's device, in its dtype
-    spec = SpecConfig.as_trained(draft.trained_with, k)
+    spec = SpecConfig.as_trained(draft.trained_with, k, adaptive_k=adaptive_k)
     fast, plain = Engine(target, draft, spec), Engine(target, spec=SpecConfig(method="none"))
     world = WorldVideo(num_frames=num_frames, size=size)
     with tempfile.TemporaryDirectory() as tmp:
