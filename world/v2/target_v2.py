@@ -100,7 +100,8 @@ STAGES_V2: dict[str, dict] = {
 
 def new_v2_target(c: V2TargetConfig) -> TargetModel:
     """A fresh v2 target: the world target's model with v2's tokenizer, c's time and the placed
-    tower (its tokens carry an object's place: tower_v2.py), unless c asks for v1's."""
+    tower (its tokens carry an object's place: tower_v2.py; "named": also a code per palette
+    colour), unless c asks for v1's."""
     target = new_world_target(c, tokenizer=v2_tokenizer())
     if c.vision_init in ("placed", "named"):
         placed_vision_init(target.hf.model.visual, named=c.vision_init == "named")
