@@ -135,6 +135,22 @@ def askable_objects(scene: Scene) -> dict[str, int]:
     return {k: next(iter(v)) for k, v in owners.items() if len(v) == 1}
 
 
+def named_object(scene: Scene, question: str) -> int | None:
+    """The object a question names: by a colour and shape only it ever has (askable_objects),
+    else by a colour only it ever has ("what shape is the red object ?"); None if it names none."""
+    padded = f" {question} "
+    names = askable_objects(scene)
+    found = [name for name in names if f" {name} " in padded]
+    if found:
+        return names[max(found, key=len)]
+    owners: dict[str, set[int]] = {}
+    for o in scene.objects:
+        for _, colour in o.colours:
+            owners.setdefault(colour, set()).add(o.ident)
+    once = [colour for colour, who in owners.items() if len(who) == 1 and f" {colour} " in padded]
+    return next(iter(owners[once[0]])) if len(once) == 1 else None
+
+
 def story(scene: Scene, ident: int) -> str:
     """Every narrated event about one object, with times."""
     o = scene.obj(ident)

@@ -31,8 +31,10 @@ import torch
 from sparrow.models.target import TargetModel
 from sparrow.video import load_frames
 
-from sparrow.world.target_data import PooledVideo, Stage, length_groups, pool_batch, pooled_loss
+from sparrow.world.target_data import (PooledVideo, Stage, answer_loss, length_groups, pool_batch, pooled_logits,
+                                       pooled_loss)
 from sparrow.world.target_model import WORLD_TARGET_HELP, WorldTargetConfig, new_world_target
+from sparrow.world.v2.attend_v2 import attention_loss, attention_of, chat_cells
 from sparrow.world.v2.questions_v2 import QUESTION_KINDS_V2, ask
 from sparrow.world.v2.render_v2 import BACKGROUND_BASE, BACKGROUND_SPAN, FPS, make_video
 from sparrow.world.v2.scenes_v2 import Scene, make_scene
@@ -66,6 +68,10 @@ class V2TargetConfig(WorldTargetConfig):
     eval_videos: int = 4                         # test-split videos per periodic check (8 s and 30 s each)
     save_every: int = 100
     log_every: int = 25
+    # The attention objective (world/v2/attend_v2.py): weight 0 is off
+    attend_weight: float = 0.0
+    attend_layer: int = 2
+    attend_heads: tuple[int, ...] = (0,)
 
 
 # Fields of WorldTargetConfig that v2 does not read (not offered on its command line).
@@ -85,6 +91,10 @@ V2_TARGET_HELP = {
     "side": "frame side in px (a multiple of 28; 224 is the benchmark's)",
     "seconds": "pooled video lengths in seconds, comma-separated, in turn",
     "eval_videos": "test-split videos per periodic accuracy check (at 8 s and 30 s)",
+    "attend_weight": "weight of the attention objective: one head, at an answer about one object, asked to look at "
+                     "that object's visual tokens (world/v2/attend_v2.py; 0: off)",
+    "attend_layer": "the language-model layer whose head the attention objective trains",
+    "attend_heads": "that layer's heads it trains, comma-separated",
     "vision_init": "the tower: placed (each object patch's colour, change and place) or named (also one code "
                    "per palette colour: world/v2/tower_v2.py)",
 }
@@ -154,16 +164,19 @@ def scene_pool(target: TargetModel, c: V2TargetConfig, log: Callable[[str], None
 
 
 # ----- chats ----------------------------------------------------------------------------------------
-def chat_about(scene: Scene, kinds: tuple[str, ...], narration_prob: float, rng: random.Random) -> tuple[str, str]:
-    """One training question and its answer: the narration with probability narration_prob,
-    else a kind drawn from `kinds` (another when the scene has nothing of that kind to ask)."""
+def chat_about(scene: Scene, kinds: tuple[str, ...], narration_prob: float,
+               rng: random.Random) -> tuple[str, str, str]:
+    """One training question: (its kind, the question, its answer); the narration with
+    probability narration_prob, else a kind drawn from `kinds` (another when the scene has
+    nothing of that kind to ask)."""
     if narration_prob and rng.random() < narration_prob:
-        return ask(scene, "narrate", rng)
+        return ("narrate", *ask(scene, "narrate", rng))
     for _ in range(8):
-        qa = ask(scene, rng.choice(kinds), rng)
+        kind = rng.choice(kinds)
+        qa = ask(scene, kind, rng)
         if qa is not None:
-            return qa
-    return ask(scene, FALLBACK_KIND, rng)
+            return (kind, *qa)
+    return (FALLBACK_KIND, *ask(scene, FALLBACK_KIND, rng))
 
 
 class V2Data:
@@ -203,9 +216,18 @@ class V2Data:
         kinds = stage.kinds if focus else c.kinds
         narration = 0.0 if focus else c.caption_prob if stage.start == 0 or c.stage_caption_prob is None \
             else c.stage_caption_prob
-        chats = [[chat_about(v.scene, kinds, narration, rng)] for v in videos]
+        asked = [chat_about(v.scene, kinds, narration, rng) for v in videos]
+        chats = [[(q, a)] for _, q, a in asked]
         # answers where the engine decodes them: past the video's last temporal position
-        return pooled_loss(target, videos, chats, c.loss_weighting, decode=True)
+        if not c.attend_weight:
+            return pooled_loss(target, videos, chats, c.loss_weighting, decode=True)
+        with attention_of(target, c.attend_layer) as seen:
+            logits, ids, pick = pooled_logits(target, videos, chats, decode=True)
+        loss = answer_loss(logits, ids, pick, c.loss_weighting)
+        cells = [chat_cells(v.scene, kind, q, tuple(v.model_kwargs["video_grid_thw"][0].tolist()))
+                 for v, (kind, q, _) in zip(videos, asked)]
+        attend = attention_loss(seen["weights"], ids, pick, target.video_token_id, cells, c.attend_heads)
+        return loss if attend is None else loss + c.attend_weight * attend
 
     def heldout(self, target: TargetModel) -> dict:
         from sparrow.world.v2.eval_v2 import v2_accuracy

@@ -1,0 +1,102 @@
+"""The v2 target's attention objective: at the positions that predict an answer about one object,
+one attention head is asked to put its weight on the visual tokens that hold that object.
+
+Why: trained on answers alone, the target does not learn to pick one object out among several by
+its colour (MODEL_CARD, "Why stage 1 plateaued": several-object "where" stays at 0.38 with 24,000
+scenes and 27,000 steps; 42 of 126 wrong answers are another object's place). Its tokens carry the
+object (the placed tower), and given the object's tokens a model reads their place; what it does
+not find is the selection. This term supervises the selection directly, in one head of one layer:
+-log(the attention mass on the named object's tokens), averaged over the answer's positions. The
+rest of the model, and inference, are unchanged: a plain Qwen2.5-VL whose head learned where to
+look. `V2TargetConfig.attend_weight` (0: off) weighs it against the answers' cross-entropy.
+
+Which tokens hold the object: the merged 2x2-patch cells its box overlaps in a frame of the
+cell's temporal patch (two frames) - at the start for "where", at the end for "colour_end", and
+wherever it is for the other kinds that name one object (size, shape, direction, story).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from sparrow.models.target import TargetModel
+from sparrow.world.v2.questions_v2 import named_object
+from sparrow.world.v2.render_v2 import FPS
+from sparrow.world.v2.scenes_v2 import Scene
+
+# Question kinds about one object, and the object's frames each reads: "start", "end" or "all".
+ATTEND_KINDS = {"where": "start", "colour_end": "end", "size": "all", "shape": "all", "direction": "all",
+                "story": "all"}
+OVERLAP = 0.02       # frame units (2 px at 112 px) a box must reach into a cell, across and down, to hold it
+
+
+def object_cells(scene: Scene, ident: int, grid_thw: tuple[int, int, int], when: str, merge: int = 2) -> list[int]:
+    """Indices among a video's visual tokens (temporal patch, row, column order, the merger's)
+    of the cells object `ident` covers: in the first temporal patch ("start"), its last one that
+    shows the object ("end"), or every one ("all"). grid_thw: the video's patch grid."""
+    t_patches, rows, cols = grid_thw[0], grid_thw[1] // merge, grid_thw[2] // merge
+    o = scene.obj(ident)
+    hx, hy = o.half
+    per_slice: dict[int, set[int]] = {}
+    for t in range(t_patches):
+        for frame in (2 * t, 2 * t + 1):                 # a temporal patch is two frames
+            seconds = frame / FPS
+            if not o.present(seconds) or seconds >= scene.seconds:
+                continue
+            cx, cy = o.centre(seconds)
+            for i in range(rows):
+                across_y = min(cy + hy, (i + 1) / rows) - max(cy - hy, i / rows)
+                for j in range(cols):
+                    across_x = min(cx + hx, (j + 1) / cols) - max(cx - hx, j / cols)
+                    if across_x > OVERLAP and across_y > OVERLAP:
+                        per_slice.setdefault(t, set()).add(t * rows * cols + i * cols + j)
+    if not per_slice:
+        return []
+    slices = {"start": [0] if 0 in per_slice else [], "end": [max(per_slice)], "all": sorted(per_slice)}[when]
+    return sorted(cell for t in slices for cell in per_slice[t])
+
+
+def chat_cells(scene: Scene, kind: str, question: str, grid_thw: tuple[int, int, int]) -> list[int]:
+    """The cells a chat's answer should look at: its named object's (ATTEND_KINDS), else none."""
+    if kind not in ATTEND_KINDS:
+        return []
+    ident = named_object(scene, question)
+    return [] if ident is None else object_cells(scene, ident, grid_thw, ATTEND_KINDS[kind])
+
+
+@contextlib.contextmanager
+def attention_of(target: TargetModel, layer: int) -> Iterator[dict]:
+    """While open, the language model runs eager attention and layer `layer`'s attention
+    weights (B, heads, T, T) of the last forward land in the yielded dict's "weights"."""
+    lm = target.hf.model.language_model
+    if not 0 <= layer < len(lm.layers):
+        raise ValueError(f"attend_layer {layer}: the language model has {len(lm.layers)} layers")
+    box: dict = {}
+    before = lm.config._attn_implementation
+    lm.config._attn_implementation = "eager"            # the one path that returns its weights
+    handle = lm.layers[layer].self_attn.register_forward_hook(lambda _m, _i, out: box.__setitem__("weights", out[1]))
+    try:
+        yield box
+    finally:
+        handle.remove()
+        lm.config._attn_implementation = before
+
+
+def attention_loss(weights: torch.Tensor, ids: torch.Tensor, pick: torch.Tensor, video_token_id: int,
+                   cells: list[list[int]], heads: tuple[int, ...]) -> torch.Tensor | None:
+    """Mean over the chats with cells of -log(the attention mass `heads` put on the chat's cells),
+    averaged over its heads and the positions that predict its answer (pick: (B, T-1), token
+    t+1 predicted at position t). None when no chat has cells."""
+    terms = []
+    for b, chat in enumerate(cells):
+        if not chat:
+            continue
+        visual = (ids[b] == video_token_id).nonzero()[:, 0]
+        keys = visual[torch.tensor(chat, device=visual.device)]
+        rows = pick[b].nonzero()[:, 0]
+        mass = weights[b, list(heads)][:, rows][:, :, keys].sum(-1)        # (heads, answer positions)
+        terms.append(-(mass.float() + 1e-6).log().mean())
+    return torch.stack(terms).mean() if terms else None
