@@ -39,13 +39,39 @@ METHODS = {m.name: m for m in (
     Method("sparrow-text", "Sparrow, text only"),            # glimpse 0: the window and anchors alone
     Method("sparrow-tree", "Sparrow tree"),
     Method("sparrow-tree-auto", "Sparrow tree, cut by cost"),   # opt-in: SpecConfig.adaptive_tree
-    Method("sparrow-fixed", "Sparrow, fixed k"),             # k every step (adaptive_k=False); opt-in
     Method("sparrow-compiled", "Sparrow, compiled draft"),   # the default engine, draft_step="compiled"
     Method("ablation-none", "none", ablation=True),
     Method("ablation-window", "window", ablation=True),
     Method("ablation-mtp", "mtp", ablation=True),
     Method("ablation-bridge", "bridge", ablation=True),
 )}
+# Every drafting method runs under a policy: "adaptive" (the engine's default: each request's k
+# chosen per step from measured acceptance and costs, SpecConfig.adaptive_k) or "fixed" (k drafts
+# every step). A run's method key names both: "specvlm" is adaptive, "specvlm@fixed" fixed k.
+POLICIES = ("adaptive", "fixed")
+FIXED = "@fixed"
+
+
+def method_of(key: str) -> Method:
+    """The method a run's key ("sparrow", "sparrow@fixed") runs."""
+    return METHODS[key.removesuffix(FIXED)]
+
+
+def is_adaptive(key: str) -> bool:
+    return not key.endswith(FIXED)
+
+
+def method_label(key: str) -> str:
+    """A key's column header: the method's label, ", fixed k" under the fixed policy."""
+    return method_of(key).label + ("" if is_adaptive(key) else ", fixed k")
+
+
+def method_keys(methods: tuple[str, ...], policies: tuple[str, ...]) -> tuple[str, ...]:
+    """Each method under each policy (plain, which drafts nothing, once), methods first."""
+    return tuple(m if m == "plain" or p == "adaptive" else m + FIXED
+                 for m in methods for p in (policies if m != "plain" else policies[:1]))
+
+
 # Ablation draft -> the context it attends to: "none" and "bridging without window" attend to
 # every token (full attention); "window" and "window + MTP" use the text-anchored window.
 ABLATIONS = {"none": "all", "window": "text", "mtp": "text", "bridge": "all"}
@@ -63,7 +89,8 @@ class BenchConfig:
     window: int = 16   # the world drafts are trained with window 16, anchors 32 (world/draft_data.py)
     anchors: int = 32
     tree: tuple[int, int, int] = (4, 2, 16)   # sparrow-tree: width, branch, node budget (depth: k)
-    methods: tuple[str, ...] = tuple(m for m in METHODS if m not in ("sparrow-fixed", "sparrow-tree-auto", "sparrow-text"))
+    methods: tuple[str, ...] = tuple(m for m in METHODS if m not in ("sparrow-tree-auto", "sparrow-text"))
+    policies: tuple[str, ...] = POLICIES   # each drafting method under each (method_keys); both reported
     seed: int = BENCH_SEED
     warmup_tokens: int = 8           # one untimed request per method first (0: none)
     target_step: str = "eager"       # TargetModel.target_step; "compiled": every bucket built before timing
@@ -74,8 +101,16 @@ class BenchConfig:
             raise ValueError(f"unknown methods {unknown}; known: {list(METHODS)}")
         if "plain" not in self.methods:
             raise ValueError("plain is the reference of every ratio: include it in methods")
+        if not self.policies or set(self.policies) - set(POLICIES) or len(set(self.policies)) < len(self.policies):
+            raise ValueError(f"policies: one or both of {POLICIES}, got {self.policies}")
         if self.reps < 1 or self.max_new_tokens < 2:
             raise ValueError("need reps >= 1 and max_new_tokens >= 2")
+
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The runs' method keys: each method under each policy."""
+        return method_keys(self.methods, self.policies)
 
 
 class Skip(Exception):
@@ -120,20 +155,21 @@ class Models:
 SERVED = EngineConfig(kv_prefault=True)
 
 
-def _spec(cfg: BenchConfig, **kw) -> SpecConfig:
-    """The baselines, trees and ablations draft k tokens every step (adaptive_k=False), as
-    measured before k became adaptive by default; "sparrow" is the default engine."""
-    return SpecConfig(**{"num_draft_tokens": cfg.k, "window": cfg.window, "anchors": cfg.anchors, "adaptive_k": False, **kw})
+def _spec(cfg: BenchConfig, adaptive: bool, **kw) -> SpecConfig:
+    """k, the window and anchors of the run, under its policy (adaptive_k: k chosen per step)."""
+    return SpecConfig(**{"num_draft_tokens": cfg.k, "window": cfg.window, "anchors": cfg.anchors, "adaptive_k": adaptive,
+                         **kw})
 
 
-def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache, keyed_videos: int = 0,
+def build_engine(key: str, models: Models, cfg: BenchConfig, cache: PrefixCache, keyed_videos: int = 0,
                  config: EngineConfig | None = None) -> Engine:
-    """The engine of one method, sharing `cache` (the videos' prefixes) with all the others.
+    """The engine of one method under its policy (key: "eagle", "eagle@fixed", ...), sharing
+    `cache` (the videos' prefixes) with all the others.
     keyed_videos (SpecVLM only): 0, no prefix cache (its whole prefill is timed, as here); > 0,
     answers from `cache` and keeps that many videos' small-VLM visual tokens for its hits (the
     serving case: the concurrency benchmark). config: the engine's (a served benchmark passes
     SERVED, what `sparrow serve` runs)."""
-    target = models.target
+    target, name, adaptive = models.target, method_of(key).name, is_adaptive(key)
     if name == "plain":
         return Engine(target, spec=SpecConfig(method="none"), prefix_cache=cache, config=config)
     if name.startswith("sparrow"):
@@ -141,21 +177,19 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
         glimpse = draft.trained_with.get("glimpse", 0)       # the Sparrow methods run the draft's own glimpse
         if name in ("sparrow", "sparrow-compiled"):
             step = "compiled" if name == "sparrow-compiled" else "static"
-            spec = _spec(cfg, glimpse=glimpse, adaptive_k=True, draft_step=step)
+            spec = _spec(cfg, adaptive, glimpse=glimpse, draft_step=step)
         elif name in ("sparrow-tree", "sparrow-tree-auto"):
             width, branch, budget = cfg.tree
-            spec = _spec(cfg, glimpse=glimpse, tree_width=width, tree_branch=branch, tree_budget=budget,
+            spec = _spec(cfg, adaptive, glimpse=glimpse, tree_width=width, tree_branch=branch, tree_budget=budget,
                          adaptive_tree=name == "sparrow-tree-auto")
-        elif name == "sparrow-fixed":
-            spec = _spec(cfg, glimpse=glimpse)
         else:
-            spec = _spec(cfg, glimpse=cfg.glimpse if name == "sparrow-glimpse" else 0)
+            spec = _spec(cfg, adaptive, glimpse=cfg.glimpse if name == "sparrow-glimpse" else 0)
         return Engine(target, draft, spec, prefix_cache=cache, config=config)
     if name == "eagle":
-        return Engine(target, models.draft("bench/draft-eagle"), _spec(cfg, draft_context="all"), prefix_cache=cache, config=config)
+        return Engine(target, models.draft("bench/draft-eagle"), _spec(cfg, adaptive, draft_context="all"), prefix_cache=cache, config=config)
     if name == "specvlm-eagle":
         return Engine(target, models.draft("bench/draft-eagle"),
-                      _spec(cfg, draft_context="pruned", prune_keep=0.1), prefix_cache=cache, config=config)
+                      _spec(cfg, adaptive, draft_context="pruned", prune_keep=0.1), prefix_cache=cache, config=config)
     if name == "specvlm":
         from sparrow.speculative.specvlm import SpecVLMProposer
 
@@ -163,11 +197,11 @@ def build_engine(name: str, models: Models, cfg: BenchConfig, cache: PrefixCache
         # needs the small VLM's visual tokens kept from the video's first request (keyed_videos).
         proposer = SpecVLMProposer(target, models.small_target(), keep_ratio=0.1, mass=0.5,
                                    video_cache_entries=keyed_videos)
-        return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=cfg.k, adaptive_k=False), proposer=proposer,
+        return Engine(target, spec=SpecConfig(method="specvlm", num_draft_tokens=cfg.k, adaptive_k=adaptive), proposer=proposer,
                       prefix_cache=cache if keyed_videos else None, config=config)
     if name.startswith("ablation-"):
         kind = name.removeprefix("ablation-")
-        return Engine(target, models.draft(f"bench/ablation/{kind}"), _spec(cfg, draft_context=ABLATIONS[kind]),
+        return Engine(target, models.draft(f"bench/ablation/{kind}"), _spec(cfg, adaptive, draft_context=ABLATIONS[kind]),
                       prefix_cache=cache, config=config)
     raise ValueError(name)
 

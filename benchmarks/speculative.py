@@ -50,8 +50,8 @@ from typing import Callable  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.bench_args import parse_videos, run_timed  # noqa: E402
-from benchmarks.engines import (BENCH_SEED, METHODS, QUICK_LADDER, BenchConfig, Models, Skip,  # noqa: E402
-                               build_engine, compile_target_steps)
+from benchmarks.engines import (BENCH_SEED, METHODS, POLICIES, QUICK_LADDER, BenchConfig, Models, Skip,  # noqa: E402
+                               build_engine, compile_target_steps, is_adaptive, method_of)
 from benchmarks.identity import first_difference  # noqa: E402
 from benchmarks.machine import describe_target, machine  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
@@ -89,7 +89,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     target = models.target
     cache = PrefixCache(max_bytes=64 << 30, max_entries=64)
     engines, skipped = {}, {}
-    for name in cfg.methods:
+    for name in cfg.keys:
         try:
             engines[name] = build_engine(name, models, cfg, cache)
         except Skip as e:
@@ -108,7 +108,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
             videos.append(video["video"])
             runs += video["runs"]
             mismatches += video["mismatches"]
-    summary = summarize(runs)
+    summary = summarize(runs, cfg.k)
     for line in _mismatch_lines(mismatches):
         log(line)
     return {"config": dataclasses.asdict(cfg), "machine": machine(), "target": describe_target(target),
@@ -141,7 +141,7 @@ def run_video(cfg: BenchConfig, target: TargetModel, engines: dict[str, Engine],
                                   seed=cfg.seed + 7919 * rep + vi)
         cell = {}
         for name, engine in engines.items():
-            if METHODS[name].ablation and (temp != 0.0 or (side, frames) not in _ends(cfg.videos)):
+            if method_of(name).ablation and (temp != 0.0 or (side, frames) not in _ends(cfg.videos)):
                 continue
             out = run_one(engine, prompt, sampling, keys.get(name), processed)
             r = _record(out, engine)
@@ -188,15 +188,32 @@ def _mismatch_lines(mismatches: list[dict]) -> list[str]:
 
 
 # ----- summaries ------------------------------------------------------------------------------------
-def summarize(runs: list[dict]) -> list[dict]:
-    """Per (temperature, visual tokens, method): medians over reps of the timings, pooled
-    acceptance counts, and ratios against plain of the same cell (ratio of medians)."""
+def answer_tau(metrics: list[dict]) -> float:
+    """Tokens a decode step over the answers, pooled: each answer's tokens after the prefill's
+    first over its steps (1.0 for plain decoding); at most tau_ceiling."""
+    steps = sum(m["steps"] for m in metrics)
+    return sum(m["completion_tokens"] - 1 for m in metrics) / steps if steps else 0.0
+
+
+def tau_ceiling(answer_tokens: list[int], k: int) -> float:
+    """The most tau a step of k drafts allows for these answers: after the prefill's first token,
+    each answer's other n - 1 come at most k + 1 a step, so in no fewer than ceil((n - 1) / (k + 1))
+    steps (pooled as tau is: tokens over steps). Short answers cap tau below k + 1."""
+    steps = sum(-(-(n - 1) // (k + 1)) for n in answer_tokens if n > 1)
+    return sum(n - 1 for n in answer_tokens if n > 1) / steps if steps else 0.0
+
+
+def summarize(runs: list[dict], k: int) -> list[dict]:
+    """Per (temperature, visual tokens, method key): medians over reps of the timings, pooled
+    acceptance counts, tau's ceiling for the answers' lengths, and ratios against plain of the
+    same cell (ratio of medians)."""
     cells: dict[tuple, list[dict]] = {}
     for r in runs:
         cells.setdefault((r["temperature"], r["visual_tokens"], r["method"]), []).append(r)
     rows = []
     order = list(METHODS)
-    for (temp, n_vis, method), rs in sorted(cells.items(), key=lambda kv: (kv[0][:2], order.index(kv[0][2]))):
+    for (temp, n_vis, method), rs in sorted(cells.items(), key=lambda kv: (kv[0][:2], order.index(method_of(kv[0][2]).name),
+                                                                           not is_adaptive(kv[0][2]))):
         ms = [r["metrics"] for r in rs]
         steps = sum(m["steps"] for m in ms)
         accepted = sum(m["accepted_tokens"] for m in ms)
@@ -206,10 +223,14 @@ def summarize(runs: list[dict]) -> list[dict]:
         mem = [r["draft_kv_bytes"] for r in rs if r["draft_kv_bytes"] is not None]
         rows.append({
             "temperature": temp, "visual_tokens": n_vis, "method": method, "reps": len(rs),
+            "tau_ceiling": tau_ceiling([m["completion_tokens"] for m in ms], k),
             "decode_ms_per_token": statistics.median(m["decode_seconds"] * 1e3 / max(1, m["completion_tokens"] - 1)
                                                      for m in ms),
             "e2e_seconds": statistics.median(r["e2e_seconds"] for r in rs),
-            "tau": 1 + accepted / steps if steps else 0.0,
+            # the answer's tokens a step (each step commits its accepted drafts and one of the
+            # target's): acceptance past the answer's end (drafts after its EOS or its last
+            # token, which the engine's acceptance counts, accepted_per_step) is not the user's
+            "tau": answer_tau(ms),
             "accepted_per_step": accepted / steps if steps else 0.0,
             "acceptance_per_position": per_pos,
             "draft_ms_per_step": statistics.median(m["draft_seconds"] * 1e3 / max(1, m["steps"]) for m in ms),
@@ -237,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="default 5 (quick 2)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 96 (quick 48)")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="each drafting method under these, comma list of adaptive (k chosen per step: the "
+                         "engine's default) and fixed (k every step); both by default, both reported")
     ap.add_argument("--glimpse", type=int, default=16, help="glimpse of sparrow-glimpse")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=32)
@@ -261,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         k=args.k, glimpse=args.glimpse, window=args.window, anchors=args.anchors,
         tree=tuple(int(x) for x in args.tree.split(",")),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), seed=args.seed,
+        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
         target_step=args.target_step)
     result = run_timed(lambda: run_benchmark(cfg))
     if result is None:

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from benchmarks.engines import ABLATIONS, METHODS
+from benchmarks.engines import ABLATIONS, FIXED, method_keys, method_label, method_of
 from benchmarks.report import HEADLINE, between, markers, replace_between
 from benchmarks.step_cost_projection import gpu_lines
 
@@ -83,14 +83,15 @@ def headline_table(speedups: dict[tuple[float, int, str], float], machine: str, 
     method) to the speedup. Between the headline markers, so README.md can quote it whole."""
     temps = sorted({t for t, _, _ in speedups if t in (0.0, 1.0)})
     sizes = sorted({n for t, n, _ in speedups if t in temps})
-    methods = [m for m in HEADLINE_METHODS if any(k[2] == m for k in speedups)]
+    methods = [key for m in HEADLINE_METHODS for key in (m, m + FIXED) if any(k[2] == key for k in speedups)]
     both = " / ".join(f"T = {t:g}" for t in temps)
     lines = [f"Decode speedup over plain decoding (prefill excluded), {both}, by video length in visual tokens; "
-             f"the synthetic world pair, every method's tokens equal to plain decoding's. {machine}; {date}.", "",
+             f"the synthetic world pair, every method's tokens equal to plain decoding's; a method under the engine's "
+             f"adaptive policy (k chosen per step) unless its row says fixed k. {machine}; {date}.", "",
              "| method | " + " | ".join(f"{n:,}" for n in sizes) + " |", "|---|" + "---|" * len(sizes)]
     for m in methods:
         cells = [" / ".join(_x(speedups.get((t, n, m))) for t in temps) for n in sizes]
-        lines.append(f"| {METHODS[m].label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {method_label(m)} | " + " | ".join(cells) + " |")
     begin, end = markers(HEADLINE)
     return f"{begin}\n" + "\n".join(lines) + f"\n{end}"
 
@@ -103,7 +104,7 @@ def headline(result: dict, date: str | None = None) -> str:
 
 
 _T_BLOCK = re.compile(r"^\*\*T = ([0-9.]+)\.\*\*", re.MULTILINE)
-_ROW = re.compile(r"^\| (\d+) \| ([a-z0-9-]+) \| [0-9.]+ \| ([0-9.]+)x \|", re.MULTILINE)
+_ROW = re.compile(r"^\| (\d+) \| ([a-z0-9@-]+) \| [0-9.]+ \| ([0-9.]+)x \|", re.MULTILINE)
 
 
 def speedups_from_section(section: str) -> dict[tuple[float, int, str], float]:
@@ -147,12 +148,17 @@ def refresh_headline(path: str | Path) -> None:
 # ----- report -----------------------------------------------------------------------------------------
 def report(result: dict, plot_path: str | None = None) -> str:
     cfg, summary = result["config"], result["summary"]
-    shown = [m for m in cfg["methods"] if m in {r["method"] for r in summary} and not METHODS[m].ablation]
+    keys = method_keys(tuple(cfg["methods"]), tuple(cfg.get("policies", ("adaptive",))))
+    shown = [m for m in keys if m in {r["method"] for r in summary} and not method_of(m).ablation]
     lines = [headline(result), "", f"Machine: {result['machine']}.", f"Target: {result['target']}. k = {cfg['k']}, window {cfg['window']}, "
              f"anchors {cfg['anchors']}, glimpse: the draft's own (sparrow-glimpse {cfg['glimpse']}, sparrow-text 0); "
              f"{cfg['max_new_tokens']} new "
              f"tokens (answers end at the end of turn), {cfg['reps']} reps, methods interleaved per rep, medians; fresh world "
-             f"videos (seeds from {cfg['seed']}), caption prompts.", ""]
+             f"videos (seeds from {cfg['seed']}), caption prompts. Policies: every drafting method under "
+             f"{' and '.join(cfg.get('policies', ('adaptive',)))} ('adaptive': k in [0, {cfg['k']}] chosen per step from the "
+             f"measured acceptance and costs, the engine's default; 'fixed': {cfg['k']} drafts every step). Tau's ceiling: "
+             f"the most tau a step of {cfg['k']} drafts allows for the answers' lengths (k + 1 tokens a step, the "
+             f"answer's last step cut short), so a tau near it is the answers' limit, not the method's.", ""]
     if result["skipped"]:
         lines += ["Skipped: " + "; ".join(f"{m} ({why})" for m, why in result["skipped"].items()) + ".", ""]
     ident = "all methods' tokens equal plain decoding's" if result["identical"] else \
@@ -163,10 +169,11 @@ def report(result: dict, plot_path: str | None = None) -> str:
         sizes = sorted({r["visual_tokens"] for r in summary if r["temperature"] == temp})
         lines += [f"**T = {temp:g}.** Cell: decode speedup / tau / draft ms per step / verify ms per step "
                   f"(plain: its decode step) / draft KV per request.", "",
-                  "| visual tokens | " + " | ".join(METHODS[m].label for m in shown) + " |",
-                  "|---|" + "---|" * len(shown)]
+                  "| visual tokens | tau ceiling | " + " | ".join(method_label(m) for m in shown) + " |",
+                  "|---|---|" + "---|" * len(shown)]
         for n in sizes:
-            cells = []
+            ref = _find(summary, "plain", temp, n)
+            cells = [f"{ref['tau_ceiling']:.2f}" if ref and "tau_ceiling" in ref else "-"]
             for m in shown:
                 r = _find(summary, m, temp, n)
                 draft_ms = "-" if m == "plain" else f"{r['draft_ms_per_step']:.2f}" if r else ""
@@ -236,7 +243,9 @@ def plot(result: dict, path: str | Path) -> None:
 
     summary = result["summary"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    methods = [m for m in result["config"]["methods"] if not METHODS[m].ablation]
+    cfg = result["config"]
+    methods = [m for m in method_keys(tuple(cfg["methods"]), tuple(cfg.get("policies", ("adaptive",))))
+               if not method_of(m).ablation]
     for temp in result["config"]["temperatures"]:
         for i, m in enumerate(methods):
             rows = sorted((r for r in summary if r["method"] == m and r["temperature"] == temp),
@@ -245,7 +254,7 @@ def plot(result: dict, path: str | Path) -> None:
                 continue
             x = [r["visual_tokens"] for r in rows]
             style = dict(color=f"C{i}", marker="o", linestyle="-" if temp == 0.0 else "--",
-                         label=f"{METHODS[m].label} (T={temp:g})")
+                         label=f"{method_label(m)} (T={temp:g})")
             ax1.plot(x, [r["decode_speedup"] for r in rows], **style)
             ax2.plot(x, [r["tau"] for r in rows], **style)
     for ax, title in ((ax1, "decode speedup vs plain"), (ax2, "mean acceptance length tau")):

@@ -34,13 +34,15 @@ def _config(models_dir, methods, videos=VIDEOS, **kw) -> BenchConfig:
 
 
 def test_result_structure_identity_and_report(models_dir, tmp_path):
+    """Every drafting method runs under both policies (adaptive and fixed k), each its own row."""
     methods = ("plain", "eagle", "specvlm", "specvlm-eagle", "sparrow", "ablation-none")
     lines: list[str] = []
     result = sb.run_benchmark(_config(models_dir, methods), log=lines.append)
 
     assert result["identical"] and result["mismatches"] == []
-    assert set(result["skipped"]) == {"ablation-none"} and "bench/ablation/none" in result["skipped"]["ablation-none"]
-    ran = [m for m in methods if m != "ablation-none"]
+    assert set(result["skipped"]) == {"ablation-none", "ablation-none@fixed"}
+    assert "bench/ablation/none" in result["skipped"]["ablation-none"]
+    ran = ["plain"] + [m + policy for m in methods[1:-1] for policy in ("", "@fixed")]
     assert [v["visual_tokens"] for v in result["videos"]] == [108, 64]
     assert len(result["runs"]) == len(VIDEOS) * len(ran)
     plain = {r["visual_tokens"]: r["token_ids"] for r in result["runs"] if r["method"] == "plain"}
@@ -55,13 +57,21 @@ def test_result_structure_identity_and_report(models_dir, tmp_path):
     for (method, n), row in cells.items():
         assert row["reps"] == 1 and row["temperature"] == 0.0
         assert row["decode_speedup"] > 0 and row["e2e_speedup"] > 0 and row["tau"] >= 1.0
-        assert row["tau"] == pytest.approx(1 + row["accepted_per_step"])
+        # tau: the answer's tokens a step (11 after the prefill's), never over its ceiling; the
+        # engine's acceptance (past the 12th token too) is accepted_per_step
+        steps = [r["metrics"]["steps"] for r in result["runs"] if (r["method"], r["visual_tokens"]) == (method, n)]
+        assert row["tau"] == pytest.approx(11 / sum(steps)) and row["accepted_per_step"] >= row["tau"] - 1 - 1e-9
         assert all(0.0 <= p <= 1.0 for p in row["acceptance_per_position"])
         assert row["draft_ms_per_step"] >= 0 and row["verify_ms_per_step"] > 0
+        # 12 tokens, EOS ignored: the prefill's first, then 11 at most 5 a step, so 3 steps at least
+        assert row["tau_ceiling"] == pytest.approx(11 / 3) and row["tau"] <= row["tau_ceiling"]
     assert cells[("plain", 64)]["decode_speedup"] == 1.0 and cells[("plain", 64)]["tau"] == 1.0
-    # k <= 4, chosen per step from measured costs: with this random draft, k = 0 throughout is a
-    # right choice too (the default engine's policy is tested in test_draft_policy.py)
-    assert len(cells[("sparrow", 64)]["acceptance_per_position"]) <= 4
+    # adaptive: k <= 4, chosen per step from measured costs (with this random draft, k = 0
+    # throughout is a right choice too; the policy is tested in test_draft_policy.py); fixed: k = 4
+    # every step, for every drafting method
+    for m in methods[1:-1]:
+        assert len(cells[(m, 64)]["acceptance_per_position"]) <= 4
+        assert len(cells[(m + "@fixed", 64)]["acceptance_per_position"]) == 4
     # the draft that sees every token holds more keys than the text-anchored window draft
     assert cells[("eagle", 108)]["draft_max_keys"] > 108 > cells[("sparrow", 108)]["draft_max_keys"]
     json.dumps(result)                                           # --json writes it as is
@@ -69,9 +79,23 @@ def test_result_structure_identity_and_report(models_dir, tmp_path):
     text = sr.report(result, "speculative.png")
     assert "Output identity at T = 0 (T > 0: the same seed): all methods' tokens equal plain decoding's" in text
     assert "| 108 |" in text and "SpecVLM" in text and "Bars" in text and "ablation-none" in text
+    assert "| visual tokens | tau ceiling | plain | EAGLE (all tokens) | EAGLE (all tokens), fixed k |" in text
+    assert "| 108 | 3.67 |" in text and "| 108 | specvlm@fixed |" in text
+    # the headline read back from the written tables keeps both policies' rows
+    assert sr.speedups_from_section(text)[(0.0, 108, "eagle@fixed")] == pytest.approx(cells[("eagle@fixed", 108)]["decode_speedup"], abs=0.01)
     assert {b["bar"].split(" ")[0] for b in sr.bars(result)} == {"Sparrow"} and len(sr.bars(result)) == 5
     sr.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tau_ceiling_is_what_k_drafts_a_step_allow():
+    assert sb.tau_ceiling([12], 4) == pytest.approx(11 / 3)       # 11 tokens after the first: 5 + 5 + 1
+    assert sb.tau_ceiling([11], 4) == 5.0                         # 10: two full steps
+    assert sb.tau_ceiling([12, 11], 4) == pytest.approx(21 / 5)   # pooled as tau is: tokens over steps
+    assert sb.tau_ceiling([2], 4) == 1.0 and sb.tau_ceiling([1], 4) == 0.0
+    assert sb.tau_ceiling([101], 2) == pytest.approx(100 / 34)
+    with pytest.raises(ValueError, match="policies"):
+        _config(".", ("plain",), policies=("greedy",))
 
 
 def _corrupt_speculative(monkeypatch):
@@ -91,8 +115,8 @@ def test_corrupted_output_fails_identity(models_dir, monkeypatch):
     _corrupt_speculative(monkeypatch)
     result = sb.run_benchmark(_config(models_dir, ("plain", "sparrow"), videos=VIDEOS[1:]), log=lambda _: None)
     assert not result["identical"]
-    [bad] = result["mismatches"]
-    assert bad["method"] == "sparrow" and bad["index"] == 11 and bad["visual_tokens"] == 64
+    assert [bad["method"] for bad in result["mismatches"]] == ["sparrow", "sparrow@fixed"]
+    assert all(bad["index"] == 11 and bad["visual_tokens"] == 64 for bad in result["mismatches"])
     assert "MISMATCHES" in sr.report(result)
 
 

@@ -78,7 +78,7 @@ from benchmarks.concurrency.prefill_scenario import prefill_scenario  # noqa: E4
 from benchmarks.concurrency.results import merge, report, summarize, summarize_scenario  # noqa: E402
 from benchmarks.concurrency.streams import Trace, engine_call, grpc_call, run_configuration  # noqa: E402
 from benchmarks.concurrency.stream_videos import Video, cache_prefills, make_videos  # noqa: E402
-from benchmarks.engines import SERVED, BenchConfig, Models, build_engine, compile_target_steps  # noqa: E402
+from benchmarks.engines import SERVED, BenchConfig, Models, build_engine, compile_target_steps, method_of  # noqa: E402
 from benchmarks.identity import first_difference  # noqa: E402
 from benchmarks.machine import describe_target, machine as describe_machine  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
@@ -98,7 +98,8 @@ def run_benchmark(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) ->
     measures, summaries, the prefill scenario and identity mismatches. JSON-serialisable."""
     load_before, machine = os.getloadavg(), describe_machine()
     models = Models(cfg.models)
-    spec_cfg = BenchConfig(models=cfg.models, k=cfg.k, methods=tuple(METHODS), tree=cfg.tree)
+    spec_cfg = BenchConfig(models=cfg.models, k=cfg.k, methods=tuple(dict.fromkeys(method_of(m).name for m in METHODS)),
+                           tree=cfg.tree)
     entries = cfg.videos_per_rep + 8
     caches: list[PrefixCache] = []
 

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from sparrow.world.scenes import LADDER
 
+# Method keys as benchmarks/engines.py reads them: every drafting method under the adaptive policy
+# (k chosen per step, the engine's default), "@fixed" under fixed k.
 METHODS = {"plain": "plain", "eagle": "EAGLE-style (all tokens)", "specvlm": "SpecVLM-style", "sparrow": "Sparrow",
-           "sparrow-fixed": "Sparrow, fixed k", "sparrow-tree": "Sparrow tree",
+           "sparrow@fixed": "Sparrow, fixed k", "sparrow-tree": "Sparrow tree",
            "sparrow-tree-auto": "Sparrow tree, cut by cost"}
 PATHS = {"in-process": "in-process", "grpc": "gRPC"}
 SEED = 3 * 10**9                 # world videos: training < 1e9, world eval 4e9, speculative 2e9
@@ -22,7 +24,7 @@ class ConcurrencyConfig:
     tokens: int = 64
     reps: int = 5
     temperatures: tuple[float, ...] = (0.0,)            # T > 0: request i seeded with seed + i
-    methods: tuple[str, ...] = ("plain", "sparrow")        # "sparrow-fixed" on request (--methods)
+    methods: tuple[str, ...] = ("plain", "sparrow")        # "sparrow@fixed" on request (--methods)
     paths: tuple[str, ...] = tuple(PATHS)
     k: int = 4
     tree: tuple[int, int, int] = (2, 2, 12)      # sparrow-tree: width, branch, node budget
