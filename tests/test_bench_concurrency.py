@@ -203,3 +203,11 @@ def test_streams_run_past_the_answer_unless_told_to_stop_at_it(monkeypatch):
         for path in PATHS:
             cb._calls(path, None, None, [video], 8, "sparrow", 0.0, 1, not stop)
         assert got == [not stop] * len(PATHS)
+
+
+def test_the_warm_round_leaves_the_reps_prefills_in_a_shared_cache(models_dir):
+    """Eight streams from one shared prefix cache (room for a rep's videos and 8 more): the warm
+    round's eight prefills come before the rep's, so none of the rep's is evicted before it runs."""
+    cfg = _config(models_dir, streams=(8,), paths=("in-process",), prefill_video=None, share_prefill=True)
+    result = cb.run_benchmark(cfg, log=lambda _: None)
+    assert result["identical"] and {r["streams"] for r in result["runs"]} == {8}

@@ -143,12 +143,12 @@ def run_length(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clien
     and temperature (methods in an order rotated per rep), the identity check, and the prefill
     scenario."""
     side, frames = cfg.lengths[li]
+    if rep == 0 and cfg.warm_lengths:       # first: its prefills must not evict the rep's from a shared cache
+        warm_round(cfg, target, engines, clients, li, log, shared)
     videos = make_videos(target, side, frames, cfg.videos_per_rep, cfg.seed + 10_000 * rep + 1000 * li)
     cache_prefills(videos, engines if "in-process" in cfg.paths else {}, clients, f"r{rep}l{li}", shared, target)
     n_vis = videos[0].visual_tokens
     log(f"rep {rep}: {len(videos)} videos of {side}px x {frames} frames = {n_vis} visual tokens, prefills cached")
-    if rep == 0 and cfg.warm_lengths:
-        warm_round(cfg, target, engines, clients, li, log, shared)
     runs, outputs = [], {}
     for method in cfg.methods[rep % len(cfg.methods):] + cfg.methods[:rep % len(cfg.methods)]:
         for path in cfg.paths:
