@@ -157,3 +157,41 @@ def test_a_head_trained_on_it_looks_at_the_named_object(tiny):
         opt.step()
     after = mass().item()
     assert np.exp(-after) > 0.5 > np.exp(-before) * 1.5, (np.exp(-before), np.exp(-after))
+
+
+def test_an_event_question_looks_at_its_events_objects_at_its_moment():
+    """when / first / order / after: the event found is the one the answer is about (its time is
+    the "when" answer's; the first event; the earlier of the two asked; the one after the asked
+    one), and its cells lie in that second's temporal patch (or the one before, if it left)."""
+    from sparrow.world.v2.attend_v2 import asked_event
+    from sparrow.world.v2.narration import clock, phrase
+
+    found = {kind: 0 for kind in ("when", "first", "order", "after")}
+    for seed in range(150):
+        scene = make_scene(seed, 30)
+        events = [e for e in scene.events if e.kind != "count"]
+        for kind in found:
+            qa = ask(scene, kind, random.Random(seed))
+            if qa is None:
+                continue
+            q, a = qa
+            e = asked_event(scene, kind, q, a)
+            if e is None:
+                continue
+            found[kind] += 1
+            if kind == "when":
+                assert a.endswith(f"at {clock(e.t)}"), (q, a, e)
+            elif kind == "first":
+                assert e == events[0]
+            elif kind == "order":                     # both asked; the other one is later
+                asked = [x for x in events if f" {phrase(scene, x)} " in f" {q} "]
+                assert e in asked and len(asked) == 2 and all(x.t > e.t for x in asked if x is not e), (q, a, e)
+            else:                                     # the event before it is the one asked about
+                assert events.index(e) >= 1 and f" {phrase(scene, events[events.index(e) - 1])} " in f" {q} ", (q, a, e)
+            cells = chat_cells(scene, kind, q, (30, 8, 8), a)
+            assert cells and {c // 16 for c in cells} <= {e.t, e.t - 1}, (kind, q, a, e, cells)
+    assert min(found.values()) >= 20, found
+    # off unless asked for: the objective's default kinds are the object kinds
+    assert set(V2TargetConfig().attend_kinds) == set(ATTEND_KINDS)
+    with pytest.raises(ValueError, match="attend_kinds"):
+        V2Data(V2TargetConfig(**{**TINY, "attend_kinds": ("count_start",)}))

@@ -12,7 +12,11 @@ look. `V2TargetConfig.attend_weight` (0: off) weighs it against the answers' cro
 
 Which tokens hold the object: the merged 2x2-patch cells its box overlaps in a frame of the
 cell's temporal patch (two frames) - at the start for "where", at the end for "colour_end", and
-wherever it is for the other kinds that name one object (size, shape, direction, story).
+wherever it is for the other kinds that name one object (size, shape, direction, story). For the
+kinds about one event (when, first, order, after), the event the answer is about (named in a
+"when" question; the answer's own for the others): its object's cells (and the other object's, in
+a collision or a move toward it) in the temporal patch of its second, or the one before where the
+object is no longer shown (it left).
 """
 
 from __future__ import annotations
@@ -23,20 +27,25 @@ from collections.abc import Iterator
 import torch
 
 from sparrow.models.target import TargetModel
+from sparrow.world.v2.narration import phrase
 from sparrow.world.v2.questions_v2 import named_object
 from sparrow.world.v2.render_v2 import FPS
-from sparrow.world.v2.scenes_v2 import Scene
+from sparrow.world.v2.scenes_v2 import Event, Scene
 
 # Question kinds about one object, and the object's frames each reads: "start", "end" or "all".
 ATTEND_KINDS = {"where": "start", "colour_end": "end", "size": "all", "shape": "all", "direction": "all",
                 "story": "all"}
+# Question kinds about one event, and where its words are: in the question, or in the answer.
+EVENT_KINDS = {"when": "question", "first": "answer", "order": "answer", "after": "answer"}
 OVERLAP = 0.02       # frame units (2 px at 112 px) a box must reach into a cell, across and down, to hold it
 
 
-def object_cells(scene: Scene, ident: int, grid_thw: tuple[int, int, int], when: str, merge: int = 2) -> list[int]:
+def object_cells(scene: Scene, ident: int, grid_thw: tuple[int, int, int], when: str | int,
+                 merge: int = 2) -> list[int]:
     """Indices among a video's visual tokens (temporal patch, row, column order, the merger's)
     of the cells object `ident` covers: in the first temporal patch ("start"), its last one that
-    shows the object ("end"), or every one ("all"). grid_thw: the video's patch grid."""
+    shows the object ("end"), every one ("all"), or temporal patch `when` (an int; the one
+    before it when that one does not show the object). grid_thw: the video's patch grid."""
     t_patches, rows, cols = grid_thw[0], grid_thw[1] // merge, grid_thw[2] // merge
     o = scene.obj(ident)
     hx, hy = o.half
@@ -55,12 +64,34 @@ def object_cells(scene: Scene, ident: int, grid_thw: tuple[int, int, int], when:
                         per_slice.setdefault(t, set()).add(t * rows * cols + i * cols + j)
     if not per_slice:
         return []
-    slices = {"start": [0] if 0 in per_slice else [], "end": [max(per_slice)], "all": sorted(per_slice)}[when]
+    if isinstance(when, int):
+        slices = [t for t in (when, when - 1) if t in per_slice][:1]
+    else:
+        slices = {"start": [0] if 0 in per_slice else [], "end": [max(per_slice)], "all": sorted(per_slice)}[when]
     return sorted(cell for t in slices for cell in per_slice[t])
 
 
-def chat_cells(scene: Scene, kind: str, question: str, grid_thw: tuple[int, int, int]) -> list[int]:
-    """The cells a chat's answer should look at: its named object's (ATTEND_KINDS), else none."""
+def asked_event(scene: Scene, kind: str, question: str, answer: str) -> Event | None:
+    """The event a chat's answer is about (EVENT_KINDS): the one whose phrase a "when" question
+    holds, or the answer holds; None when no event or more than one matches ("first": the first)."""
+    text = f" {question if EVENT_KINDS[kind] == 'question' else answer} "
+    events = [e for e in scene.events if e.kind != "count"]
+    found = [e for e in events if f" {phrase(scene, e)} " in text or f" {phrase(scene, e, base=True)} " in text]
+    if kind == "first" and events and events[0] in found:
+        return events[0]
+    return found[0] if len(found) == 1 else None
+
+
+def chat_cells(scene: Scene, kind: str, question: str, grid_thw: tuple[int, int, int], answer: str = "") -> list[int]:
+    """The cells a chat's answer should look at: its named object's (ATTEND_KINDS), its event's
+    objects' at its moment (EVENT_KINDS), else none."""
+    if kind in EVENT_KINDS:
+        e = asked_event(scene, kind, question, answer)
+        if e is None or e.who is None:
+            return []
+        patch = int(e.t * FPS) // 2
+        who = [e.who] + ([e.other] if e.other is not None else [])
+        return sorted({c for ident in who for c in object_cells(scene, ident, grid_thw, patch)})
     if kind not in ATTEND_KINDS:
         return []
     ident = named_object(scene, question)
