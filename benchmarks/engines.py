@@ -106,7 +106,6 @@ class BenchConfig:
         if self.reps < 1 or self.max_new_tokens < 2:
             raise ValueError("need reps >= 1 and max_new_tokens >= 2")
 
-
     @property
     def keys(self) -> tuple[str, ...]:
         """The runs' method keys: each method under each policy."""

@@ -135,6 +135,15 @@ def askable_objects(scene: Scene) -> dict[str, int]:
     return {k: next(iter(v)) for k, v in owners.items() if len(v) == 1}
 
 
+def colour_owners(scene: Scene) -> dict[str, set[int]]:
+    """colour -> the idents of the objects that have it at some moment."""
+    owners: dict[str, set[int]] = {}
+    for o in scene.objects:
+        for _, colour in o.colours:
+            owners.setdefault(colour, set()).add(o.ident)
+    return owners
+
+
 def named_object(scene: Scene, question: str) -> int | None:
     """The object a question names: by a colour and shape only it ever has (askable_objects),
     else by a colour only it ever has ("what shape is the red object ?"); None if it names none."""
@@ -143,10 +152,7 @@ def named_object(scene: Scene, question: str) -> int | None:
     found = [name for name in names if f" {name} " in padded]
     if found:
         return names[max(found, key=len)]
-    owners: dict[str, set[int]] = {}
-    for o in scene.objects:
-        for _, colour in o.colours:
-            owners.setdefault(colour, set()).add(o.ident)
+    owners = colour_owners(scene)
     once = [colour for colour, who in owners.items() if len(who) == 1 and f" {colour} " in padded]
     return next(iter(owners[once[0]])) if len(once) == 1 else None
 
@@ -212,10 +218,7 @@ def _about_object(scene: Scene, kind: str, wording: str, rng: random.Random) -> 
     """story, where, size, direction, colour_end and shape: a question about one object, or None."""
     objects = askable_objects(scene)
     if kind == "shape":
-        colours = {}
-        for o in scene.objects:
-            for _, c in o.colours:
-                colours.setdefault(c, set()).add(o.ident)
+        colours = colour_owners(scene)
         once = sorted(c for c, owners in colours.items() if len(owners) == 1)
         if not once:
             return None
