@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sparrow.world.target_data import pooled_logits
-from sparrow.world.v2.attend_v2 import ATTEND_KINDS, attention_loss, attention_of, chat_cells, object_cells
+from sparrow.world.v2.attend_v2 import ATTEND_KINDS, attention_loss, attention_of, chat_cells, head_map, object_cells
 from sparrow.world.v2.questions_v2 import ask, named_object
 from sparrow.world.v2.render_v2 import FPS, background, render_frame
 from sparrow.world.v2.scenes_v2 import make_scene
@@ -95,6 +95,18 @@ def test_the_term_is_minus_log_the_heads_mass_on_the_cells():
     both = attention_loss(weights, ids, pick, 9, [[0, 2]], (0, 1)).item()
     assert both == pytest.approx(-(np.log(0.6) + np.log(1e-6 + 0.0)) / 2, rel=1e-3)
     assert attention_loss(weights, ids, pick, 9, [[]], (0,)) is None
+    # each chat on its own heads (kinds on heads of their own): two chats, the second on head 1
+    two = attention_loss(weights.expand(2, -1, -1, -1), ids.expand(2, -1), pick.expand(2, -1), 9, [[0, 2], [0, 2]],
+                         [(0,), (1,)]).item()
+    assert two == pytest.approx(-(np.log(0.6) + np.log(1e-6 + 0.0)) / 2, rel=1e-3)
+
+
+def test_kinds_on_heads_of_their_own_are_parsed_and_checked():
+    assert head_map(("where=0", "size=2+3", "when=1")) == {"where": (0,), "size": (2, 3), "when": (1,)}
+    assert head_map(()) == {}
+    for bad in ("where", "where=", "where=a", "count=0", "where=0+"):
+        with pytest.raises(ValueError, match="KIND=HEAD"):
+            head_map((bad,))
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ object is no longer shown (it left).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import torch
@@ -116,18 +117,31 @@ def attention_of(target: TargetModel, layer: int) -> Iterator[dict]:
         lm.config._attn_implementation = before
 
 
+def head_map(items: tuple[str, ...], kinds: tuple[str, ...] = (*ATTEND_KINDS, *EVENT_KINDS)) -> dict[str, tuple[int, ...]]:
+    """`KIND=HEAD[+HEAD...]` items (a kind's own heads) as {kind: heads}; ValueError on a bad item."""
+    found = {}
+    for item in items:
+        kind, _, heads = item.partition("=")
+        if kind not in kinds or not re.fullmatch(r"\d+(\+\d+)*", heads):
+            raise ValueError(f"attend_head_of items are KIND=HEAD[+HEAD...] with KIND among {kinds}, got {item!r}")
+        found[kind] = tuple(int(h) for h in heads.split("+"))
+    return found
+
+
 def attention_loss(weights: torch.Tensor, ids: torch.Tensor, pick: torch.Tensor, video_token_id: int,
-                   cells: list[list[int]], heads: tuple[int, ...]) -> torch.Tensor | None:
+                   cells: list[list[int]], heads: tuple[int, ...] | list[tuple[int, ...]]) -> torch.Tensor | None:
     """Mean over the chats with cells of -log(the attention mass `heads` put on the chat's cells),
     averaged over its heads and the positions that predict its answer (pick: (B, T-1), token
-    t+1 predicted at position t). None when no chat has cells."""
+    t+1 predicted at position t). heads: the same for every chat, or a list of each chat's.
+    None when no chat has cells."""
     terms = []
     for b, chat in enumerate(cells):
         if not chat:
             continue
+        own = heads[b] if isinstance(heads, list) else heads
         visual = (ids[b] == video_token_id).nonzero()[:, 0]
         keys = visual[torch.tensor(chat, device=visual.device)]
         rows = pick[b].nonzero()[:, 0]
-        mass = weights[b, list(heads)][:, rows][:, :, keys].sum(-1)        # (heads, answer positions)
+        mass = weights[b, list(own)][:, rows][:, :, keys].sum(-1)        # (heads, answer positions)
         terms.append(-(mass.float() + 1e-6).log().mean())
     return torch.stack(terms).mean() if terms else None

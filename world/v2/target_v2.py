@@ -34,7 +34,7 @@ from sparrow.video import load_frames
 from sparrow.world.target_data import (PooledVideo, Stage, answer_loss, length_groups, pool_batch, pooled_logits,
                                        pooled_loss)
 from sparrow.world.target_model import WORLD_TARGET_HELP, WorldTargetConfig, new_world_target
-from sparrow.world.v2.attend_v2 import ATTEND_KINDS, EVENT_KINDS, attention_loss, attention_of, chat_cells
+from sparrow.world.v2.attend_v2 import ATTEND_KINDS, EVENT_KINDS, attention_loss, attention_of, chat_cells, head_map
 from sparrow.world.v2.questions_v2 import QUESTION_KINDS_V2, ask
 from sparrow.world.v2.render_v2 import BACKGROUND_BASE, BACKGROUND_SPAN, FPS, make_video
 from sparrow.world.v2.scenes_v2 import Scene, make_scene
@@ -72,6 +72,7 @@ class V2TargetConfig(WorldTargetConfig):
     attend_weight: float = 0.0
     attend_layer: int = 2
     attend_heads: tuple[int, ...] = (0,)
+    attend_head_of: tuple[str, ...] = ()     # KIND=HEAD[+HEAD...]: a kind's own heads (the others: attend_heads)
     attend_kinds: tuple[str, ...] = tuple(ATTEND_KINDS)      # and any of EVENT_KINDS
 
 
@@ -96,6 +97,8 @@ V2_TARGET_HELP = {
                      "that object's visual tokens (world/v2/attend_v2.py; 0: off)",
     "attend_layer": "the language-model layer whose head the attention objective trains",
     "attend_heads": "that layer's heads it trains, comma-separated",
+    "attend_head_of": "kinds on heads of their own, comma-separated KIND=HEAD[+HEAD...] items (e.g. where=0,"
+                      "colour_end=1,size=2); the kinds not named train attend_heads",
     "attend_kinds": f"the question kinds it looks for, comma-separated: about one object ({','.join(ATTEND_KINDS)}) "
                     f"and about one event ({','.join(EVENT_KINDS)})",
     "vision_init": "the tower: placed (each object patch's colour, change and place) or named (also one code "
@@ -196,6 +199,7 @@ class V2Data:
             raise ValueError("the v2 target trains from a pool (pool > 0)")
         if set(c.attend_kinds) - set(ATTEND_KINDS) - set(EVENT_KINDS):
             raise ValueError(f"attend_kinds among {(*ATTEND_KINDS, *EVENT_KINDS)}, got {c.attend_kinds}")
+        self.head_of = head_map(c.attend_head_of)
         self.c, self.cache, self.eval_seconds = c, cache, eval_seconds
         self.pool: list[PooledScene] = []
         self.same_length: list[list[int]] | None = None
@@ -231,7 +235,8 @@ class V2Data:
         loss = answer_loss(logits, ids, pick, c.loss_weighting)
         cells = [chat_cells(v.scene, kind, q, tuple(v.model_kwargs["video_grid_thw"][0].tolist()), a)
                  if kind in c.attend_kinds else [] for v, (kind, q, a) in zip(videos, asked)]
-        attend = attention_loss(seen["weights"], ids, pick, target.video_token_id, cells, c.attend_heads)
+        heads = [self.head_of.get(kind, c.attend_heads) for kind, _, _ in asked]
+        attend = attention_loss(seen["weights"], ids, pick, target.video_token_id, cells, heads)
         return loss if attend is None else loss + c.attend_weight * attend
 
     def heldout(self, target: TargetModel) -> dict:
