@@ -146,7 +146,7 @@ class DraftPolicy:
 
         def draft_s(depth: int, drafting: int) -> float:
             if (depth, drafting) not in draft:
-                draft[depth, drafting] = self.costs.draft_s(depth, drafting)
+                draft[depth, drafting] = self.costs.draft_s(depth, drafting, ctx)
             return draft[depth, drafting]
 
         if len(free) == len(batch):

@@ -17,8 +17,9 @@ log-sum-exp merge. Measured at 25k (benchmarks.verify_cost): 1 / 2 / 3 / 5 rows 
 alone put a decode step 2 ms too dear, and drafting paid on paper where it did not). The draft's
 time for a step of depth k with n drafting requests is d0 + d1 * k + d2 * k * (n - 1) (the
 batch's levels run in one call; measured at 0.5k with eager static steps, k = 4: ~1.2 ms for one
-request, ~2.8 ms for eight), least squares over the last samples; until a step with several
-drafting requests is measured, d2 is 0. Every coefficient is kept >= 0.
+request, ~2.8 ms for eight), least squares over the last samples, local in the cached length as
+the verify fit is (a draft that reads the whole context costs more the longer it is: _fit_draft);
+until a step with several drafting requests is measured, d2 is 0. Every coefficient is kept >= 0.
 
 The verify fit is in two stages, because this box's speed drifts: a plain 25k step took 10 ms
 in one video and 15-20 ms in the next. Fitted on raw samples, the drift leaked into the row
@@ -96,7 +97,7 @@ class CostModel(Protocol):
 
     def verify_s(self, rows: Sequence[int], contexts: Sequence[int]) -> float: ...
 
-    def draft_s(self, depth: int, requests: int = 1) -> float: ...
+    def draft_s(self, depth: int, requests: int = 1, contexts: Sequence[int] | None = None) -> float: ...
 
     def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
                draft_s: float) -> None: ...
@@ -145,11 +146,12 @@ class MeasuredCosts(CostModel):
         self.verify_samples: deque[tuple[float, ...]] = deque(maxlen=window)     # (ROWS .. SECONDS)
         # consecutive samples' differences where their rows differ (OCTAVES: their mean)
         self.pairs: deque[tuple[float, ...]] = deque(maxlen=window)
-        self.draft_samples: deque[tuple[float, float, float]] = deque(maxlen=window)    # (depth, requests, s)
+        # (depth, drafting requests, log2 of the step's mean cached length, s)
+        self.draft_samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self.resample_every = resample_every
         self._verify: dict[int, tuple[float, ...]] = {}   # half-octave of cached length -> (a, b, e, c, j), lazily
         self._steps: dict[int, np.ndarray] = {}       # ... -> (b, c, j), lazily; cleared when the pairs' fit is due
-        self._draft: tuple[float, float, float] | None = None
+        self._draft: dict[int | None, tuple[float, float, float]] = {}     # half-octave -> (d0, d1, d2), lazily
         self._seen_rows: set[tuple[int, int]] = set()   # (rows in all, octave of cached length) run once (warm)
         self._seen_depths: set[int] = set()
         self._last: tuple[tuple[float, ...], float] | None = None     # the last sample, and when it was recorded
@@ -183,11 +185,12 @@ class MeasuredCosts(CostModel):
         row = b + c * context / 1000.0
         return row, j, a + e * context / 1000.0 + row
 
-    def draft_s(self, depth: int, requests: int = 1) -> float:
-        """A draft step `depth` deep for `requests` drafting requests."""
+    def draft_s(self, depth: int, requests: int = 1, contexts: Sequence[int] | None = None) -> float:
+        """A draft step `depth` deep for `requests` drafting requests, in a step of these cached
+        lengths (None: fitted over every length alike)."""
         if depth <= 0 or requests <= 0:
             return 0.0
-        d0, d1, d2 = self._fit_draft()
+        d0, d1, d2 = self._fit_draft(_octaves(contexts) if contexts is not None else None)
         return d0 + d1 * depth + d2 * depth * (requests - 1)
 
     def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
@@ -217,11 +220,11 @@ class MeasuredCosts(CostModel):
             # a draft step is never OUTLIER x dearer than its own fit or than the step's verify
             # (a one-layer draft against the target): one that is paid something once
             drafting = max(1, sum(1 for r in rows if r > 1))
-            usual = max(verify_s, self.draft_s(depth, drafting) if self.draft_samples else 0.0)
+            usual = max(verify_s, self.draft_s(depth, drafting, contexts) if self.draft_samples else 0.0)
             if depth in self._seen_depths and draft_s <= OUTLIER * usual:
-                self.draft_samples.append((float(depth), float(drafting), float(draft_s)))
+                self.draft_samples.append((float(depth), float(drafting), octaves, float(draft_s)))
                 if self._refit_drafts.due(len(self.draft_samples)):
-                    self._draft = None
+                    self._draft.clear()
             self._seen_depths.add(depth)
 
     def _fit_verify(self, octaves: float) -> tuple[float, ...]:
@@ -250,21 +253,30 @@ class MeasuredCosts(CostModel):
             self._verify[key] = (float(a), float(b), float(e), float(c), float(j))
         return self._verify[key]
 
-    def _fit_draft(self) -> tuple[float, float, float]:
-        """(d0, d1, d2); with one depth seen so far, proportional to the depth (d0 = 0); none
-        seen: free (the verify samples decide, and the first drafting step measures it)."""
-        if self._draft is None:
+    def _fit_draft(self, octaves: float | None = None) -> tuple[float, float, float]:
+        """(d0, d1, d2) weighted towards samples near `octaves` (None: all alike), kept per
+        half-octave; with one depth seen so far, proportional to the depth (d0 = 0); none seen:
+        free (the verify samples decide, and the first drafting step measures it). Local in the
+        cached length because a draft that reads the whole context (EAGLE-style, SpecVLM's pruned
+        one) costs more the longer it is: fitted over all lengths alike, the 16k steps of an
+        EAGLE-style draft priced its 0.5k ones ~3x too dear, and the default engine stopped
+        drafting at 0.5k where fixed k ran 1.56x plain (0.95x). A draft of a bounded window
+        (Sparrow's text-anchored one) costs the same at every length, and fits the same."""
+        key = None if octaves is None else round(2 * octaves)
+        if key not in self._draft:
             if not self.draft_samples:
                 return 0.0, 0.0, 0.0
             data = np.array(self.draft_samples)
+            w = np.ones(len(data)) if key is None else np.sqrt(_locality(data[:, 2], key / 2))
             depth, batch = data[:, 0], data[:, 0] * (data[:, 1] - 1)
             if len(set(depth)) < 2:
-                d1, d2 = _nonnegative_lstsq(np.column_stack([depth, batch]), data[:, 2])
-                self._draft = (0.0, float(d1), float(d2))
+                d1, d2 = _nonnegative_lstsq(np.column_stack([depth, batch]) * w[:, None], data[:, 3] * w)
+                self._draft[key] = (0.0, float(d1), float(d2))
             else:
-                d0, d1, d2 = _nonnegative_lstsq(np.column_stack([np.ones(len(data)), depth, batch]), data[:, 2])
-                self._draft = (float(d0), float(d1), float(d2))
-        return self._draft
+                d0, d1, d2 = _nonnegative_lstsq(np.column_stack([np.ones(len(data)), depth, batch]) * w[:, None],
+                                                data[:, 3] * w)
+                self._draft[key] = (float(d0), float(d1), float(d2))
+        return self._draft[key]
 
 
 def _least_deviations(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -37,7 +37,7 @@ class StubCosts(CostModel):
     def verify_s(self, rows, contexts, doubt=0.0):
         return self.a + sum(r * (self.b + self.c * x / 1000) for r, x in zip(rows, contexts))
 
-    def draft_s(self, depth, requests=1):
+    def draft_s(self, depth, requests=1, contexts=None):
         return self.d * depth * requests ** self.batch_power
 
     def record(self, rows, contexts, verify_s, depth, draft_s):
@@ -102,6 +102,43 @@ def test_measured_draft_costs_grow_with_the_requests_drafting():
     assert costs.draft_s(4, 8) == pytest.approx(0.0005 + 0.0012 + 0.0056, rel=1e-6)
     assert costs.draft_s(4) == pytest.approx(0.0017, rel=1e-6) and costs.draft_s(4, 0) == 0.0
     assert alone.draft_s(4, 8) == pytest.approx(alone.draft_s(4), rel=1e-6) == pytest.approx(0.0017, rel=1e-6)
+
+
+def test_a_draft_whose_cost_grows_with_the_context_is_priced_at_the_steps_length():
+    """An EAGLE-style draft reads the whole context: 4 levels cost ~1 ms at 0.5k and ~6 ms at 16k.
+    Fitted over all lengths alike, the 16k steps priced a 0.5k one ~3x too dear and the engine
+    stopped drafting at 0.5k where it paid (0.95x plain against fixed k's 1.56x). Fitted near
+    the step's length, each is priced as measured; a bounded draft (the same cost everywhere)
+    is priced the same everywhere."""
+    by_length, bounded = MeasuredCosts(), MeasuredCosts()
+    for _ in range(6):
+        for ctx in (500, 16_000):
+            for depth in (2, 4):
+                per_level = 0.00025 if ctx == 500 else 0.0015
+                by_length.record([depth + 1], [ctx], 0.01, depth, per_level * depth)
+                bounded.record([depth + 1], [ctx], 0.01, depth, 0.0003 * depth)
+    assert by_length.draft_s(4, 1, [500]) == pytest.approx(0.001, rel=0.1)
+    assert by_length.draft_s(4, 1, [16_000]) == pytest.approx(0.006, rel=0.1)
+    assert by_length.draft_s(4, 1, [500]) < by_length.draft_s(4) < by_length.draft_s(4, 1, [16_000])
+    for ctx in (500, 4000, 16_000):
+        assert bounded.draft_s(4, 1, [ctx]) == pytest.approx(0.0012, rel=1e-6)
+
+
+def test_a_draft_dear_only_at_long_lengths_still_drafts_at_short_ones():
+    """Through the policy: the same draft, acceptance and verify costs at 0.5k and 16k; only the
+    draft's cost differs by length. At 0.5k it drafts, at 16k (a draft dearer than what its
+    tokens save) it does not."""
+    costs = MeasuredCosts()
+    for _ in range(8):
+        for ctx in (500, 16_000):
+            for depth, rows in ((0, 1), (2, 3), (4, 5)):
+                verify = 0.004 + 0.0002 * rows + (0.0005 if rows > 1 else 0.0)
+                costs.record([rows], [ctx], verify, depth, (0.00025 if ctx == 500 else 0.004) * depth)
+    policy = DraftPolicy(K, adaptive=True, costs=costs)
+    policy.accepted, policy.rejected = 6.0, 4.0                 # an engine alpha of 0.6
+    assert costs.ready([500]) and costs.ready([16_000]) and costs.knows_jump([500]) and costs.knows_jump([16_000])
+    assert policy._best([request(0.6, 500)], [K], [0]) != [0]
+    assert policy._best([request(0.6, 16_000)], [K], [0]) == [0]
 
 
 def test_a_draft_that_stops_being_accepted_stops_drafting_within_a_few_steps():
