@@ -111,6 +111,14 @@ def _corrupt_speculative(monkeypatch):
     monkeypatch.setattr(sb, "run_one", corrupted)
 
 
+def test_each_two_reps_run_every_pair_of_methods_in_both_orders():
+    keys = ["plain", "sparrow", "sparrow@fixed", "eagle", "eagle@fixed"]
+    for start in (0, 2, 4, 6):
+        first, second = sb.rep_order(keys, start), sb.rep_order(keys, start + 1)
+        assert sorted(first) == sorted(keys) and second == first[::-1]
+    assert sb.rep_order(keys, 0)[0] != sb.rep_order(keys, 2)[0]          # and the first place moves
+
+
 def test_corrupted_output_fails_identity(models_dir, monkeypatch):
     _corrupt_speculative(monkeypatch)
     result = sb.run_benchmark(_config(models_dir, ("plain", "sparrow"), videos=VIDEOS[1:]), log=lambda _: None)
