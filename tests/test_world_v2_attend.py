@@ -91,10 +91,10 @@ def test_the_term_is_minus_log_the_heads_mass_on_the_cells():
     weights[0, 0, 4, [1, 2, 3, 4]] = torch.tensor([0.5, 0.2, 0.1, 0.2])
     weights[0, 1, 4, [0, 2]] = torch.tensor([0.6, 0.4])
     # cells 0 and 2 of the video: positions 1 and 3
-    assert attention_loss(weights, ids, pick, 9, [[0, 2]], (0,)).item() == pytest.approx(-np.log(0.6), rel=1e-5)
-    both = attention_loss(weights, ids, pick, 9, [[0, 2]], (0, 1)).item()
+    assert attention_loss(weights, ids, pick, 9, [[0, 2]], [(0,)]).item() == pytest.approx(-np.log(0.6), rel=1e-5)
+    both = attention_loss(weights, ids, pick, 9, [[0, 2]], [(0, 1)]).item()
     assert both == pytest.approx(-(np.log(0.6) + np.log(1e-6 + 0.0)) / 2, rel=1e-3)
-    assert attention_loss(weights, ids, pick, 9, [[]], (0,)) is None
+    assert attention_loss(weights, ids, pick, 9, [[]], [(0,)]) is None
     # each chat on its own heads (kinds on heads of their own): two chats, the second on head 1
     two = attention_loss(weights.expand(2, -1, -1, -1), ids.expand(2, -1), pick.expand(2, -1), 9, [[0, 2], [0, 2]],
                          [(0,), (1,)]).item()
@@ -159,7 +159,7 @@ def test_a_head_trained_on_it_looks_at_the_named_object(tiny):
     def mass() -> torch.Tensor:
         with attention_of(target, 1) as seen:
             _, ids, pick = pooled_logits(target, videos, [[qa] for qa in asked], decode=True)
-        return attention_loss(seen["weights"], ids, pick, target.video_token_id, cells, (0,))
+        return attention_loss(seen["weights"], ids, pick, target.video_token_id, cells, [(0,)] * len(cells))
 
     before = mass().item()
     for _ in range(40):
@@ -207,3 +207,12 @@ def test_an_event_question_looks_at_its_events_objects_at_its_moment():
     assert set(V2TargetConfig().attend_kinds) == set(ATTEND_KINDS)
     with pytest.raises(ValueError, match="attend_kinds"):
         V2Data(V2TargetConfig(**{**TINY, "attend_kinds": ("count_start",)}))
+
+
+def test_heads_the_model_does_not_have_are_refused_before_the_pool_renders(tiny, tmp_path):
+    c, target, _ = tiny                                   # 2 heads a layer
+    for extra in (dict(attend_heads=(2,)), dict(attend_head_of=("where=0", "size=1+2"))):
+        data = V2Data(V2TargetConfig(**TINY, attend_weight=1.0, **extra), tmp_path / "pool.pt")
+        with pytest.raises(ValueError, match="the language model has 2"):
+            data.prepare(target, [], lambda _: None)
+        assert not (tmp_path / "pool.pt").exists()

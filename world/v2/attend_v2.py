@@ -129,19 +129,18 @@ def head_map(items: tuple[str, ...], kinds: tuple[str, ...] = (*ATTEND_KINDS, *E
 
 
 def attention_loss(weights: torch.Tensor, ids: torch.Tensor, pick: torch.Tensor, video_token_id: int,
-                   cells: list[list[int]], heads: tuple[int, ...] | list[tuple[int, ...]]) -> torch.Tensor | None:
+                   cells: list[list[int]], heads: list[tuple[int, ...]]) -> torch.Tensor | None:
     """Mean over the chats with cells of -log(the attention mass `heads` put on the chat's cells),
     averaged over its heads and the positions that predict its answer (pick: (B, T-1), token
-    t+1 predicted at position t). heads: the same for every chat, or a list of each chat's.
+    t+1 predicted at position t). heads: each chat's heads.
     None when no chat has cells."""
     terms = []
     for b, chat in enumerate(cells):
         if not chat:
             continue
-        own = heads[b] if isinstance(heads, list) else heads
         visual = (ids[b] == video_token_id).nonzero()[:, 0]
         keys = visual[torch.tensor(chat, device=visual.device)]
         rows = pick[b].nonzero()[:, 0]
-        mass = weights[b, list(own)][:, rows][:, :, keys].sum(-1)        # (heads, answer positions)
+        mass = weights[b, list(heads[b])][:, rows][:, :, keys].sum(-1)        # (heads, answer positions)
         terms.append(-(mass.float() + 1e-6).log().mean())
     return torch.stack(terms).mean() if terms else None

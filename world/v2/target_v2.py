@@ -207,6 +207,11 @@ class V2Data:
         self.few_objects: dict[int, tuple[list[PooledScene], list[list[int]] | None]] = {}
 
     def prepare(self, target: TargetModel, stages: list[Stage], log: Callable[[str], None]) -> None:
+        if self.c.attend_weight:
+            n = target.hf.config.text_config.num_attention_heads
+            wanted = {h for heads in (self.c.attend_heads, *self.head_of.values()) for h in heads}
+            if max(wanted) >= n:
+                raise ValueError(f"attention heads {sorted(wanted)}: the language model has {n} (0-{n - 1})")
         self.pool = scene_pool(target, self.c, log, self.cache)
         self.same_length = length_groups(self.pool) if self.c.length_batches else None
         for most in sorted({s.objects for s in stages if s.objects}):
