@@ -14,6 +14,7 @@ the same cases on both hosts.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import time
@@ -26,6 +27,7 @@ from conftest_services import SPEC_KWARGS, RedisServer, free_port, start_redis
 
 from sparrow import SamplingParams, SpecConfig
 from sparrow.services.client import SparrowClient
+from sparrow.services.draft_service import RemoteDraftProposer
 from sparrow.services.protos import SERVICE_NAME, pb
 
 pytestmark = pytest.mark.slow
@@ -251,6 +253,7 @@ WATCH_AFTER_KILL_S, WATCH_AFTER_KILL_CHUNKS = 2.5, 20
 # first draft calls miss the remote draft's failover bound, and the stream rightly falls back to
 # the colocated draft; no replica then serves it, and the kill tests nothing: it streams again.
 FALLBACK_ATTEMPTS = 3
+DRAFT_RETRY_AFTER_S = inspect.signature(RemoteDraftProposer).parameters["retry_after_s"].default
 
 
 def stream_through_a_kill(app, client, clips, remote_reference_engine, kill) -> tuple[dict, dict, float]:
@@ -305,10 +308,21 @@ def stream_through_a_kill(app, client, clips, remote_reference_engine, kill) -> 
 # Each kill test needs two live draft replicas, and Serve takes 10-20 s to replace one: the kill
 # tests are spread among tests that do not kill, so Serve replaces meanwhile.
 def killed_one_draft_replica_mid_stream(app, client, clips, remote_reference_engine, kill) -> None:
-    """kill(victim) mid-stream: the answer is the reference's, the stream never stalls."""
-    before, stats, stall = stream_through_a_kill(app, client, clips, remote_reference_engine, kill)
-    # The dead replica is detected and routed around at once: no call waits out a timeout.
-    assert stall < 2.0, f"the stream stalled {stall:.2f} s after the draft replica died"
+    """kill(victim) mid-stream: the answer is the reference's, the stream never stalls, and the
+    other replica takes the session over. On a loaded box (a fresh-clone CI run) the calls after
+    the kill can miss draft_failover_s (1 s) and the stream rightly drafts in process, answer
+    and stall bound kept: that attempt proves the answer, not the takeover, so the kill is
+    repeated (on a fresh stream, once Serve has replaced the victim), up to FALLBACK_ATTEMPTS."""
+    for attempt in range(FALLBACK_ATTEMPTS):
+        before, stats, stall = stream_through_a_kill(app, client, clips, remote_reference_engine, kill)
+        # The dead replica is detected and routed around at once: no call waits out a timeout.
+        assert stall < 2.0, f"the stream stalled {stall:.2f} s after the draft replica died"
+        if stats["draft_fallbacks"] == before["draft_fallbacks"]:
+            break
+        print(f"attempt {attempt + 1}: the stream fell back to the colocated draft after the kill")
+        time.sleep(DRAFT_RETRY_AFTER_S)    # the target waits this long before it calls replicas again
+    else:
+        raise AssertionError(f"after each of {FALLBACK_ATTEMPTS} kills the stream fell back to the colocated draft")
     # The other replica rebuilt the session (after a failed call, or one Serve rerouted; Serve's
     # session affinity is best effort, so sessions may also move between live replicas) ...
     assert stats["draft_failovers"] + stats["draft_rebuilds"] > before["draft_failovers"] + before["draft_rebuilds"]
