@@ -64,8 +64,10 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, config: EngineConfig, costs: CostModel | None = None):
         self.runner, self.config = runner, config
         spec, drafts = runner.spec, runner.proposer is not None
-        self.policy = DraftPolicy(spec.num_draft_tokens if drafts else 0, spec.adaptive_k, costs)
         self.trim = TreeTrim() if spec.adaptive_tree and drafts else None
+        # the step costs are measured where they are read: the adaptive k, the tree cut
+        self.policy = DraftPolicy(spec.num_draft_tokens if drafts else 0, spec.adaptive_k, costs,
+                                  measure=spec.adaptive_k or self.trim is not None)
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._ready: deque[Request] = deque()        # prepared, handed over by worker threads

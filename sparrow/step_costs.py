@@ -75,6 +75,7 @@ PAIR_GAP = 1.0         # seconds between two steps' ends within which their diff
 PAIR_OCTAVES = 0.1     # ... and how far apart their mean cached lengths may be (the same batch, a few tokens on)
 RECENT_HALF_LIFE = 16  # samples over which a sample's weight in the fixed costs (a, e) halves
 ROBUST_PASSES = 8      # reweighted passes of the least-deviations fit of the pairs
+SINGULAR = 1e-10       # a normal-equations determinant this small against its diagonal's: numpy's lstsq instead
 # Past FRESH samples the fits are redone every REFIT_EVERY samples (pairs, draft steps), not after every step:
 # the policy reads them each step, and at batch 8 refitting after every step was ~8% of a 0.5k
 # step's time (profiled). With recency's half-life of 16 samples a fit 3 samples old differs little.
@@ -87,7 +88,9 @@ STEP = [ROWS, ATTENTION, DRAFTING]        # the terms two steps of one batch dif
 
 
 class CostModel(Protocol):
-    """Seconds a step would take; what the policy compares expected tokens against."""
+    """Seconds a step would take; what the policy compares expected tokens against. `version`,
+    where a model has one, changes whenever its answers may have (a refit); a model without
+    one is asked afresh every step."""
 
     def ready(self, contexts: Sequence[int] | None = None) -> bool: ...
 
@@ -127,16 +130,46 @@ class _Refits:
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: a coefficient the fit would make negative is
-    dropped (0) and the rest refitted (an active set, at most as many passes as columns)."""
+    dropped (0) and the rest refitted (an active set, at most as many passes as columns). The fits
+    here have at most 3 columns, so each pass solves the normal equations in closed form (~8 us
+    where an SVD a pass was ~18, and several times that in a step's cold caches: the policy refits
+    every few steps); where they are near singular, by numpy's least squares."""
+    gram, rhs = (x.T @ x).tolist(), (x.T @ y).tolist()
     active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
+    coef = [0.0] * x.shape[1]
     while active:
-        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            return coef
-        active.pop(int(np.argmin(sol)))
-    return coef
+        sol = _solve_small([[gram[i][j] for j in active] for i in active], [rhs[i] for i in active])
+        if sol is None:
+            sol = np.linalg.lstsq(x[:, active], y, rcond=None)[0].tolist()
+        if min(sol) >= 0:
+            for i, v in zip(active, sol):
+                coef[i] = v
+            break
+        active.pop(sol.index(min(sol)))
+    return np.array(coef)
+
+
+def _solve_small(g: list[list[float]], h: list[float]) -> list[float] | None:
+    """g @ s = h for a symmetric positive semi-definite g of side 1-3, by Cramer's rule; None
+    when g is (near) singular or larger."""
+    n = len(h)
+    if n == 1:
+        return [h[0] / g[0][0]] if g[0][0] > 0 else None
+    if n == 2:
+        det = g[0][0] * g[1][1] - g[0][1] * g[1][0]
+        if not abs(det) > SINGULAR * abs(g[0][0] * g[1][1]):
+            return None
+        return [(h[0] * g[1][1] - g[0][1] * h[1]) / det, (g[0][0] * h[1] - h[0] * g[1][0]) / det]
+    if n != 3:
+        return None
+    (a, b, c), (d, e, f), (p, q, r) = g
+    minors = [[e * r - f * q, c * q - b * r, b * f - c * e],
+              [f * p - d * r, a * r - c * p, c * d - a * f],
+              [d * q - e * p, b * p - a * q, a * e - b * d]]
+    det = a * minors[0][0] + b * minors[1][0] + c * minors[2][0]
+    if not abs(det) > SINGULAR * abs(a * e * r):
+        return None
+    return [sum(m * v for m, v in zip(row, h)) / det for row in minors]
 
 
 class MeasuredCosts(CostModel):
@@ -156,6 +189,7 @@ class MeasuredCosts(CostModel):
         self._seen_depths: set[int] = set()
         self._last: tuple[tuple[float, ...], float] | None = None     # the last sample, and when it was recorded
         self._refit_samples, self._refit_pairs, self._refit_drafts = _Refits(), _Refits(), _Refits()
+        self.version = 0      # bumped whenever a fit is to be redone: what the model says may have changed
 
     def ready(self, contexts: Sequence[int] | None = None) -> bool:
         """A row's cost and the step's are apart: near this length two consecutive drafting
@@ -196,7 +230,7 @@ class MeasuredCosts(CostModel):
     def record(self, rows: Sequence[int], contexts: Sequence[int], verify_s: float, depth: int,
                draft_s: float) -> None:
         total, octaves = int(sum(rows)), _octaves(contexts)
-        size = (total, round(octaves))
+        size, refit = (total, round(octaves)), False
         if size in self._seen_rows and not (self.ready(contexts) and verify_s > OUTLIER * self.verify_s(rows, contexts)):
             sample = (float(total), sum(contexts) / 1000.0, _attention(rows, contexts), float(sum(r > 1 for r in rows)),
                       octaves, float(len(rows)), float(verify_s))
@@ -209,10 +243,13 @@ class MeasuredCosts(CostModel):
                     self.pairs.append(diff[:OCTAVES] + ((sample[OCTAVES] + last[OCTAVES]) / 2,) + diff[REQUESTS:])
                     if self._refit_pairs.due(len(self.pairs)):
                         self._steps.clear()
+                        self.version += 1
             self.verify_samples.append(sample)
             self._last = (sample, now)
-            if self._refit_samples.due(len(self.verify_samples), now=not self._steps):
+            refit = self._refit_samples.due(len(self.verify_samples), now=not self._steps)
+            if refit:
                 self._verify.clear()
+                self.version += 1
         else:
             self._last = None          # a step that is no sample breaks the run of consecutive ones
         self._seen_rows.add(size)
@@ -223,8 +260,11 @@ class MeasuredCosts(CostModel):
             usual = max(verify_s, self.draft_s(depth, drafting, contexts) if self.draft_samples else 0.0)
             if depth in self._seen_depths and draft_s <= OUTLIER * usual:
                 self.draft_samples.append((float(depth), float(drafting), octaves, float(draft_s)))
-                if self._refit_drafts.due(len(self.draft_samples)):
+                # with the verify fit's when that is redone: one step in REFIT_EVERY redoes both, and the
+                # policy keeps its choice between (DraftPolicy.choose)
+                if self._refit_drafts.due(len(self.draft_samples), now=refit):
                     self._draft.clear()
+                    self.version += 1
             self._seen_depths.add(depth)
 
     def _fit_verify(self, octaves: float) -> tuple[float, ...]:

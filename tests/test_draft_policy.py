@@ -444,3 +444,89 @@ def test_acceptance_that_comes_in_runs_is_valued_as_measured():
     assert policy.engine_alpha == pytest.approx(0.75, abs=0.01)
     assert policy.expected_tokens(fresh) == pytest.approx(emitted, abs=0.05)
     assert policy.choose([fresh]) == [K]                 # 2.9 tokens for 2.45 steps' cost beats 1.5 for 1.55
+
+
+class VersionedCosts(StubCosts):
+    """StubCosts with a version (MeasuredCosts bumps its own at each refit)."""
+
+    version = 0
+
+
+def test_a_choice_at_every_cap_is_kept_while_its_drafts_are_accepted_and_the_fit_stands():
+    """The search and the fits it reads were ~0.5 ms of a ~7 ms 0.5k step (world pair, one
+    stream). A search that put every request at its cap is kept for the next step when that
+    step accepted every draft (each alpha rose, which makes deeper drafts worth more) and the
+    cost model is the same (its version); a rejection, a refit or another batch searches again.
+    Kept or searched, the ks are what the search says."""
+    costs = VersionedCosts(a=0.003, b=0.0002, d=0.0004)
+    policy = DraftPolicy(K, adaptive=True, costs=costs)
+    batch = [request(0.9, 500), request(0.8, 500)]
+
+    def step(rejects: int = 0) -> int:
+        """One step, the last request's last draft rejected `rejects` times; the kept steps so far."""
+        ks = policy.choose(batch)
+        assert ks == policy._best(batch, [K] * len(batch), list(range(len(batch)))) == [K] * len(batch)
+        policy.record(batch, [k + 1 for k in ks], 0.0, max(ks), 0.0, ks, ks[:-1] + [ks[-1] - rejects])
+        return policy.kept_steps
+
+    assert [step(), step(), step()] == [0, 1, 2]
+    assert [step(rejects=1), step(), step()] == [3, 3, 4]      # searched after the rejection
+    costs.version += 1
+    assert [step(), step()] == [4, 5]                          # searched after the refit
+    batch[1] = request(0.8, 500)                               # another request in the batch
+    assert [step(), step()] == [5, 6]
+    batch.append(request(0.9, 500, remaining=3))               # a cap below K: never all at K
+    ks = policy.choose(batch)
+    assert ks[-1] == 2 and policy.kept_steps == 6
+
+
+def test_a_cost_model_without_a_version_is_asked_every_step():
+    policy = DraftPolicy(K, adaptive=True, costs=StubCosts(a=0.003, b=0.0002, d=0.0004))
+    batch = [request(0.9, 500)]
+    for _ in range(4):
+        ks = policy.choose(batch)
+        policy.record(batch, [k + 1 for k in ks], 0.0, max(ks), 0.0, ks, ks)
+    assert ks == [K] and policy.kept_steps == 0
+
+
+def test_a_policy_whose_costs_nobody_reads_does_not_measure_them(qwen_target, small_video):
+    """A fixed k with chains reads no cost (the adaptive k and the tree cut do): its steps do
+    not feed the model, whose refits were ~0.2 ms of a 0.5k step; the adaptive engine's do."""
+    draft = tiny_draft(qwen_target, seed=3)
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    recorded = {}
+    for adaptive in (False, True):
+        costs = StubCosts(a=0.01)
+        spec = SpecConfig(num_draft_tokens=K, window=8, anchors=16, adaptive_k=adaptive)
+        out = Engine(qwen_target, draft, spec, step_costs=costs).generate(small_video, "What happens?", sampling)
+        assert out.metrics.draft_tokens > 0
+        recorded[adaptive] = len(costs.recorded)
+    assert recorded == {False: 0, True: recorded[True]} and recorded[True] > 0
+
+
+def test_the_closed_form_nonnegative_fit_equals_the_svd_one():
+    """step_costs fits by the normal equations in closed form (1-3 columns; numpy's least
+    squares where they are near singular): on random problems, columns of very different scales
+    and near-collinear ones (a row's cost and its attention at one length), the coefficients are
+    those of the same active set solved by SVD."""
+    from sparrow.step_costs import _nonnegative_lstsq
+
+    def reference(x, y):
+        active, coef = list(range(x.shape[1])), np.zeros(x.shape[1])
+        while active:
+            sol = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+            if (sol >= 0).all():
+                coef[active] = sol
+                return coef
+            active.pop(int(np.argmin(sol)))
+        return coef
+
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        n = int(rng.integers(1, 4))
+        x = rng.random((int(rng.integers(n, 64)), n)) * rng.choice([1e-3, 1.0, 30.0], n)
+        if n > 1 and rng.random() < 0.3:
+            x[:, -1] = 25 * x[:, 0] + 1e-4 * rng.random(len(x))         # near collinear
+        y = 0.01 * rng.normal(size=len(x)) + 0.001 * x @ rng.normal(size=n)
+        want = reference(x, y)
+        np.testing.assert_allclose(_nonnegative_lstsq(x, y), want, rtol=0, atol=1e-9 * max(1e-12, np.abs(want).max()))
