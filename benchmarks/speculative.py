@@ -244,6 +244,7 @@ def summarize(runs: list[dict], k: int) -> list[dict]:
             "accepted_per_step": accepted / steps if steps else 0.0,
             "acceptance_per_position": per_pos,
             "draft_ms_per_step": statistics.median(m["draft_seconds"] * 1e3 / max(1, m["steps"]) for m in ms),
+            "policy_ms_per_step": statistics.median(m.get("policy_seconds", 0.0) * 1e3 / max(1, m["steps"]) for m in ms),
             "verify_ms_per_step": statistics.median((m["verify_seconds"] or m["decode_seconds"]) * 1e3
                                                     / max(1, m["steps"]) for m in ms),
             "draft_kv_bytes": max(mem) if mem else None,

@@ -69,6 +69,14 @@ def _bytes(n: int | None) -> str:
     return f"{n} B"
 
 
+def _step_ms(row: dict) -> str:
+    """A summary row's verify / draft / policy ms a step (medians; a run from before the policy
+    was timed has no policy figure)."""
+    policy = row.get("policy_ms_per_step")
+    return (f"{row['verify_ms_per_step']:.2f} / {row['draft_ms_per_step']:.2f} / "
+            + (f"{policy:.2f}" if policy is not None else "-"))
+
+
 def _x(v: float | None) -> str:
     return f"{v:.2f}x" if v is not None else "-"
 
@@ -181,7 +189,8 @@ def report(result: dict, plot_path: str | None = None) -> str:
                              f"{r['verify_ms_per_step']:.2f} / {_bytes(r['draft_kv_bytes'])}")
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         lines += ["", "| visual tokens | method | decode ms/token | decode speedup | end-to-end s | end-to-end speedup "
-                  "| tau | accepted/step | acceptance per position | draft keys |", "|---" * 10 + "|"]
+                  "| tau | accepted/step | acceptance per position | draft keys | ms a step: verify / draft / policy |",
+                  "|---" * 11 + "|"]
         for n in sizes:
             for m in shown:
                 r = _find(summary, m, temp, n)
@@ -189,7 +198,7 @@ def report(result: dict, plot_path: str | None = None) -> str:
                     pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"]) or "-"
                     lines.append(f"| {n} | {m} | {r['decode_ms_per_token']:.2f} | {_x(r['decode_speedup'])} | "
                                  f"{r['e2e_seconds']:.2f} | {_x(r['e2e_speedup'])} | {r['tau']:.2f} | "
-                                 f"{r['accepted_per_step']:.2f} | {pos} | {r['draft_max_keys'] or '-'} |")
+                                 f"{r['accepted_per_step']:.2f} | {pos} | {r['draft_max_keys'] or '-'} | {_step_ms(r)} |")
         lines.append("")
     lines += ablation_table(result) + bars_table(result)
     if result.get("gpu"):

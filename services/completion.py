@@ -22,5 +22,5 @@ def completion(output: GenerationOutput) -> pb.Completion:
             accepted_tokens=m.accepted_tokens, mean_acceptance_length=m.mean_acceptance_length,
             accepted_per_step=m.accepted_per_step, acceptance_rate_per_position=m.acceptance_rate_per_position,
             video_seconds=m.video_seconds, prefill_seconds=m.prefill_seconds, decode_seconds=m.decode_seconds,
-            draft_seconds=m.draft_seconds, verify_seconds=m.verify_seconds,
+            draft_seconds=m.draft_seconds, verify_seconds=m.verify_seconds, policy_seconds=m.policy_seconds,
             decode_tokens_per_second=m.decode_tokens_per_second))

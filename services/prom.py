@@ -378,7 +378,7 @@ def spec_metrics_from_completion(completion) -> SpecMetrics:
         prompt_tokens=u.prompt_tokens, visual_tokens=u.visual_tokens, completion_tokens=u.completion_tokens,
         cached_prompt_tokens=u.cached_prompt_tokens, video_seconds=m.video_seconds,
         prefill_seconds=m.prefill_seconds, decode_seconds=m.decode_seconds, draft_seconds=m.draft_seconds,
-        verify_seconds=m.verify_seconds)
+        verify_seconds=m.verify_seconds, policy_seconds=m.policy_seconds)
 
 
 def finish_reason_name(completion) -> str:

@@ -26,6 +26,7 @@ class SpecMetrics:
     decode_seconds: float = 0.0           # after prefill until the last token
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    policy_seconds: float = 0.0           # deciding the steps' k (and cutting their trees), measuring their costs
     draft_max_keys: int = 0               # most keys one draft query attended to (DraftState.max_keys)
     draft_kv_bytes: int = 0               # draft KV memory the request held at its end (DraftState.kv_bytes)
 

@@ -436,30 +436,39 @@ class Scheduler:
         batch = list(self._running)
         if not batch:
             return
+        t0 = time.perf_counter()
         ks = self.policy.choose(batch)
+        policy_s = time.perf_counter() - t0
         proposals = self.runner.propose(batch, ks)
         if self.trim is not None:
+            t0 = time.perf_counter()
             proposals = self.trim.cut(batch, proposals, self.policy.linear_costs(batch))
+            policy_s += time.perf_counter() - t0
         results = self.runner.verify(batch, proposals)
         self.runner.commit(batch, results)
-        self._record(batch, ks, proposals, results)
+        self._record(batch, ks, proposals, results, policy_s)
         for request, result in zip(batch, results):
             self._emit(request, result.tokens)
 
-    def _record(self, batch: list[Request], ks: list[int], proposals: list, results: list) -> None:
-        """What the step measured: the policies' cost fits, each request's metrics and acceptance."""
+    def _record(self, batch: list[Request], ks: list[int], proposals: list, results: list, policy_s: float) -> None:
+        """What the step measured: the policies' cost fits, each request's metrics and acceptance.
+        policy_s: the step's time in the policies so far (their records are added here)."""
         times = self.runner.times
         self.stats["steps"] += 1
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
         rows = [1 + (p.size if p is not None else 0) for p in proposals]
+        t0 = time.perf_counter()
         self.policy.record(batch, rows, times.verify_s, max(ks), times.draft_s, ks,
                            [res.accept.num_accepted for res in results])
-        for request, k, proposal, result in zip(batch, ks, proposals, results):
-            if self.trim is not None:
+        if self.trim is not None:
+            for proposal, result in zip(proposals, results):
                 self.trim.record(proposal, result.accept.num_accepted)
+        policy_s += time.perf_counter() - t0
+        for request, k, proposal, result in zip(batch, ks, proposals, results):
             m = request.metrics
             m.draft_seconds += times.draft_s
             m.verify_seconds += times.verify_s
+            m.policy_seconds += policy_s
             m.record_step(k, result.accept.num_accepted, proposal.size if proposal is not None else 0)
 
     def _emit(self, request: Request, tokens: list[int]) -> None:

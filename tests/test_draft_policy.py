@@ -491,7 +491,8 @@ def test_a_cost_model_without_a_version_is_asked_every_step():
 
 def test_a_policy_whose_costs_nobody_reads_does_not_measure_them(qwen_target, small_video):
     """A fixed k with chains reads no cost (the adaptive k and the tree cut do): its steps do
-    not feed the model, whose refits were ~0.2 ms of a 0.5k step; the adaptive engine's do."""
+    not feed the model, whose refits were ~0.2 ms of a 0.5k step; the adaptive engine's do.
+    Either way a request's metrics hold its steps' time in the policy (policy_seconds)."""
     draft = tiny_draft(qwen_target, seed=3)
     sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
     recorded = {}
@@ -500,6 +501,7 @@ def test_a_policy_whose_costs_nobody_reads_does_not_measure_them(qwen_target, sm
         spec = SpecConfig(num_draft_tokens=K, window=8, anchors=16, adaptive_k=adaptive)
         out = Engine(qwen_target, draft, spec, step_costs=costs).generate(small_video, "What happens?", sampling)
         assert out.metrics.draft_tokens > 0
+        assert 0 < out.metrics.policy_seconds < out.metrics.decode_seconds      # the policy's time, timed
         recorded[adaptive] = len(costs.recorded)
     assert recorded == {False: 0, True: recorded[True]} and recorded[True] > 0
 

@@ -301,7 +301,10 @@ def test_observe_stream_records_what_the_host_streams(requests_done, endpoint):
     asyncio.run(consume())
     got = scrape(server.url)
     m = output.metrics
-    assert prom.spec_metrics_from_completion(completion(output)).accepted_per_position == m.accepted_per_position
+    back = prom.spec_metrics_from_completion(completion(output))
+    assert back.accepted_per_position == m.accepted_per_position
+    assert (back.draft_seconds, back.verify_seconds, back.policy_seconds) == (m.draft_seconds, m.verify_seconds,
+                                                                             m.policy_seconds)
     assert got[("sparrow:spec_decode_num_accepted_tokens_total", labels)] == m.accepted_tokens
     for i, count in enumerate(m.accepted_per_position):
         assert got[("sparrow:spec_decode_num_accepted_tokens_per_pos_total", labels | {("position", str(i))})] == count
