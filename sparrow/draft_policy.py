@@ -3,14 +3,39 @@ verifying (TreeTrim), both from costs measured on this machine and this batch.""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import time
 
 from .request import Request
 from .step_costs import CostModel, MeasuredCosts
 
 
-class DraftPolicy:
+def _timed(method):
+    """A policy method whose time goes to its object's `seconds`, which `lap` reads and
+    resets: each request's metrics.policy_seconds (the scheduler adds each step's lap)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+    return timed
+
+
+class _Laps:
+    """The time in the policy's methods since the last lap."""
+
+    seconds = 0.0
+
+    def lap(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+class DraftPolicy(_Laps):
     """k per request per step, from what a step costs on this machine (a CostModel, step_costs.py:
     fitted online by default) and each request's per-token acceptance alpha, estimated from its
     accepted and rejected draft tokens. A request drafting k tokens is expected to emit what such
@@ -126,6 +151,7 @@ class DraftPolicy:
             out.append(out[-1] + reach)
         return out
 
+    @_timed
     def choose(self, batch: list[Request]) -> list[int]:
         caps = [min(r.k, max(0, r.output.remaining - 1)) if r.draft_state is not None else 0 for r in batch]
         free = [i for i, r in enumerate(batch) if not r.pinned_k and caps[i] > 0]
@@ -137,7 +163,7 @@ class DraftPolicy:
             # new ground: two drafting depths in turn (both emit tokens)
             k = (self.k_max if n % 2 == 0 else self.k_max // 2) if not self.costs.ready(ctx) else n % (self.k_max + 1)
             return [min(c, k) if i in free else c for i, c in enumerate(caps)]
-        version = getattr(self.costs, "version", None)
+        version = self.costs.version
         if version is not None and self._kept == (_batch_key(batch), tuple(caps), version):
             self.kept_steps += 1
             self._chosen = self._kept[1]
@@ -223,6 +249,7 @@ class DraftPolicy:
                 out.add(i)
         return out
 
+    @_timed
     def linear_costs(self, batch: list[Request]) -> tuple[float, float] | None:
         """A drafting step of the batch as a + b * (draft nodes verified): its verify time with
         no node (the line through its drafting steps, which a decode step does not lie on) and
@@ -233,6 +260,7 @@ class DraftPolicy:
         one, two = self.costs.verify_s([2] * len(batch), ctx), self.costs.verify_s([3] * len(batch), ctx)
         return 2 * one - two, (two - one) / len(batch)
 
+    @_timed
     def record(self, batch: list[Request], rows: list[int], verify_s: float, depth: int, draft_s: float,
                ks: list[int], accepted: list[int]) -> None:
         """What a step measured: its costs, and each drafting request's accepted drafts (a
@@ -254,7 +282,7 @@ class DraftPolicy:
             self._kept = (_batch_key(batch), chosen, self.costs.version)
 
 
-class TreeTrim:
+class TreeTrim(_Laps):
     """Cut each step's greedy draft trees to the nodes worth verifying, from measured costs.
 
     A step's verify time is a + b * (draft nodes verified) (DraftPolicy.linear_costs, from the
@@ -279,6 +307,7 @@ class TreeTrim:
     def calibration(self) -> float:
         return min(2.0, max(0.1, self.accepted / self.predicted))
 
+    @_timed
     def cut(self, batch: list[Request], proposals: list, fit: tuple[float, float] | None) -> list:
         step = next(self._steps)
         cuttable = [i for i, (r, p) in enumerate(zip(batch, proposals))
@@ -309,11 +338,13 @@ class TreeTrim:
             out[i] = proposals[i].best(keep[i]) if keep[i] > 0 else None
         return out
 
-    def record(self, proposal, num_accepted: int) -> None:
-        if proposal is None or proposal.scores is None:
-            return
-        self.predicted = 0.98 * self.predicted + float(proposal.scores.exp().sum())
-        self.accepted = 0.98 * self.accepted + num_accepted
+    @_timed
+    def record(self, proposals: list, accepted: list[int]) -> None:
+        """A step's trees (None: no draft) and each one's accepted drafts."""
+        for proposal, n in zip(proposals, accepted):
+            if proposal is not None and proposal.scores is not None:
+                self.predicted = 0.98 * self.predicted + float(proposal.scores.exp().sum())
+                self.accepted = 0.98 * self.accepted + n
 
 
 def _expected_tokens(alpha: float, k: int) -> float:

@@ -65,9 +65,8 @@ class Scheduler:
         self.runner, self.config = runner, config
         spec, drafts = runner.spec, runner.proposer is not None
         self.trim = TreeTrim() if spec.adaptive_tree and drafts else None
-        # the step costs are measured where they are read: the adaptive k, the tree cut
         self.policy = DraftPolicy(spec.num_draft_tokens if drafts else 0, spec.adaptive_k, costs,
-                                  measure=spec.adaptive_k or self.trim is not None)
+                                  measure=spec.adaptive_k or self.trim is not None)   # costs read by k or the cut
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._ready: deque[Request] = deque()        # prepared, handed over by worker threads
@@ -436,34 +435,27 @@ class Scheduler:
         batch = list(self._running)
         if not batch:
             return
-        t0 = time.perf_counter()
         ks = self.policy.choose(batch)
-        policy_s = time.perf_counter() - t0
         proposals = self.runner.propose(batch, ks)
         if self.trim is not None:
-            t0 = time.perf_counter()
             proposals = self.trim.cut(batch, proposals, self.policy.linear_costs(batch))
-            policy_s += time.perf_counter() - t0
         results = self.runner.verify(batch, proposals)
         self.runner.commit(batch, results)
-        self._record(batch, ks, proposals, results, policy_s)
+        self._record(batch, ks, proposals, results)
         for request, result in zip(batch, results):
             self._emit(request, result.tokens)
 
-    def _record(self, batch: list[Request], ks: list[int], proposals: list, results: list, policy_s: float) -> None:
-        """What the step measured: the policies' cost fits, each request's metrics and acceptance.
-        policy_s: the step's time in the policies so far (their records are added here)."""
+    def _record(self, batch: list[Request], ks: list[int], proposals: list, results: list) -> None:
+        """What the step measured: the policies' cost fits, each request's metrics and acceptance."""
         times = self.runner.times
         self.stats["steps"] += 1
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
         rows = [1 + (p.size if p is not None else 0) for p in proposals]
-        t0 = time.perf_counter()
         self.policy.record(batch, rows, times.verify_s, max(ks), times.draft_s, ks,
                            [res.accept.num_accepted for res in results])
         if self.trim is not None:
-            for proposal, result in zip(proposals, results):
-                self.trim.record(proposal, result.accept.num_accepted)
-        policy_s += time.perf_counter() - t0
+            self.trim.record(proposals, [res.accept.num_accepted for res in results])
+        policy_s = self.policy.lap() + (self.trim.lap() if self.trim is not None else 0.0)
         for request, k, proposal, result in zip(batch, ks, proposals, results):
             m = request.metrics
             m.draft_seconds += times.draft_s

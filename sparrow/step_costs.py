@@ -90,7 +90,9 @@ STEP = [ROWS, ATTENTION, DRAFTING]        # the terms two steps of one batch dif
 class CostModel(Protocol):
     """Seconds a step would take; what the policy compares expected tokens against. `version`,
     where a model has one, changes whenever its answers may have (a refit); a model without
-    one is asked afresh every step."""
+    one (None) is asked afresh every step."""
+
+    version: int | None = None
 
     def ready(self, contexts: Sequence[int] | None = None) -> bool: ...
 

@@ -175,16 +175,22 @@ def test_cancel_abort_and_deadline_free_state_on_ray(app, client, clips):
 
 
 def test_draft_calls_stay_on_one_draft_replica(app, client, clips, remote_reference_engine):
-    """A target replica's draft calls all reach the draft replica that holds its sessions
-    (rendezvous routing of its client id): with two draft replicas and nothing failing, no
-    session is ever answered need_context and rebuilt elsewhere."""
-    before = app.stats()
+    """A target replica's draft calls reach the draft replica that holds its sessions (its client
+    id as Serve's multiplexed model id): with two draft replicas and nothing failing, sessions
+    are not answered need_context and rebuilt elsewhere. Serve's affinity is best effort: a
+    replica slow to answer Serve's queue-length probe (0.1 s; a loaded CI box: 2 rebuilds in one
+    run) is passed over for the other, where that session rebuilds once; calls routed at random
+    between the two would rebuild about every other step."""
+    before, steps = app.stats(), 0
     for seed, name in enumerate("abcd"):
         sampling = dict(max_new_tokens=16, temperature=1.0, seed=seed) if seed % 2 else dict(max_new_tokens=16)
         expected = reference(remote_reference_engine, clips.data[name], PROMPTS[0], **sampling)
-        assert client.generate(PROMPTS[0], data=clips.data[name], **sampling).token_ids == expected.token_ids
+        got = client.generate(PROMPTS[0], data=clips.data[name], **sampling)
+        assert got.token_ids == expected.token_ids
+        steps += got.completion.metrics.steps
     after = app.stats()
-    assert (after["draft_rebuilds"], after["draft_failovers"]) == (before["draft_rebuilds"], before["draft_failovers"])
+    assert after["draft_failovers"] == before["draft_failovers"]
+    assert after["draft_rebuilds"] - before["draft_rebuilds"] <= steps // 4, (after["draft_rebuilds"], steps)
 
 
 # ----- finding draft replicas and killing one mid-stream (the kill tests below) -----------------------------
