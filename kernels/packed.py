@@ -50,10 +50,8 @@ _NEG_INF = float("-inf")
 # on the 2-core CPU, one thread, 2 kv heads of dim 32 (kernels/README.md).
 DENSE_PREFIX = 8192
 # A ragged batch on a CPU: every request of a layer in one call of the compiled kernel
-# (verify_attention_ragged) where the kernel was measured fastest for the longest request's
-# shape (or is forced). At 8 requests over 0.5k keys a 5-token step's
-# attention is 172 us a layer against 314 us for one call a request (one thread; at 25k keys the
-# same, 0.72 ms either way); off (or SPARROW_VERIFY_ONE_CALL=0): one call a request
+# (verify_attention_ragged) where that was measured faster than one call a request for the
+# batch's shape (ragged_form, or forced). Off (or SPARROW_VERIFY_ONE_CALL=0): one call a request
 # (verify_attention_packed's paths).
 FORCED_PATH = autotune.FORCED
 ONE_CALL = os.environ.get("SPARROW_VERIFY_ONE_CALL", "1").strip() != "0"
@@ -263,18 +261,79 @@ def verify_attention_ragged(query: torch.Tensor, views: list[tuple[torch.Tensor,
     """A ragged batch's step for one layer in one call (models/ragged.py): request s is rows
     bounds[s] = (start, end) of the packed queries (1, Hq, N, D), over its views[s] = (k, v), its
     cache with the new rows last, among which it sees trees[s] (None: causal). -> (1, N, Hq, Dv)
-    in q's dtype; None where no one-call kernel applies (off the CPU, or cpu_prefix not built)."""
-    if not ONE_CALL or query.device.type != "cpu":
+    in q's dtype; None where no one-call kernel applies (off the CPU, or cpu_prefix not built) or
+    one call a request was measured faster for this batch (ragged_form)."""
+    if not ONE_CALL or query.device.type != "cpu" or not cpu_prefix.ready():
         return None
     if FORCED_PATH not in (None, "kernel"):
         return None
-    longest = max(range(len(views)), key=lambda s: views[s][0].shape[2])
-    (start, end), k = bounds[longest], views[longest][0]
-    if FORCED_PATH != "kernel" and cpu_path(query[:, :, start:end], k, k.shape[2] - (end - start)) != "kernel":
-        return None          # the kernel only where it was measured fastest (or forced): one call a request
+    if FORCED_PATH != "kernel" and ragged_form(query, views, bounds) != "one":
+        return None
     out = cpu_prefix.ragged_attention(query, [k for k, _ in views], [v for _, v in views], [b[0] for b in bounds],
                                       [b[1] for b in bounds], trees, query.shape[-1] ** -0.5)
     return None if out is None else out.to(query.dtype).unsqueeze(0)
+
+
+# How a ragged batch's layer is served on a CPU: "one" call of the compiled kernel for every
+# request, or "each" request by its own measured path (packed_attention). The one call saves a
+# handful of torch calls a request (~70 us each, mostly per-call overhead, at 0.5k keys): measured
+# on a 2-core EPYC, 8 requests of 5 rows over 0.5k keys took 0.30 ms in one call against 0.73 ms
+# by dense SDPA a request, where the kernel alone a request (0.10 ms) loses to dense (0.06 ms), so
+# choosing the one call by the per-request path's timing kept 48 calls a step at 0.5k.
+RAGGED_FORMS = ("one", "each")
+
+
+def batch_bucket(n: int) -> int:
+    """Requests in a ragged batch by bucket: powers of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def ragged_form(query: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor]],
+                bounds: list[tuple[int, int]]) -> str:
+    """"one" or "each" for this batch: measured (RAGGED_FORMS) per the longest request's shape
+    and the batch's size bucket; until measured, the rule before measuring: one call where the
+    kernel is the longest request's own measured path."""
+    longest = max(range(len(views)), key=lambda s: views[s][0].shape[2])
+    (start, end), k = bounds[longest], views[longest][0]
+    rows = max(e - s for s, e in bounds)
+    q = query[:, :, start:end]
+    prefix = k.shape[2] - (end - start)
+    own = cpu_path(q, k, prefix)         # measured before the batch (one worker, in order): "each" runs it
+    key = (*shape_key(q, k, prefix)[:-2], autotune.rows_bucket(rows), autotune.keys_bucket(prefix + rows),
+           batch_bucket(len(views)))
+    chosen = TUNER.choice(("ragged", *key), RAGGED_FORMS, functools.partial(
+        _bench_ragged, tuple(q.shape[:2]) + (rows, q.shape[-1]), tuple(k.shape[:2]) + (k.shape[-1],),
+        q.dtype, prefix, batch_bucket(len(views))))
+    if chosen is not None:
+        return chosen
+    return "one" if own == "kernel" else "each"
+
+
+def _bench_ragged(q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, prefix_len: int, requests: int):
+    """`requests` chains of q_shape's rows over prefix_len cached keys each, packed as a ragged
+    batch, as many batches as fill cold_bytes() (at most COLD_SETS, as _bench): "one" runs them in
+    one call, "each" by packed_attention a request (each request's measured path)."""
+    (_, heads, nq, dim), (_, hkv, dv) = q_shape, kv_shape
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, nq * requests, dim, generator=g).to(dtype)
+    shape = (1, hkv, prefix_len + nq, dim)
+    per_set = 2 * requests * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    copies = min(COLD_SETS, -(-cold_bytes() // per_set))
+    sets = [[(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+             for _ in range(requests)] for _ in range(copies)]
+    bounds = [(r * nq, (r + 1) * nq) for r in range(requests)]
+    starts, ends, causal = [b[0] for b in bounds], [b[1] for b in bounds], [None] * requests
+    turn = itertools.count()
+
+    def runner(name: str):
+        def run():
+            views = sets[next(turn) % len(sets)]
+            if name == "one":
+                return cpu_prefix.ragged_attention(q, [k for k, _ in views], [v for _, v in views], starts, ends,
+                                                   causal, dim ** -0.5)
+            return [packed_attention(q[:, :, s:e], k, v, prefix_len) for (s, e), (k, v) in zip(bounds, views)]
+        return run
+    return runner
 
 
 def verify_attention_packed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix_lens: torch.Tensor,

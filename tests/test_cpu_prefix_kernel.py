@@ -294,3 +294,36 @@ def test_one_call_declines_where_it_does_not_apply(kernel, monkeypatch):
     monkeypatch.setattr(packed, "ONE_CALL", True)
     half = [(k.half(), v.half()) for k, v in views]                   # a dtype the kernel does not read
     assert packed.verify_attention_ragged(q, half, bounds, trees) is None
+
+
+def test_one_call_or_each_is_measured_for_the_batch(kernel, monkeypatch):
+    """Unforced, a ragged batch is served in one call or one call a request by what was measured for
+    the batch's shape (its longest request, rows, size bucket), not by the per-request path's timing
+    (at 0.5k keys the kernel loses to dense SDPA a request, where one call for 8 requests wins): the
+    first batch is served by the rule while the worker times both forms, then by the faster; either
+    form's output is each request's reference."""
+    monkeypatch.setattr(autotune, "FORCED", None)
+    monkeypatch.setattr(packed, "FORCED_PATH", None)
+    monkeypatch.setattr(autotune, "ENABLED", True)
+    monkeypatch.setattr(packed, "TUNER", autotune.PathTuner("verify attention (test)", lambda: None))
+    q, views, bounds, trees, want = _ragged_case(5, *RAGGED[0])
+    k, (start, end) = views[0][0], bounds[0]
+    rule = "one" if packed.cpu_path(q[:, :, start:end], k, 512) == "kernel" else "each"
+    assert packed.ragged_form(q, views, bounds) == rule
+    assert packed.TUNER.wait(120)
+    key = ("ragged", *packed.shape_key(q[:, :, start:end], k, 512), packed.batch_bucket(8))
+    times = packed.TUNER.times(key, packed.RAGGED_FORMS)
+    assert times is not None and set(times) == {"one", "each"} and all(t > 0 for t in times.values())
+    faster = min(times, key=times.get)
+    assert packed.ragged_form(q, views, bounds) == faster
+    got = packed.verify_attention_ragged(q, views, bounds, trees)
+    assert (got is not None) == (faster == "one")
+    if got is not None:
+        torch.testing.assert_close(got, want, **FP32)
+    packed.TUNER._chosen[(*key, packed.RAGGED_FORMS)] = "one" if faster == "each" else "each"
+    flipped = packed.verify_attention_ragged(q, views, bounds, trees)
+    assert (flipped is not None) == (faster == "each")
+    if flipped is not None:
+        torch.testing.assert_close(flipped, want, **FP32)
+    assert [packed.batch_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    packed.TUNER.stop()
