@@ -52,6 +52,7 @@ ABOUT = {
     "attention-paths": "each CPU verify attention path's time beside the one chosen",
     "serve-load": "plain and Sparrow under load: request rates, TTFT/ITL/E2E percentiles, goodput, sustained rate",
     "tuning-stall": "a new pod's path tuner beside a 25k stream and an 8k arrival: gaps and TTFT, gated and ungated",
+    "ragged-one-call": "a ragged batch's attention in one call against one call a request, 1 and 8 streams at 0.5k",
 }
 
 _SECTION = re.compile(r"<!-- ([a-z0-9-]+):begin -->\n(.*?)<!-- \1:end -->", re.DOTALL)
