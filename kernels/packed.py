@@ -277,9 +277,10 @@ def verify_attention_ragged(query: torch.Tensor, views: list[tuple[torch.Tensor,
 # How a ragged batch's layer is served on a CPU: "one" call of the compiled kernel for every
 # request, or "each" request by its own measured path (packed_attention). The one call saves a
 # handful of torch calls a request (~70 us each, mostly per-call overhead, at 0.5k keys): measured
-# on a 2-core EPYC, 8 requests of 5 rows over 0.5k keys took 0.30 ms in one call against 0.73 ms
-# by dense SDPA a request, where the kernel alone a request (0.10 ms) loses to dense (0.06 ms), so
-# choosing the one call by the per-request path's timing kept 48 calls a step at 0.5k.
+# on a 2-core EPYC with cold caches (benchmarks.attention_paths), 8 requests of 5 rows over 0.5k
+# keys took 0.44 ms in one call against 0.71 ms by dense SDPA a request, where the kernel alone a
+# request (0.11 ms) loses to dense (0.08 ms), so choosing the one call by the per-request path's
+# timing kept 48 calls a step at 0.5k.
 RAGGED_FORMS = ("one", "each")
 
 
