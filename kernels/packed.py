@@ -257,17 +257,20 @@ def run_path(path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefi
 
 
 def verify_attention_ragged(query: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor]],
-                            bounds: list[tuple[int, int]], trees: list[torch.Tensor | None]) -> torch.Tensor | None:
+                            bounds: list[tuple[int, int]], trees: list[torch.Tensor | None],
+                            forms: dict | None = None) -> torch.Tensor | None:
     """A ragged batch's step for one layer in one call (models/ragged.py): request s is rows
     bounds[s] = (start, end) of the packed queries (1, Hq, N, D), over its views[s] = (k, v), its
     cache with the new rows last, among which it sees trees[s] (None: causal). -> (1, N, Hq, Dv)
     in q's dtype; None where no one-call kernel applies (off the CPU, or cpu_prefix not built) or
-    one call a request was measured faster for this batch (ragged_form)."""
+    one call a request was measured faster for this batch (ragged_form). `forms`: the step's
+    choices so far (RaggedBatch keeps one a step), so that every layer of a step with the same
+    heads and dtype takes the form its first layer took, asked once (ragged_form costs ~40 us)."""
     if not ONE_CALL or query.device.type != "cpu" or not cpu_prefix.ready():
         return None
     if FORCED_PATH not in (None, "kernel"):
         return None
-    if FORCED_PATH != "kernel" and ragged_form(query, views, bounds) != "one":
+    if FORCED_PATH != "kernel" and _step_form(query, views, bounds, forms) != "one":
         return None
     out = cpu_prefix.ragged_attention(query, [k for k, _ in views], [v for _, v in views], [b[0] for b in bounds],
                                       [b[1] for b in bounds], trees, query.shape[-1] ** -0.5)
@@ -308,6 +311,18 @@ def ragged_form(query: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tenso
     if chosen is not None:
         return chosen
     return "one" if own == "kernel" else "each"
+
+
+def _step_form(query: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor]], bounds: list[tuple[int, int]],
+               forms: dict | None) -> str:
+    """ragged_form, asked once a step for each layer shape (`forms`: the step's memo; None: ask)."""
+    if forms is None:
+        return ragged_form(query, views, bounds)
+    k = views[0][0]
+    shape = (query.shape[1], query.shape[-1], k.shape[1], views[0][1].shape[-1], query.dtype, k.dtype)
+    if shape not in forms:
+        forms[shape] = ragged_form(query, views, bounds)
+    return forms[shape]
 
 
 def _bench_ragged(q_shape: tuple, kv_shape: tuple, dtype: torch.dtype, prefix_len: int, requests: int):

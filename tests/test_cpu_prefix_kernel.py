@@ -301,7 +301,7 @@ def test_one_call_or_each_is_measured_for_the_batch(kernel, monkeypatch):
     the batch's shape (its longest request, rows, size bucket), not by the per-request path's timing
     (at 0.5k keys the kernel loses to dense SDPA a request, where one call for 8 requests wins): the
     first batch is served by the rule while the worker times both forms, then by the faster; either
-    form's output is each request's reference."""
+    form's output is each request's reference; a step asks once, its later layers take its choice."""
     monkeypatch.setattr(autotune, "FORCED", None)
     monkeypatch.setattr(packed, "FORCED_PATH", None)
     monkeypatch.setattr(autotune, "ENABLED", True)
@@ -320,10 +320,18 @@ def test_one_call_or_each_is_measured_for_the_batch(kernel, monkeypatch):
     assert (got is not None) == (faster == "one")
     if got is not None:
         torch.testing.assert_close(got, want, **FP32)
+    step: dict = {}                  # a step's memo (RaggedBatch keeps one): asked by its first layer
+    assert (packed.verify_attention_ragged(q, views, bounds, trees, forms=step) is not None) == (faster == "one")
     packed.TUNER._chosen[(*key, packed.RAGGED_FORMS)] = "one" if faster == "each" else "each"
-    flipped = packed.verify_attention_ragged(q, views, bounds, trees)
+    asked = []
+    with monkeypatch.context() as m:
+        m.setattr(packed, "ragged_form", lambda *a: asked.append(a) or packed.RAGGED_FORMS[0])
+        same = packed.verify_attention_ragged(q, views, bounds, trees, forms=step)   # a later layer of that step
+    assert (same is not None) == (faster == "one") and not asked
+    flipped = packed.verify_attention_ragged(q, views, bounds, trees, forms={})  # the next step asks again
     assert (flipped is not None) == (faster == "each")
     if flipped is not None:
         torch.testing.assert_close(flipped, want, **FP32)
+    assert (packed.verify_attention_ragged(q, views, bounds, trees) is not None) == (faster == "each")
     assert [packed.batch_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     packed.TUNER.stop()

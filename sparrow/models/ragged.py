@@ -86,6 +86,7 @@ class RaggedBatch(Cache):
         self._one_call = _one_call(kernel) if kernel is not None else None
         self._slots: torch.Tensor | bool | None = None      # _arena_positions, once a step
         self._record: tuple[int, object] | None = None       # ragged_attend's record, as numpy (its pointer)
+        self._forms: dict = {}          # the one-call kernel's choices this step (one for every layer alike)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states: (1, Hkv, N_total, D). Each request's rows go to its own cache: where
@@ -122,6 +123,7 @@ class RaggedBatch(Cache):
                 if extra > 0:
                     layer.crop(-extra)
         self._views.clear()
+        self._forms.clear()
         self._slots = self._prefix = self._record = None
 
     @property
@@ -137,7 +139,7 @@ class RaggedBatch(Cache):
             kernel = None              # the kernels' contract is softmax scale 1/sqrt(D)
         if kernel is not None and self._one_call is not None:
             out = self._one_call(query, views, [(seg.start, seg.end) for seg in self.segments],
-                                 [seg.tree_mask for seg in self.segments])
+                                 [seg.tree_mask for seg in self.segments], forms=self._forms)
             if out is not None:
                 return out
         if kernel is None:
