@@ -30,9 +30,13 @@ class SpecMetrics:
     draft_max_keys: int = 0               # most keys one draft query attended to (DraftState.max_keys)
     draft_kv_bytes: int = 0               # draft KV memory the request held at its end (DraftState.kv_bytes)
 
-    def record_step(self, proposed: int, accepted: int, nodes: int | None = None) -> None:
+    def record_step(self, proposed: int, accepted: int, nodes: int | None = None, emitted: int | None = None) -> None:
         """proposed: the draft's depth (a chain's k); nodes: its draft tokens when a tree has
-        more than one per depth."""
+        more than one per depth; emitted: the step's tokens the answer kept (None: all). Drafts
+        accepted past the answer's end (its stop token, its length cap) are not counted: tau
+        is tokens emitted a step."""
+        if emitted is not None:
+            accepted = min(accepted, max(0, emitted - 1))
         self.steps += 1
         self.draft_tokens += proposed if nodes is None else nodes
         self.accepted_tokens += accepted

@@ -78,6 +78,11 @@ class OutputProcessor:
     def final_text(self) -> str:
         return self.text[: self.shown]
 
+    def kept(self, new: list[int]) -> int:
+        """How many of a step's tokens the answer would keep (up to a stop token, within the
+        length cap): what the step emitted, as its metrics count it."""
+        return len(self._truncate(new)[0])
+
     def _truncate(self, new: list[int]) -> tuple[list[int], str | None]:
         """Cut a step's tokens at a stop token (kept, as HF generate keeps EOS) or the length cap."""
         for i, t in enumerate(new):

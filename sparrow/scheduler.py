@@ -458,10 +458,10 @@ class Scheduler:
         policy_s = self.policy.lap() + (self.trim.lap() if self.trim is not None else 0.0)
         for request, k, proposal, result in zip(batch, ks, proposals, results):
             m = request.metrics
-            m.draft_seconds += times.draft_s
-            m.verify_seconds += times.verify_s
+            m.draft_seconds, m.verify_seconds = m.draft_seconds + times.draft_s, m.verify_seconds + times.verify_s
             m.policy_seconds += policy_s
-            m.record_step(k, result.accept.num_accepted, proposal.size if proposal is not None else 0)
+            m.record_step(k, result.accept.num_accepted, proposal.size if proposal is not None else 0,
+                          emitted=request.output.kept(result.tokens))   # the policies learn from the raw count
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         delta = request.output.push(tokens)

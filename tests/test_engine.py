@@ -43,12 +43,37 @@ def test_golden_oracle_all_accepted_and_corrupt_none_accepted(any_target, small_
         out = engine.generate(small_video, prompt, sampling, num_draft_tokens=4)   # k fixed: no adapting
         assert out.token_ids == reference
         m = out.metrics
+        # Each step emitted 1 + its accepted drafts, none counted past the answer's end: the
+        # first token is prefill's, the rest are the steps'.
+        assert m.steps + m.accepted_tokens == len(out.token_ids) - 1 == m.steps + sum(m.accepted_per_position)
         if corrupt:
             assert m.accepted_tokens == 0 and m.mean_acceptance_length == 1.0
         elif len(reference) == 30:
             # Every full step accepts all k drafts and adds the bonus token: 1 + 4 + 5 + 5 + ...
             assert m.accepted_per_position[0] == m.steps
             assert m.mean_acceptance_length > 4.0
+
+
+def test_drafts_accepted_past_the_answers_end_are_not_counted(qwen_target, small_video):
+    """A draft that runs past the stop token with the target's own continuation is accepted
+    there, but the answer ends at the stop: tau counts tokens emitted a step, so the metrics
+    (and the Prometheus counters built from accepted_per_position) count no draft past it."""
+    plain = Engine(qwen_target, spec=SpecConfig(method="none"))
+    ahead = plain.generate(small_video, PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True)).token_ids
+    # A stop token first seen where a step of k drafts (all accepted: k + 1 tokens a step, the
+    # first token prefill's) has drafts after it, which the target's continuation accepts.
+    for k in (4, 3, 2):
+        found = [(t, i) for i, t in enumerate(ahead) if i >= 3 and (i - 1) % (k + 1) <= k - 2 and t not in ahead[:i]]
+        if found:
+            break
+    stop, at = found[0]
+    engine = Engine(qwen_target, spec=SPEC, proposer=OracleProposer(ahead))
+    out = engine.generate(small_video, PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True,
+                                                                  stop_token_ids=[stop]), num_draft_tokens=k)
+    assert out.token_ids == ahead[:at + 1] and out.finish_reason == "stop"
+    m = out.metrics
+    assert m.steps + m.accepted_tokens == len(out.token_ids) - 1 == m.steps + sum(m.accepted_per_position)
+    assert m.mean_acceptance_length == pytest.approx(len(out.token_ids[1:]) / m.steps)
 
 
 def test_plain_and_speculative_decoding_match_hf_with_prefill_in_chunks(qwen_target, large_video):
