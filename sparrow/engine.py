@@ -187,6 +187,16 @@ class Engine:
         its result or exception; RuntimeError once the engine is closed."""
         return self.scheduler.call_soon(fn, key=key)
 
+    def after_each_turn(self, fn: Callable[[], None]) -> None:
+        """Call `fn` on the scheduler thread after each loop turn (a decode step, a prefill slice:
+        the requests' events of the turn are given to their sinks by then). `fn` must not raise.
+        A reader that collects a turn's events hands them over once (services/async_requests.py)."""
+        self.scheduler.turn_done.append(fn)
+
+    def on_scheduler_thread(self) -> bool:
+        """Whether the caller is the scheduler's thread (a sink called there is inside a turn)."""
+        return self.scheduler.on_thread()
+
     def claim_kv(self, tokens: int) -> KVSlot | None:
         """A slot of the engine's KV arena for `tokens` positions (its `cache`, `release()`),
         or None when that much is not free. Only on the scheduler thread (inside call_soon):

@@ -24,12 +24,10 @@ leave between steps; one request's error, abort or stop ends that request only.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import threading
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -41,6 +39,7 @@ from .model_runner import ModelRunner
 from .output import TokenDelta
 from .prefix_cache import PrefillsInFlight, PrefixEntry
 from .request import Request
+from .scheduler_exit import stopped_at_exit
 from .step_costs import CostModel
 from .tuning_gate import GATE as TUNING_GATE
 
@@ -50,14 +49,7 @@ FIRST_SLICE = 256      # prompt positions of the engine's first prefill slice wh
 ALONE_SLICES = 4       # a prefill alone runs slices of about this many prefill_slice_s
 SLICE_GROWTH = 2       # a prefill's slice at most this many times its previous one's positions
 STARVED_SLICES = 5     # a prefill that waited this many prefill_slice_s since its last slice goes first
-EXIT_JOIN_S = 5.0      # at interpreter exit, how long each scheduler's threads get to stop
 
-# Every scheduler not yet collected, and every thread they started: at interpreter exit the
-# schedulers are closed and the threads joined (_stop_all) before Python finalizes. A daemon
-# thread still running then - deciding a step, or freeing a model's tensors as it drops the last
-# reference to its engine - is killed inside torch's C++ and aborts the process.
-_SCHEDULERS: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
-_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 class Scheduler:
@@ -78,6 +70,7 @@ class Scheduler:
         # call_soon work (live ingest), one queue per key (a live session), served round-robin
         self._tasks: dict[Any, deque[tuple[Callable[[], Any], Future]]] = {}
         self._preparers = 0                          # worker threads preparing them
+        self.turn_done: list[Callable[[], None]] = []  # called on this thread after each loop turn
         self._thread: threading.Thread | None = None
         self._closed = False
         self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
@@ -149,8 +142,7 @@ class Scheduler:
             request.abort()
 
     def _start(self, thread: threading.Thread) -> None:
-        _SCHEDULERS.add(self)
-        _THREADS.add(thread)
+        stopped_at_exit(self, thread)
         thread.start()
 
     # ----- preparation (at most prepare_threads worker threads, gone when idle) ---------------
@@ -244,6 +236,11 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for request in list(self._running) + list(self._prefilling):
                     self._finish(request, error=exc)
+            for done in self.turn_done:
+                done()
+
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
 
     def _admit(self) -> None:
         """Waiting requests get a KV slot in arrival order, while memory and max_running allow."""
@@ -487,14 +484,3 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - a remote draft that is gone already
             log.warning("draft state of request %d not released", request.id, exc_info=True)
         request.sink(final)
-
-
-@atexit.register
-def _stop_all() -> None:
-    for scheduler in list(_SCHEDULERS):
-        scheduler.shutdown()
-    deadline = time.monotonic() + EXIT_JOIN_S
-    for thread in list(_THREADS):
-        thread.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() for t in _THREADS):
-        log.warning("scheduler threads still running %.0f s into exit", EXIT_JOIN_S)
