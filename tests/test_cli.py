@@ -179,6 +179,18 @@ def test_help_of_the_world_commands_is_printed_without_error(capsys):
     assert exit_.value.code == 0 and "M-RoPE sections" in capsys.readouterr().out
 
 
+def test_every_command_runs_by_its_own_name():
+    """The parser built for one command (main builds only the one about to run) knows every
+    command the whole parser lists, with the same options: `sparrow build-features` once failed
+    as an unknown command though `sparrow --help` listed it."""
+    whole = dict(_parsers(build_parser()))
+    for name in (n.split()[1] for n in whole if n.count(" ") == 1):
+        own = dict(_parsers(build_parser(name)))
+        assert f"sparrow {name}" in own, f"sparrow {name}: unknown when it is the command to run"
+        assert sorted(own[f"sparrow {name}"]._option_string_actions) == sorted(
+            whole[f"sparrow {name}"]._option_string_actions), name
+
+
 def test_heldout_text_never_prints_an_unmeasured_tau():
     from sparrow.training.commands import heldout_text
 

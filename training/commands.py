@@ -272,6 +272,7 @@ def _sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 TRAINING_COMMANDS = {"train-draft": "train a Sparrow draft for a target (online distillation)",
+                     "build-features": "store the target's signals for draft training (a feature store)",
                      "world": "the synthetic video world: data, a trained target and draft"}
 
 
@@ -309,8 +310,7 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None, options: bo
     add_placement_arguments(p)
     p.set_defaults(func=_cmd_train_draft)
 
-    p = sub.add_parser("build-features", parents=parents,
-                       help="store the target's signals for draft training (a feature store)")
+    p = sub.add_parser("build-features", parents=parents, help=TRAINING_COMMANDS["build-features"])
     p.add_argument("--target", required=True, help="target model directory (save_pretrained form)")
     p.add_argument("--data", required=True, help="JSONL manifest or a folder of videos (as train-draft)")
     p.add_argument("--out", required=True, help="the store's folder (an unfinished build there goes on)")
