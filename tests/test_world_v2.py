@@ -239,7 +239,7 @@ def test_objects_touch_only_by_a_collision(scenes):
 
 
 # ----- the dataset writer -----------------------------------------------------------------------------
-def test_make_data_v2_writes_real_videos_a_manifest_and_the_truth(tmp_path):
+def test_make_data_v2_writes_real_videos_a_manifest_and_the_truth(tmp_path, capsys):
     from sparrow.training.data import load_samples
     from sparrow.video import load_frames
     from sparrow.video.processors import QwenVLVideoProcessor
@@ -266,6 +266,14 @@ def test_make_data_v2_writes_real_videos_a_manifest_and_the_truth(tmp_path):
                 dict(seconds=(7,), questions_per_video=1)):
         with pytest.raises(InvalidRequest):
             make_data_v2(tmp_path / "bad", **{"split": "train", "videos": 1, **bad}, fps=1.0)
+    # the command, at the short stage's side: a quarter of the tokens
+    from sparrow.cli.main import main
+    assert main(["world", "make-data-v2", "--out", str(tmp_path / "small"), "--split", "test", "--videos", "1",
+                 "--seconds", "8", "--questions-per-video", "0", "--side", "112"]) == 0
+    row, = [json.loads(line) for line in (tmp_path / "small" / "manifest.jsonl").read_text().splitlines()]
+    assert row["kind"] == "narrate" and row["visual_tokens"] == 128
+    assert main(["world", "make-data-v2", "--out", str(tmp_path / "odd"), "--videos", "1", "--side", "100"]) == 2
+    assert "multiple of 28" in capsys.readouterr().err and not (tmp_path / "odd" / "manifest.jsonl").exists()
 
 
 def test_where_names_the_third_of_the_frame_the_pixels_show(scenes):

@@ -263,7 +263,7 @@ def _ladder(text: str) -> dict[tuple[int, int], int]:
 def _cmd_world_make_data_v2(args: argparse.Namespace) -> int:
     from sparrow.world.v2.dataset_v2 import make_data_v2
 
-    print(f"wrote {make_data_v2(args.out, args.split, args.videos, args.seconds, args.first, args.questions_per_video)}")
+    print(f"wrote {make_data_v2(args.out, args.split, args.videos, args.seconds, args.first, args.questions_per_video, args.side)}")
     return 0
 
 
@@ -339,6 +339,8 @@ def add_commands(sub, common: argparse.ArgumentParser | None = None, options: bo
                    help="video lengths in seconds, comma-separated, in turn (default 8,30; 784 is 50k visual tokens)")
     p.add_argument("--first", type=int, default=0, help="index of the first seed within the split")
     p.add_argument("--questions-per-video", type=int, default=4, help="questions per video besides its narration")
+    p.add_argument("--side", type=int, default=224, help="frame side in px, a multiple of 28 (default 224, the long "
+                                                         "stage's; 112 is the short stage's, a quarter of the tokens)")
     p.set_defaults(func=_cmd_world_make_data_v2)
     from sparrow.world.v2.commands_v2 import add_v2_commands
     add_v2_commands(wsub, parents, _add_config_options, _config)
