@@ -94,6 +94,7 @@ class BenchConfig:
     seed: int = BENCH_SEED
     warmup_tokens: int = 8           # one untimed request per method first (0: none)
     target_step: str = "eager"       # TargetModel.target_step; "compiled": every bucket built before timing
+    world: str = "v1"                # whose videos and prompts (benchmarks/world_videos.py); videos in its units
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]

@@ -3,6 +3,7 @@
     python -m benchmarks.speculative --quick --out BENCHMARKS.md        # 0.5k and 25k visual tokens
     python -m benchmarks.speculative --out BENCHMARKS.md --json r.json  # the ladder, T=0 and T=1
     python -m benchmarks.speculative --methods plain,sparrow --videos 168x28,168x448 --reps 2
+    python -m benchmarks.speculative --world v2 --models DIR          # v2 videos, narrations (v2 models in DIR)
 
 Every method runs through `sparrow.engine.Engine` and its one acceptance path:
 
@@ -51,7 +52,7 @@ from typing import Callable  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.bench_args import parse_videos, run_timed  # noqa: E402
-from benchmarks.engines import (BENCH_SEED, METHODS, POLICIES, QUICK_LADDER, BenchConfig, Models, Skip,  # noqa: E402
+from benchmarks.engines import (BENCH_SEED, METHODS, POLICIES, BenchConfig, Models, Skip,  # noqa: E402
                                build_engine, compile_target_steps, is_adaptive, method_of)
 from benchmarks.identity import first_difference  # noqa: E402
 from benchmarks.machine import describe_target, machine  # noqa: E402
@@ -59,11 +60,10 @@ from benchmarks.report import write_section  # noqa: E402
 from benchmarks.shared_prefix import no_video, share_prefix  # noqa: E402
 from benchmarks.speculative_report import plot, report  # noqa: E402
 from benchmarks.step_cost_projection import gpu_mode  # noqa: E402
-from benchmarks.world_videos import make_video  # noqa: E402
+from benchmarks.world_videos import WORLDS, make_video, world_ladder, world_prompts  # noqa: E402
 from sparrow import Engine, SamplingParams  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.prefix_cache import PrefixCache  # noqa: E402
-from sparrow.world.scenes import LADDER  # noqa: E402
 from sparrow.video import ProcessedVideo  # noqa: E402
 
 
@@ -130,13 +130,14 @@ def run_video(cfg: BenchConfig, target: TargetModel, engines: dict[str, Engine],
               rep: int, vi: int, warmup: int, log: Callable[[str], None]) -> dict:
     """One fresh video of the ladder in one rep: decode it, prefill its prefix once, then
     every temperature x method (in the given order) from that prefix."""
-    side, frames = cfg.videos[vi]
-    processed, video_s = make_video(target, side, frames, cfg.seed + 1000 * rep + vi)
-    prompt = _prompts()[(rep + vi) % len(_prompts())]
+    side, frames = cfg.videos[vi]          # frames: seconds in world v2
+    processed, video_s = make_video(target, side, frames, cfg.seed + 1000 * rep + vi, cfg.world)
+    prompts = world_prompts(cfg.world)
+    prompt = prompts[(rep + vi) % len(prompts)]
     keys, prefix_s = share_prefix(target, processed, prompt, engines, cache, f"r{rep}v{vi}")
     n_vis = processed.num_visual_tokens
     shared_s = max(prefix_s.values(), default=0.0)
-    log(f"rep {rep}: {side}px x {frames} frames = {n_vis} visual tokens (video {video_s:.2f} s, "
+    log(f"rep {rep}: {side}px x {frames} {'s' if cfg.world == 'v2' else 'frames'} = {n_vis} visual tokens (video {video_s:.2f} s, "
         f"prefix prefill {shared_s:.2f} s)")
     # untimed: first-call costs (a compiled draft compiles its greedy chain and its sampled level here)
     for name, engine in engines.items() if warmup else ():
@@ -167,11 +168,6 @@ def run_video(cfg: BenchConfig, target: TargetModel, engines: dict[str, Engine],
     cache.clear()
     return {"video": {"rep": rep, "side": side, "frames": frames, "visual_tokens": n_vis, "video_seconds": video_s,
                       "prefix_seconds": shared_s}, "runs": runs, "mismatches": mismatches}
-
-
-def _prompts() -> tuple[str, ...]:
-    from sparrow.world.scenes import CAPTION_PROMPTS
-    return CAPTION_PROMPTS
 
 
 def _ends(videos) -> tuple:
@@ -264,10 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="models", help="DIR with world/{target,draft} and bench/ baselines")
     ap.add_argument("--quick", action="store_true", help="0.5k and 25k tokens, T=0, 2 reps, 48 new tokens")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {list(METHODS)}")
-    ap.add_argument("--videos", default=None, help="comma list of SIDExFRAMES (default: the ladder; quick: its ends)")
+    ap.add_argument("--world", choices=WORLDS, default="v1",
+                    help="whose videos and prompts: v1 (captions of ~20 tokens) or v2 (timed narrations of 60-270 "
+                         "tokens; --models then holds v2 models)")
+    ap.add_argument("--videos", default=None, help="comma list of SIDExFRAMES (v2: SIDExSECONDS) (default: the "
+                                                   "world's ladder; quick: its ends)")
     ap.add_argument("--temperatures", default=None, help="comma list (default 0,1; quick 0)")
     ap.add_argument("--reps", type=int, default=None, help="default 5 (quick 2)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 96 (quick 48)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 96 (quick 48); world v2 320 (160)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="each drafting method under these, comma list of adaptive (k chosen per step: the "
@@ -286,18 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="also time a 7B-shaped target on CUDA (projection)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    q = args.quick
+    q, ladder = args.quick, world_ladder(args.world)
     cfg = BenchConfig(
         models=args.models,
-        videos=parse_videos(args.videos) if args.videos else (QUICK_LADDER if q else LADDER),
+        videos=parse_videos(args.videos) if args.videos else ((ladder[0], ladder[-1]) if q else ladder),
         temperatures=tuple(float(t) for t in args.temperatures.split(",")) if args.temperatures else
         ((0.0,) if q else (0.0, 1.0)),
-        reps=args.reps or (2 if q else 5), max_new_tokens=args.max_new_tokens or (48 if q else 96),
+        reps=args.reps or (2 if q else 5),
+        max_new_tokens=args.max_new_tokens or (48 if q else 96) * (10 if args.world == "v2" else 3) // 3,
         k=args.k, glimpse=args.glimpse, window=args.window, anchors=args.anchors,
         tree=tuple(int(x) for x in args.tree.split(",")),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), seed=args.seed,
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-        target_step=args.target_step)
+        target_step=args.target_step, world=args.world)
     result = run_timed(lambda: run_benchmark(cfg))
     if result is None:
         return 2

@@ -1,4 +1,6 @@
-"""Fresh synthetic world videos for the benchmarks, every frame kept."""
+"""Fresh synthetic world videos for the benchmarks, every frame kept, and the prompts that ask
+for their long answers: world v1 (a caption of one shape's events, ~20 tokens) or world v2
+(`sparrow.world.v2`: 1-4 objects, a timed narration of 60-270 tokens)."""
 
 from __future__ import annotations
 
@@ -8,18 +10,53 @@ import time
 from sparrow.models.target import TargetModel
 from sparrow.video import ProcessedVideo, prepare_video
 
-
-def world_video(side: int, frames: int, seed: int):
-    """A fresh world video as mp4 bytes (a SyntheticVideo) and the options that keep every frame."""
-    from sparrow.world.scenes import WorldVideo
-
-    world = WorldVideo(num_frames=frames, size=side)
-    return world.make(seed), dataclasses.replace(world.options(), max_visual_tokens=10**6)   # the ladder goes past 24,576
+WORLDS = ("v1", "v2")
 
 
-def make_video(target: TargetModel, side: int, frames: int, seed: int) -> tuple[ProcessedVideo, float]:
+def world_video(side: int, length: int, seed: int, world: str = "v1"):
+    """A fresh world video as mp4 bytes (its `.source`) and the options that keep every frame.
+    length: frames (v1) or seconds (v2, at its 2 fps)."""
+    if world == "v2":
+        from sparrow.world.v2.render_v2 import make_video as render
+
+        video = render(seed, length, None, side)
+    elif world == "v1":
+        from sparrow.world.scenes import WorldVideo
+
+        made = WorldVideo(num_frames=length, size=side)
+        video = made.make(seed)
+        return video, dataclasses.replace(made.options(), max_visual_tokens=10**6)   # the ladder goes past 24,576
+    else:
+        raise ValueError(f"unknown world {world!r}; choose from {WORLDS}")
+    return video, dataclasses.replace(video.options(), max_visual_tokens=10**6)
+
+
+def make_video(target: TargetModel, side: int, length: int, seed: int, world: str = "v1") -> tuple[ProcessedVideo, float]:
     """A fresh world video as mp4 bytes, decoded and patchified as serving does; every frame kept."""
-    video, options = world_video(side, frames, seed)
+    video, options = world_video(side, length, seed, world)
     t0 = time.perf_counter()
     processed = prepare_video(video.source, target.processor, options)
     return processed, time.perf_counter() - t0
+
+
+def world_prompts(world: str = "v1") -> tuple[str, ...]:
+    """The prompts a benchmark asks in turn: v1's caption prompts, v2's narration wordings."""
+    if world == "v2":
+        from sparrow.world.v2.questions_v2 import QUESTIONS_V2
+
+        return QUESTIONS_V2["narrate"]
+    from sparrow.world.scenes import CAPTION_PROMPTS
+
+    return CAPTION_PROMPTS
+
+
+def world_ladder(world: str = "v1") -> tuple[tuple[int, int], ...]:
+    """The benchmark's lengths, (side px, frames) for v1 or (side px, seconds) for v2: 504 ...
+    25,056 visual tokens (v1), 512 ... 25,024 (v2 at 224 px; its 784 s, 50k, by --videos)."""
+    if world == "v2":
+        from sparrow.world.v2.render_v2 import LADDER_SECONDS, SIDE
+
+        return tuple((SIDE, s) for s in LADDER_SECONDS[:4])
+    from sparrow.world.scenes import LADDER
+
+    return LADDER

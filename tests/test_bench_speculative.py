@@ -88,6 +88,25 @@ def test_result_structure_identity_and_report(models_dir, tmp_path):
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_world_v2_videos_and_narration_prompts(models_dir, monkeypatch):
+    """--world v2: v2 videos (lengths in seconds: 16 visual tokens a second at 112 px, 4 at 56 px),
+    v2's narration prompts, the same identity check; its default ladder reaches 25k tokens."""
+    from benchmarks.world_videos import world_ladder, world_prompts
+    from sparrow.world.v2.questions_v2 import QUESTIONS_V2
+    from sparrow.world.v2.render_v2 import visual_tokens
+
+    asked = []
+    run_one = sb.run_one
+    monkeypatch.setattr(sb, "run_one", lambda engine, prompt, *a: (asked.append(prompt), run_one(engine, prompt, *a))[1])
+    result = sb.run_benchmark(_config(models_dir, ("plain", "sparrow"), videos=((112, 4), (56, 8)), world="v2"))
+    assert result["identical"] and [v["visual_tokens"] for v in result["videos"]] == [64, 32]
+    assert asked and set(asked) <= set(QUESTIONS_V2["narrate"]) == set(world_prompts("v2"))
+    assert "videos of world v2" in sr.report(result) and "narration prompts" in sr.report(result)
+    assert [visual_tokens(s, side) for side, s in world_ladder("v2")] == [512, 1536, 8000, 25024]
+    with pytest.raises(ValueError, match="unknown world"):
+        sb.make_video(None, 112, 4, 0, "v3")
+
+
 def test_tau_ceiling_is_what_k_drafts_a_step_allow():
     assert sb.tau_ceiling([12], 4) == pytest.approx(11 / 3)       # 11 tokens after the first: 5 + 5 + 1
     assert sb.tau_ceiling([11], 4) == 5.0                         # 10: two full steps
