@@ -53,6 +53,7 @@ ABOUT = {
     "serve-load": "plain and Sparrow under load: request rates, TTFT/ITL/E2E percentiles, goodput, sustained rate",
     "tuning-stall": "a new pod's path tuner beside a 25k stream and an 8k arrival: gaps and TTFT, gated and ungated",
     "ragged-one-call": "a ragged batch's attention in one call against one call a request, 1 and 8 streams at 0.5k",
+    "grpc-hand-over": "8 gRPC streams with a turn's events handed to the event loop at once against one by one",
 }
 
 _SECTION = re.compile(r"<!-- ([a-z0-9-]+):begin -->\n(.*?)<!-- \1:end -->", re.DOTALL)
