@@ -87,6 +87,22 @@ def _corrupt_concurrent(monkeypatch):
     monkeypatch.setattr(cs, "run_concurrent", corrupted)
 
 
+def test_world_v2_streams_ask_narrations_about_v2_videos(models_dir):
+    """--world v2: each stream a fresh v2 video (lengths in seconds: 112 px x 4 s is 64 visual
+    tokens) asking a narration wording; the same identity check and report."""
+    from sparrow.world.v2.questions_v2 import QUESTIONS_V2
+
+    asked = []
+    make_videos = cb.make_videos
+    cfg = _config(models_dir, lengths=((112, 4),), paths=("in-process",), prefill_video=None, world="v2")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cb, "make_videos", lambda *a: (lambda got: (asked.extend(v.prompt for v in got), got)[1])(make_videos(*a)))
+        result = cb.run_benchmark(cfg, log=lambda _: None)
+    assert result["identical"] and {r["visual_tokens"] for r in result["runs"]} == {64}
+    assert asked and set(asked) <= set(QUESTIONS_V2["narrate"])
+    assert "narration prompts" in cb.report(result) and "videos of world v2" in cb.report(result)
+
+
 def test_corrupted_concurrent_output_fails_identity(models_dir, monkeypatch):
     _corrupt_concurrent(monkeypatch)
     cfg = _config(models_dir, methods=("plain",), paths=("in-process",), prefill_video=None)

@@ -26,7 +26,8 @@ plain's, p50/p95 time to first token and p50/p95 inter-token latency (the gap be
 chunks of a stream that carry tokens; a speculative chunk holds several tokens), and tau.
 
 Protocol: every rep makes fresh world videos, one per stream (seeds from --seed, clear of
-training and of the other benchmarks); stream i asks caption prompt i mod 3 with --tokens new
+training and of the other benchmarks); stream i asks caption prompt i mod 3 (world v2, --world v2:
+a v2 video and narration prompt i mod 6) with --tokens new
 tokens (EOS ignored, so every stream does the same work; --stop-at-eos: each ends at its answer's
 end, as a user's stream does), at T > 0 seeded with seed + i. Each
 method and path has its own engine and prefix cache (as separate deployments), and every
@@ -83,6 +84,7 @@ from benchmarks.identity import first_difference  # noqa: E402
 from benchmarks.machine import describe_target, machine as describe_machine  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
 from benchmarks.tiny_models import save_tiny_models  # noqa: E402
+from benchmarks.world_videos import WORLDS, world_ladder  # noqa: E402
 from sparrow import Engine, SamplingParams  # noqa: E402
 from sparrow.prefix_cache import PrefixCache  # noqa: E402
 from sparrow.services.client import SparrowClient  # noqa: E402
@@ -145,7 +147,7 @@ def run_length(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clien
     side, frames = cfg.lengths[li]
     if rep == 0 and cfg.warm_lengths:       # first: its prefills must not evict the rep's from a shared cache
         warm_round(cfg, target, engines, clients, li, log, shared)
-    videos = make_videos(target, side, frames, cfg.videos_per_rep, cfg.seed + 10_000 * rep + 1000 * li)
+    videos = make_videos(target, side, frames, cfg.videos_per_rep, cfg.seed + 10_000 * rep + 1000 * li, cfg.world)
     cache_prefills(videos, engines if "in-process" in cfg.paths else {}, clients, f"r{rep}l{li}", shared, target)
     n_vis = videos[0].visual_tokens
     log(f"rep {rep}: {len(videos)} videos of {side}px x {frames} frames = {n_vis} visual tokens, prefills cached")
@@ -180,7 +182,8 @@ def warm_round(cfg: ConcurrencyConfig, target, engines: dict[str, Engine], clien
     untimed and unchecked: the shapes a length brings (attention over its keys at each batch) are
     timed by the path tuner and fitted by the policy here, not inside rep 0's timed runs."""
     side, frames = cfg.lengths[li]
-    videos = make_videos(target, side, frames, cfg.streams[-1], cfg.seed + 10_000 * cfg.reps + 1000 * li + 500)
+    videos = make_videos(target, side, frames, cfg.streams[-1], cfg.seed + 10_000 * cfg.reps + 1000 * li + 500,
+                         cfg.world)
     cache_prefills(videos, engines if "in-process" in cfg.paths else {}, clients, f"w{li}", shared, target)
     t0 = time.perf_counter()
     for method in cfg.methods:
@@ -250,10 +253,13 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
     quick, tiny = args.quick, args.tiny
     defaults = ConcurrencyConfig()
     # quick: the 0.5k videos only; at 8k each video's prefill (one per engine: 4) costs seconds
+    ladder = world_ladder(args.world)
+    world_lengths = defaults.lengths if args.world == "v1" else (ladder[0], ladder[2])    # 0.5k and 8k tokens
     lengths = parse_videos(args.lengths) if args.lengths else TINY_LENGTHS[:1] if tiny else \
-        defaults.lengths[:1] if quick else defaults.lengths
+        world_lengths[:1] if quick else world_lengths
     prefill = None if args.no_prefill else (
-        parse_videos(args.prefill_video)[0] if args.prefill_video else (112, 16) if tiny else defaults.prefill_video)
+        parse_videos(args.prefill_video)[0] if args.prefill_video else (112, 16) if tiny else
+        defaults.prefill_video if args.world == "v1" else ladder[3])
     reps = args.reps or (1 if tiny else 2 if quick else defaults.reps)
     return ConcurrencyConfig(
         models=args.models, lengths=lengths,
@@ -268,7 +274,7 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
         prefill_stream_tokens=args.prefill_stream_tokens or (256 if tiny else defaults.prefill_stream_tokens),
         before_s=args.before_s if args.before_s is not None else 0.2 if tiny else defaults.before_s,
         prefill_shorts=args.prefill_shorts if args.prefill_shorts is not None else 2 if tiny else defaults.prefill_shorts,
-        short_gap_s=0.05 if tiny else defaults.short_gap_s)
+        short_gap_s=0.05 if tiny else defaults.short_gap_s, world=args.world)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="0.5k videos, 1-8 streams, 2 reps, 32 tokens, 1 prefill rep")
     ap.add_argument("--tiny", action="store_true", help="tiny random models in a temp dir, tiny videos (a smoke run)")
     ap.add_argument("--streams", help="comma list of concurrent stream counts (default 1,2,4,8,16)")
-    ap.add_argument("--lengths", help="comma list of SIDExFRAMES world videos (default 168x28,168x448: 0.5k, 8k)")
+    ap.add_argument("--world", choices=WORLDS, default="v1",
+                    help="whose videos and prompts: v1 (captions of ~20 tokens) or v2 (timed narrations of 60-270 "
+                         "tokens; --models then holds a v2 pair)")
+    ap.add_argument("--lengths", help="comma list of SIDExFRAMES world videos (v2: SIDExSECONDS) (default 168x28,"
+                                      "168x448: 0.5k, 8k; v2 224x8,224x125)")
     ap.add_argument("--tokens", type=int, help="new tokens a stream (default 64; quick 32)")
     ap.add_argument("--reps", type=int, help="fresh video sets per length (default 5; quick 2)")
     ap.add_argument("--methods", default="plain,sparrow", help=f"comma list of {list(METHODS)}")

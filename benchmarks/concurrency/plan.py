@@ -45,6 +45,7 @@ class ConcurrencyConfig:
     # stream runs `tokens` (past the answer's end: text the draft was never trained on)
     stop_at_eos: bool = False
     target_step: str = "eager"           # TargetModel.target_step; "compiled": every bucket built before timing
+    world: str = "v1"                    # whose videos and prompts (benchmarks/world_videos.py); lengths in its units
 
     def __post_init__(self) -> None:
         if not self.streams or list(self.streams) != sorted(set(self.streams)) or self.streams[0] < 1:

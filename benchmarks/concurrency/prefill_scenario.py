@@ -23,12 +23,12 @@ def prefill_scenario(target, engines: dict[str, Engine], videos: list[Video], cf
                      log: Callable[[str], None]) -> list[dict]:
     """Per method: len(videos) streams decoding, then a request with a fresh uncached long video."""
     side, frames = cfg.prefill_video
-    long_video, _ = make_video(target, side, frames, cfg.seed + 10_000 * rep + 999)
+    long_video, _ = make_video(target, side, frames, cfg.seed + 10_000 * rep + 999, cfg.world)
     short_side, short_frames = cfg.lengths[0]
     rows = []
     for mi, (method, engine) in enumerate(engines.items()):
         # fresh short videos per method: each short request prefills its own (uncached) video
-        shorts = [make_video(target, short_side, short_frames, cfg.seed + 10_000 * rep + 900 + 10 * mi + j)[0]
+        shorts = [make_video(target, short_side, short_frames, cfg.seed + 10_000 * rep + 900 + 10 * mi + j, cfg.world)[0]
                   for j in range(cfg.prefill_shorts)]
         row = streams_under_prefill(engine, [(v.keys[method], v.prompt) for v in videos], long_video, cfg, shorts)
         row.update(rep=rep, method=method, streams=len(videos), prefill_visual_tokens=long_video.num_visual_tokens)

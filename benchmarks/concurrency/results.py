@@ -79,8 +79,9 @@ def report(result: dict) -> str:
     lines = [f"Machine: {result['machine']}; {_loads(result)}.",
              f"Target: {result['target']}; Sparrow draft k = {cfg['k']}, window 16, anchors 32, the glimpse it was trained with; trees "
              f"{'x'.join(map(str, cfg['tree'][:2]))}, at most {cfg['tree'][2]} nodes. "
-             f"{per_stream}, T = {temps} (T > 0: request i seeded), caption "
-             f"prompts; {_reps(result)}, each with fresh world videos, one per stream (seeds from {cfg['seed']}); "
+             f"{per_stream}, T = {temps} (T > 0: request i seeded), "
+             f"{'narration' if cfg.get('world') == 'v2' else 'caption'} prompts; {_reps(result)}, each with fresh "
+             f"videos of world {cfg.get('world', 'v1')}, one per stream (seeds from {cfg['seed']}); "
              f"prefills cached before timing{' (one shared prefill per video in-process)' if cfg.get('share_prefill') else ''}"
              f"{'; before each length, the whole configuration once, untimed, on videos of its own' if cfg.get('warm_lengths') else ''}. "
              "Cells: median (min-max) over reps. One at a time: the same requests one after another. ITL: the gap "

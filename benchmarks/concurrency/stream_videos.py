@@ -8,11 +8,10 @@ from dataclasses import dataclass
 
 from benchmarks.concurrency.streams import grpc_call
 from benchmarks.shared_prefix import share_prefix
-from benchmarks.world_videos import world_video
+from benchmarks.world_videos import world_prompts, world_video
 from sparrow import Engine, SamplingParams
 from sparrow.prefix_cache import PrefixCache
 from sparrow.services.client import SparrowClient
-from sparrow.world.scenes import CAPTION_PROMPTS
 from sparrow.video import ProcessedVideo, prepare_video
 
 
@@ -28,13 +27,13 @@ class Video:
     video_id: str | None = None                           # gRPC upload
 
 
-def make_videos(target, side: int, frames: int, count: int, seed: int) -> list[Video]:
-    videos = []
+def make_videos(target, side: int, frames: int, count: int, seed: int, world: str = "v1") -> list[Video]:
+    """`count` fresh videos of the world (frames: seconds in v2), stream i asking prompt i in turn."""
+    videos, prompts = [], world_prompts(world)
     for i in range(count):
-        video, options = world_video(side, frames, seed + i)
+        video, options = world_video(side, frames, seed + i, world)
         processed = prepare_video(video.source, target.processor, options)
-        videos.append(Video(processed, processed.num_visual_tokens, video.data, video.fps,
-                            CAPTION_PROMPTS[i % len(CAPTION_PROMPTS)]))
+        videos.append(Video(processed, processed.num_visual_tokens, video.data, video.fps, prompts[i % len(prompts)]))
     return videos
 
 
