@@ -150,6 +150,41 @@ def test_training_on_the_store_lowers_the_loss(qwen_target, store):
         DraftTrainer.fresh(qwen_target, store, TrainConfig(**{**_fields(CFG), "context": "all"}))
 
 
+def test_a_store_with_visual_entries_trains_a_draft_that_reads_every_token(qwen_target, videos, tmp_path):
+    """Built with `visual`, a store also keeps each prompt's entries with its visual tokens in
+    prompt order: an EAGLE-style draft (context "all") reads from it what online distillation's
+    teacher-forced forward gives it, and trains on it (the same store as the Sparrow draft's)."""
+    visual = StoreConfig(**{**_fields(STORE), "visual": True, "sampled": 0})
+    build_store(qwen_target, _samples(videos[:1] + videos[2:]), tmp_path, visual)
+    store, head = FeatureStore(tmp_path), qwen_target.lm_head()
+    assert store.visual
+    compared = 0
+    for i, r in enumerate(store.responses):
+        c = store.contexts[r["context"]]
+        v, p = (int(x) for x in c["id"][1:].split("p"))
+        sig = store.signals(i, head, "all")
+        text = store.signals(i, head)               # the Sparrow draft's reading of the same record
+        assert sig.num_visual == c["num_visual"] > 0 and sig.num_prompt == text.num_prompt + sig.num_visual
+        assert torch.equal(sig.token_ids[sig.num_prompt:], text.token_ids[text.num_prompt:])
+        video = Engine(qwen_target, spec=SpecConfig(method="none")).process_video((videos[:1] + videos[2:])[v], OPTIONS)
+        ref = target_signals(qwen_target, video, PROMPTS[p], sig.token_ids[sig.num_prompt:].tolist(),
+                             store.feature_layers, store.header["bridge_layer"], context="all")
+        assert torch.equal(sig.token_ids, ref.token_ids) and (sig.num_prompt, sig.num_visual) == (ref.num_prompt,
+                                                                                                  ref.num_visual)
+        torch.testing.assert_close(sig.features, ref.features, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(sig.logits, ref.logits, atol=1e-4, rtol=1e-4)
+        compared += 1
+    assert compared == 4
+    eagle = DraftTrainer.fresh(qwen_target, store, TrainConfig(**{**_fields(CFG), "context": "all", "bridge_tokens": 0}),
+                               log=lambda _: None)
+    first = eagle.train_step().loss
+    for _ in range(10):
+        last = eagle.train_step().loss
+    assert last < first
+    with pytest.raises(InvalidRequest, match="--visual"):           # a store without them says how to get them
+        FeatureStore(tmp_path).signals(0, head, "pruned")
+
+
 def test_length_balance_draws_each_video_length_alike(qwen_target, store):
     lengths = [store.contexts[r["context"]]["visual_tokens"] for r in store.responses]
     short = np.array([n == min(lengths) for n in lengths])

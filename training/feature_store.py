@@ -10,6 +10,10 @@ target's next-token distribution there. So the store keeps exactly that, in `dis
     per context  (one video, one prompt)
         token_ids (P,), features (P, F*H)        the prompt's text entries, as prefill gives them
         glimpse (U, H), glimpse_idx.<G> (G,)     bridge states chosen for each budget G (their union)
+        all_token_ids (P', ), all_features (P', F*H)   with `visual` only: the prompt's entries with
+                                                 every visual token among them, in prompt order (the
+                                                 inputs of a draft that reads every token, context
+                                                 "all": the EAGLE-style), as inference builds them
     per response (the target's own answer to that context: greedy, and sampled with seeds)
         token_ids (n,), features (n, F*H)        entry i pairs r_i with the features at r_{i-1}
         final_hidden (n, H)                      what the lm_head reads: the target's distribution at
@@ -50,6 +54,7 @@ from sparrow.models.draft import DraftConfig, default_feature_layers
 from sparrow.models.placement import parse_dtype
 from sparrow.models.target import TargetModel
 from sparrow.prefix_cache import PrefixCache, PrefixEntry
+from sparrow.speculative.draft_context import in_prompt_order
 from sparrow.speculative.glimpse import select_glimpse, text_to_visual_attention
 from sparrow.video import VideoOptions
 
@@ -79,6 +84,7 @@ class StoreConfig:
     max_frames: int = 768                             # frames kept at most (VideoOptions)
     max_visual_tokens: int | None = None              # None: the processor's own budget
     seed: int = 0
+    visual: bool = False                              # also every prompt's visual entries (context "all")
 
     def __post_init__(self) -> None:
         check(self.greedy or self.sampled > 0, "a store needs responses: greedy, or sampled > 0")
@@ -112,6 +118,8 @@ STORE_HELP = {
     "max_frames": "frames kept per video at most",
     "max_visual_tokens": "visual tokens per video at most (default: the processor's budget)",
     "seed": "seed of the sampled answers",
+    "visual": "also keep each prompt's visual entries, for drafts that read every token (context all: the "
+              "EAGLE-style), so they train on the same store as the Sparrow draft",
 }
 
 
@@ -178,15 +186,17 @@ class _Builder:
                 continue                                         # an empty prompt: nothing to ask
             inputs = target.build_inputs(processed, s.prompt)
             if prefix is None or not prefix.matches(inputs["input_ids"][0], target.video_token_id):
-                prefix = target.prefill_prefix(inputs, self.layers, self.bridge)
+                prefix = target.prefill_prefix(inputs, self.layers, self.bridge, visual_features=self.cfg.visual)
                 self.engine.prefix_cache.put(key, PrefixEntry.of(processed, prefix))
             capacity = inputs["input_ids"].shape[1] + self.cfg.max_new_tokens + 1
-            pre = target.prefill(inputs, capacity, self.layers, self.bridge, prefix=prefix)
+            pre = target.prefill(inputs, capacity, self.layers, self.bridge, prefix=prefix,
+                                 visual_features=self.cfg.visual)
             cid = f"v{v}p{p}"
             tensors.update(self._context(cid, pre))
             records.append({"type": "context", "id": cid, "video": _video_name(s.video, v),
                             "prompt": prompt_json(s.prompt), "visual_tokens": processed.num_visual_tokens,
-                            "num_prompt": int(pre.text_token_ids.shape[0])})
+                            "num_prompt": int(pre.text_token_ids.shape[0]),
+                            **({"num_visual": int(pre.visual_positions.shape[0])} if self.cfg.visual else {})})
             for j, sampling in enumerate(self.cfg.samplings(self.cfg.seed + 1000 * (1000 * v + p))):
                 out = self.engine.generate(processed, s.prompt, sampling, video_key=key)
                 if len(out.token_ids) < 2:
@@ -206,6 +216,10 @@ class _Builder:
                f"{cid}.glimpse": self._disk(pre.bridge_visual[union.to(pre.bridge_visual.device)])}
         for b, idx in picks.items():
             out[f"{cid}.glimpse_idx.{b}"] = torch.searchsorted(union, idx)          # rows of the union
+        if self.cfg.visual:
+            ids, feats = in_prompt_order(pre.text_token_ids, pre.text_features, pre.text_positions,
+                                         pre.visual_positions, pre.visual_features, pre.video_token_id)
+            out.update({f"{cid}.all_token_ids": ids.cpu(), f"{cid}.all_features": self._disk(feats)})
         return out
 
     @torch.inference_mode()
@@ -318,6 +332,11 @@ class FeatureStore:
     def bridge_budgets(self) -> tuple[int, ...]:
         return tuple(self.header["config"]["bridge_budgets"])
 
+    @property
+    def visual(self) -> bool:
+        """Whether it keeps the prompts' visual entries (StoreConfig.visual): context "all" trains on it."""
+        return bool(self.header["config"].get("visual"))
+
     def check(self, target: TargetModel, draft: DraftConfig, bridge_tokens: int) -> None:
         """A draft trained on this store reads what it holds, and the target is the one it was built with."""
         if self.header["target"] != target_fingerprint(target):
@@ -333,9 +352,13 @@ class FeatureStore:
     def _tensor(self, record: dict, name: str) -> torch.Tensor:
         return _open(str(self.path / record["shard"])).get_tensor(f"{record['id']}.{name}")
 
-    def signals(self, i: int, lm_head: torch.nn.Module) -> TargetSignals:
+    def signals(self, i: int, lm_head: torch.nn.Module, context: str = "text") -> TargetSignals:
         """Response i as the trainer's TargetSignals, on the lm_head's device and dtype; the
-        target's logits are lm_head(final hidden), recomputed here."""
+        target's logits are lm_head(final hidden), recomputed here. context "all": the prompt's
+        entries with its visual tokens (a store built with `visual`)."""
+        if context not in ("text", "all") or (context == "all" and not self.visual):
+            raise InvalidRequest(f"{self.path}: a draft with context {context!r} cannot train on this store "
+                                 f"(context all needs a store built with --visual; pruned trains online)")
         r = self.responses[i]
         c = self.contexts[r["context"]]
         w = lm_head.weight
@@ -344,10 +367,13 @@ class FeatureStore:
         glimpse = load(c, "glimpse")
         with torch.no_grad():
             logits = lm_head(final).float()
+        prompt = "all_" if context == "all" else ""
         return TargetSignals(
-            token_ids=torch.cat([self._tensor(c, "token_ids"), self._tensor(r, "token_ids")]).to(w.device),
-            features=torch.cat([load(c, "features"), load(r, "features")]), num_prompt=c["num_prompt"],
+            token_ids=torch.cat([self._tensor(c, f"{prompt}token_ids"), self._tensor(r, "token_ids")]).to(w.device),
+            features=torch.cat([load(c, f"{prompt}features"), load(r, "features")]),
+            num_prompt=c["num_prompt"] + (c["num_visual"] if context == "all" else 0),
             logits=logits, final_hidden=final, bridge_text=glimpse[:0], bridge_visual=glimpse,
+            num_visual=c["num_visual"] if context == "all" else 0,
             glimpses={b: glimpse[self._tensor(c, f"glimpse_idx.{b}").to(w.device)] for b in self.bridge_budgets})
 
     def length_weights(self, balance: float) -> np.ndarray:

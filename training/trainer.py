@@ -94,9 +94,10 @@ class DraftTrainer:
             samples = samples.only(cfg.store_responses)
         self.store = samples if isinstance(samples, FeatureStore) else None
         if self.store is not None:
-            if cfg.context != "text":
-                raise InvalidRequest(f"a feature store holds a 'text' draft's inputs; context {cfg.context!r} "
-                                     f"reads the visual entries: train it online")
+            if cfg.context != "text" and not (cfg.context == "all" and self.store.visual):
+                raise InvalidRequest(f"this feature store holds a 'text' draft's inputs; context {cfg.context!r} "
+                                     f"reads the visual entries: build the store with --visual (context all), "
+                                     f"or train it online")
             self.store.check(target, draft.config, cfg.bridge_tokens)
         target.hf.requires_grad_(False)
         self.target, self.draft, self.samples, self.cfg = target, draft.train(), samples, cfg
@@ -192,7 +193,7 @@ class DraftTrainer:
         if i in self.bad:
             return None
         if self.store is not None:
-            return self.store.signals(i, self.target.lm_head())
+            return self.store.signals(i, self.target.lm_head(), self.cfg.context)
         s, dc = self.samples[i], self.draft.config
         try:
             video = self.plain.process_video(s.video, self.options)
