@@ -5,9 +5,10 @@ request's events (TokenDelta, then GenerationOutput or an exception) to a callba
 that callback hands them to the event loop through a queue, so no thread is held per
 request. A scheduler turn's events for every request go over in one wake-up of the loop
 (AsyncRequests' outbox, emptied after each turn: waking a loop from another thread is a socket
-write, ~0.1 ms, paid once a step, not once a request), and a reader that has fallen behind gets the deltas waiting for it as one
-(its tokens in order, its text joined): under load, fewer messages, nothing lost. Leaving the async iteration early, however it happens (client cancel, deadline,
-Abort, an error), aborts the request and waits until the scheduler has let it go: the
+write, ~0.1 ms, paid once a step, not once a request), and a reader that has fallen behind gets
+the deltas waiting for it as one (its tokens in order, its text joined): under load, fewer
+messages, nothing lost. Leaving the async iteration early, however it happens (client cancel,
+deadline, Abort, an error), aborts the request and waits until the scheduler has let it go: the
 request's KV slot and draft state are freed before the iterator is done.
 """
 
