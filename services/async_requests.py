@@ -3,9 +3,9 @@
 The engine's scheduler batches every running request on its own thread and pushes each
 request's events (TokenDelta, then GenerationOutput or an exception) to a callback; here
 that callback hands them to the event loop through a queue, so no thread is held per
-request. A scheduler turn's events for every request go over in one wake-up of the loop
-(AsyncRequests' outbox, emptied after each turn: waking a loop from another thread is a socket
-write, ~0.1 ms, paid once a step, not once a request), and a reader that has fallen behind gets
+request. A scheduler phase's events for every request (a decode step's, a prefill slice's) go
+over in one wake-up of the loop (AsyncRequests' outbox, handed over as each phase ends: waking a
+loop from another thread is a socket write, ~0.1 ms, paid once a step, not once a request), and a reader that has fallen behind gets
 the deltas waiting for it as one (its tokens in order, its text joined): under load, fewer
 messages, nothing lost. Leaving the async iteration early, however it happens (client cancel,
 deadline, Abort, an error), aborts the request and waits until the scheduler has let it go: the
@@ -95,8 +95,8 @@ class AsyncRequests:
 
     def _post(self, loop: asyncio.AbstractEventLoop, request: RunningRequest, item) -> None:
         """From the engine's threads: `item` for `request`, whose reader runs on `loop`. Posted
-        inside a scheduler turn, it waits for the turn's end (_wake_all: one wake-up a loop for
-        the turn's events); from another thread (a preparation's error), it goes at once."""
+        inside a scheduler turn, it waits for its phase's end (_wake_all: one wake-up a loop for
+        the phase's events); from another thread (a preparation's error), it goes at once."""
         with self._lock:
             self._outbox.setdefault(loop, []).append((request, item))
         if not self.engine.on_scheduler_thread():

@@ -188,9 +188,10 @@ class Engine:
         return self.scheduler.call_soon(fn, key=key)
 
     def after_each_turn(self, fn: Callable[[], None]) -> None:
-        """Call `fn` on the scheduler thread after each loop turn (a decode step, a prefill slice:
-        the requests' events of the turn are given to their sinks by then). `fn` must not raise.
-        A reader that collects a turn's events hands them over once (services/async_requests.py)."""
+        """Call `fn` on the scheduler thread after each phase of a loop turn (a prefill slice, a
+        task, a decode step: the phase's events are given to their sinks by then) and at the
+        turn's end. `fn` must not raise. A reader that collects the events hands them over once a
+        phase (services/async_requests.py): a first token is not held behind the step after it."""
         self.scheduler.turn_done.append(fn)
 
     def on_scheduler_thread(self) -> bool:

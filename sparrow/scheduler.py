@@ -70,7 +70,7 @@ class Scheduler:
         # call_soon work (live ingest), one queue per key (a live session), served round-robin
         self._tasks: dict[Any, deque[tuple[Callable[[], Any], Future]]] = {}
         self._preparers = 0                          # worker threads preparing them
-        self.turn_done: list[Callable[[], None]] = []  # called on this thread after each loop turn
+        self.turn_done: list[Callable[[], None]] = []  # called on this thread after each phase of a turn
         self._thread: threading.Thread | None = None
         self._closed = False
         self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
@@ -229,15 +229,19 @@ class Scheduler:
             try:
                 self._admit()
                 with TUNING_GATE.serving():       # a path tuner's timed calls go between turns
-                    self._prefill_slice()
-                    self._run_task()
-                    self._decode_step()
+                    # each phase's events go out as it ends: a first token is not held behind a step
+                    for phase in (self._prefill_slice, self._run_task, self._decode_step):
+                        phase()
+                        self._phase_done()
             except Exception as exc:  # noqa: BLE001 - a failed batched forward fails the requests in it
                 log.exception("scheduler step failed")
                 for request in list(self._running) + list(self._prefilling):
                     self._finish(request, error=exc)
-            for done in self.turn_done:
-                done()
+            self._phase_done()
+
+    def _phase_done(self) -> None:
+        for done in self.turn_done:
+            done()
 
     def on_thread(self) -> bool:
         return threading.current_thread() is self._thread
