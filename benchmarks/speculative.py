@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         temperatures=tuple(float(t) for t in args.temperatures.split(",")) if args.temperatures else
         ((0.0,) if q else (0.0, 1.0)),
         reps=args.reps or (2 if q else 5),
-        max_new_tokens=args.max_new_tokens or (48 if q else 96) * (10 if args.world == "v2" else 3) // 3,
+        max_new_tokens=args.max_new_tokens or {("v1", True): 48, ("v1", False): 96, ("v2", True): 160,
+                                                 ("v2", False): 320}[args.world, q],
         k=args.k, glimpse=args.glimpse, window=args.window, anchors=args.anchors,
         tree=tuple(int(x) for x in args.tree.split(",")),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), seed=args.seed,

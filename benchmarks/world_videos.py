@@ -20,15 +20,15 @@ def world_video(side: int, length: int, seed: int, world: str = "v1"):
         from sparrow.world.v2.render_v2 import make_video as render
 
         video = render(seed, length, None, side)
+        options = video.options()
     elif world == "v1":
         from sparrow.world.scenes import WorldVideo
 
         made = WorldVideo(num_frames=length, size=side)
-        video = made.make(seed)
-        return video, dataclasses.replace(made.options(), max_visual_tokens=10**6)   # the ladder goes past 24,576
+        video, options = made.make(seed), made.options()
     else:
         raise ValueError(f"unknown world {world!r}; choose from {WORLDS}")
-    return video, dataclasses.replace(video.options(), max_visual_tokens=10**6)
+    return video, dataclasses.replace(options, max_visual_tokens=10**6)     # the ladders go past 24,576
 
 
 def make_video(target: TargetModel, side: int, length: int, seed: int, world: str = "v1") -> tuple[ProcessedVideo, float]:
