@@ -104,10 +104,16 @@ def test_refusals_have_their_status_and_the_app_keeps_serving(app, client, field
 
 
 def test_deadline_is_504(app, client):
-    with pytest.raises(openai.APIStatusError) as info:
-        client.chat.completions.create(model=MODEL, messages=messages("b.mp4"), max_tokens=2000,
-                                       extra_body={"ignore_eos": True}, extra_headers={"X-Request-Timeout": "0.3"})
-    assert info.value.status_code == 504
+    start = time.monotonic()
+    try:
+        answer = client.chat.completions.create(model=MODEL, messages=messages("b.mp4"), max_tokens=2000,
+                                                extra_body={"ignore_eos": True}, extra_headers={"X-Request-Timeout": "0.3"})
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 504, exc.message
+    else:                      # say what came back instead (seen once in CI under load, not reproduced)
+        choice = answer.choices[0]
+        pytest.fail(f"200 after {time.monotonic() - start:.2f} s: finish_reason {choice.finish_reason}, "
+                    f"{len(choice.token_ids or [])} tokens, usage {answer.usage}")
 
 
 def test_disconnect_mid_stream_frees_the_slot_within_one_second(app, client):
