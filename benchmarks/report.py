@@ -54,6 +54,7 @@ ABOUT = {
     "tuning-stall": "a new pod's path tuner beside a 25k stream and an 8k arrival: gaps and TTFT, gated and ungated",
     "ragged-one-call": "a ragged batch's attention in one call against one call a request, 1 and 8 streams at 0.5k",
     "grpc-hand-over": "8 gRPC streams with a turn's events handed to the event loop at once against one by one",
+    "kv-resident": "A/B: a cached video's KV rows kept in its freed slot for the next question, against a copy each question",
     "world-v2-probe": "world v2's probe pair on narrations: speedup and tau at batch 1, 1 and 8 streams",
 }
 

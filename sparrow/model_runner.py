@@ -164,11 +164,15 @@ class ModelRunner:
         return requested
 
     def prefill_job(self, request: Request) -> PrefillJob:
-        entry = request.entry
+        prefix = request.entry.prefix if request.entry is not None else None
         embeds, request.embeds = request.embeds, None
-        return PrefillJob(self.target, request.inputs, request.slot.cache, request.needs,
-                          prefix=entry.prefix if entry is not None else None,
-                          chunk_tokens=self.config.prefill_chunk_tokens, embeds=embeds)
+        slot = request.slot
+        job = PrefillJob(self.target, request.inputs, slot.cache, request.needs, prefix=prefix,
+                         chunk_tokens=self.config.prefill_chunk_tokens, embeds=embeds,
+                         prefix_in_place=prefix is not None and slot.preloaded is prefix)
+        if prefix is not None:
+            slot.holds = prefix          # its rows are the slot's first: kept for the next question (KVArena)
+        return job
 
     def finish_prefills(self, requests: list[Request]) -> None:
         """The short rests of these requests' prefills (a question after a cached video) in one
@@ -185,6 +189,7 @@ class ModelRunner:
         if self.prefix_cache is not None and request.video_key is not None and request.entry is None:
             made = job.video_prefix()
             self.prefix_cache.put(request.video_key, PrefixEntry.of(request.processed, made))
+            request.slot.holds = made        # cloned from the slot's rows: they stay for the next question
             pre.prefix = made        # what the draft's begin makes once per video is kept there (glimpse_mass)
         request.generator = new_generator(sampling.seed, self.target.device)   # sampling happens where the logits are
         request.noise = PositionNoise(sampling.seed) if sampling.replayable else None

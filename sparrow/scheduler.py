@@ -80,10 +80,10 @@ class Scheduler:
         # others); requests that ended (abort, deadline) before their preparation began, while it
         # ran (stopped at the next packet, or before the patchify), or after its last check (the
         # patchify or prompt build then wasted); requests that waited for their video's running
-        # prefill instead of prefilling it again.
+        # prefill instead of prefilling it again; slots given back with their video's rows in place.
         self.stats = {"steps": 0, "max_batch": 0, "waited_for_memory": 0, "prefill_slices": 0, "tasks": 0,
                       "prefills_together": 0, "ended_before_prepare": 0, "ended_while_preparing": 0,
-                      "prepared_dead": 0, "waited_for_prefill": 0}
+                      "prepared_dead": 0, "waited_for_prefill": 0, "prefix_in_place": 0}
 
     # ----- submission (any thread) ---------------------------------------------------------------
     def submit(self, video, prompt: str, sampling: SamplingParams, options, video_key: str | None,
@@ -257,7 +257,7 @@ class Scheduler:
             request = self._waiting[0]
             if self.num_running >= cfg.max_running:
                 return
-            slot = self.runner.arena.allocate(request.capacity)
+            slot = self.runner.arena.allocate(request.capacity, request.entry.prefix if request.entry else None)
             if slot is None:
                 if not request.waited:
                     request.waited = True
@@ -272,6 +272,7 @@ class Scheduler:
                 return
             self._waiting.popleft()
             request.slot = slot
+            self.stats["prefix_in_place"] += slot.preloaded is not None     # its video's rows were still there
             request.prefill_turn_at = time.perf_counter()
             try:
                 request.job = self.runner.prefill_job(request)

@@ -12,6 +12,8 @@ through the public `cache` argument.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -96,6 +98,15 @@ class KVArena:
     a `Cache` of PreallocatedLayers over views of that range: writes go in place, rollback is
     a length move, and nothing is copied as a request grows. Slots are placed first-fit and
     freed ranges merge with their neighbours; admission asks `can_fit` (memory, not a count).
+
+    A freed slot whose first rows are a cached video prefix (`KVSlot.holds`) keeps them while
+    nobody needs its range: the next request that starts from that prefix is given the same
+    range back (`allocate(..., prefix=)`) and skips the prefix's copy (at 25k tokens tens of ms,
+    and the first touch of its pages). Such resident ranges are free memory: a placement avoids
+    them while other free space fits, then takes the oldest; a placement over a resident's rows
+    forgets it. A resident is known by its VideoPrefix object (held weakly: the prefix cache's
+    eviction ends it), whose rows the slot's request copied in or prefilled (VideoPrefix's
+    tensors are clones of them), so the rows given back are bitwise the copy's.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, tokens: int,
@@ -113,6 +124,9 @@ class KVArena:
         self.tokens = tokens
         self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.keys[0].element_size()
         self._free: list[tuple[int, int]] = [(0, tokens)]       # (start, length), sorted by start
+        # start -> (weakref to the VideoPrefix held there, its rows, the freed slot's capacity); oldest first
+        self._resident: dict[int, tuple[weakref.ref, int, int]] = {}
+        self.prefix_hits = 0                                    # allocations given their prefix in place
 
     @classmethod
     def for_model(cls, text_config, budget_bytes: int, dtype: torch.dtype, device, prefault: bool = False) -> "KVArena":
@@ -128,16 +142,30 @@ class KVArena:
     def free_tokens(self) -> int:
         return sum(n for _, n in self._free)
 
+    @property
+    def resident_prefixes(self) -> int:
+        return sum(1 for ref, _, _ in self._resident.values() if ref() is not None)
+
     def can_fit(self, capacity: int) -> bool:
         return any(n >= capacity for _, n in self._free)
 
-    def allocate(self, capacity: int) -> "KVSlot | None":
-        """A slot of `capacity` tokens, or None while no free range is that large."""
-        for i, (start, n) in enumerate(self._free):
-            if n >= capacity:
-                self._free[i:i + 1] = [(start + capacity, n - capacity)] if n > capacity else []
-                return KVSlot(self, start, capacity)
-        return None
+    def allocate(self, capacity: int, prefix=None) -> "KVSlot | None":
+        """A slot of `capacity` tokens, or None while no free range is that large. With `prefix`
+        (a VideoPrefix) the slot that held it is given back when its range is free; the slot's
+        `preloaded` then says so (PrefillJob takes the rows in place)."""
+        if prefix is not None:
+            for start, (ref, _, _) in self._resident.items():
+                if ref() is prefix and self._is_free(start, capacity):
+                    self._claim(start, capacity)
+                    self.prefix_hits += 1
+                    slot = KVSlot(self, start, capacity)
+                    slot.holds = slot.preloaded = prefix
+                    return slot
+        start = self._place(capacity)
+        if start is None:
+            return None
+        self._claim(start, capacity)
+        return KVSlot(self, start, capacity)
 
     def release(self, slot: "KVSlot") -> None:
         self._free.append((slot.start, slot.capacity))
@@ -149,10 +177,65 @@ class KVArena:
             else:
                 merged.append((start, n))
         self._free = merged
+        if slot.holds is not None and slot.holds.length <= slot.capacity:
+            self._resident.pop(slot.start, None)              # re-inserted: the newest
+            self._resident[slot.start] = (weakref.ref(slot.holds), slot.holds.length, slot.capacity)
+
+    def _is_free(self, start: int, capacity: int) -> bool:
+        return any(a <= start and start + capacity <= a + n for a, n in self._free)
+
+    def _place(self, capacity: int) -> int | None:
+        """Where a slot of `capacity` goes: first fit in free space no resident prefix keeps, at
+        a free range's start or end where it can (a slot placed beside a resident range then does
+        not split the free range: a later long request still finds it whole); while none fits,
+        the oldest resident is forgotten."""
+        for dead in [s for s, (ref, _, _) in self._resident.items() if ref() is None]:
+            del self._resident[dead]                          # its prefix was evicted from the cache
+        if not self.can_fit(capacity):
+            return None
+        while True:
+            kept = sorted((s, s + extent) for s, (_, _, extent) in self._resident.items())
+            inside = None
+            for start, n in self._free:
+                for a, b in _gaps(start, start + n, kept):
+                    if b - a < capacity:
+                        continue
+                    if a == start:
+                        return a
+                    if b == start + n:
+                        return b - capacity
+                    inside = a if inside is None else inside
+            if inside is not None:
+                return inside
+            del self._resident[next(iter(self._resident))]   # can_fit: once none is left, it fits
+
+    def _claim(self, start: int, capacity: int) -> None:
+        """[start, start + capacity) leaves the free list; residents whose rows it covers are forgotten."""
+        end = start + capacity
+        i = next(i for i, (a, n) in enumerate(self._free) if a <= start and end <= a + n)
+        a, n = self._free[i]
+        self._free[i:i + 1] = [(s, e - s) for s, e in ((a, start), (end, a + n)) if e > s]
+        for s in [s for s, (_, rows, _) in self._resident.items() if s < end and start < s + rows]:
+            del self._resident[s]
+
+
+def _gaps(start: int, end: int, kept: list[tuple[int, int]]):
+    """The parts of [start, end) outside the sorted ranges `kept`."""
+    at = start
+    for a, b in kept:
+        if b <= at or a >= end:
+            continue
+        if a > at:
+            yield at, a
+        at = max(at, b)
+    if at < end:
+        yield at, end
 
 
 class KVSlot:
-    """One request's range of a KVArena; `cache` is its transformers Cache."""
+    """One request's range of a KVArena; `cache` is its transformers Cache. `holds`: the
+    VideoPrefix whose rows are the slot's first rows (set by whoever puts them there);
+    `preloaded`: that prefix when the arena gave the slot back with its rows in place."""
 
     def __init__(self, arena: KVArena, start: int, capacity: int):
         self.arena, self.start, self.capacity = arena, start, capacity
@@ -161,6 +244,7 @@ class KVSlot:
                                    for k, v in zip(arena.keys, arena.values)])
         for layer, k, v in zip(self.cache.layers, arena.keys, arena.values):
             layer.arena = (k, v, start)
+        self.holds = self.preloaded = None
         self.released = False
 
     def release(self) -> None:

@@ -182,8 +182,9 @@ class PrefillJob:
     The prompt's embeddings are built once (the vision tower runs on the first step, over the
     whole video, unless `embeds` brings them: `TargetModel.prompt_embeds`, which a scheduler runs
     on a worker thread), then the language model runs over them chunk by chunk on top of the
-    request's KV cache. With `prefix` the cache starts as a copy of the video prefix's and
-    only the rest of the prompt runs. `end` stops early (a video-prefix prefill).
+    request's KV cache. With `prefix` the cache starts as a copy of the video prefix's (or,
+    `prefix_in_place`, with its rows already there) and only the rest of the prompt runs. `end`
+    stops early (a video-prefix prefill).
     `time_shift` moves the prompt later on the temporal axis (a live window's text before
     its video, re-positioned after eviction: sparrow/live/window.py); with `prefix`, the prefix's
     shift applies to what follows it.
@@ -191,7 +192,7 @@ class PrefillJob:
 
     def __init__(self, target, inputs: dict, kv, needs: FeatureNeeds = FeatureNeeds(),
                  prefix: "VideoPrefix | None" = None, chunk_tokens: int = 1 << 30, end: int | None = None,
-                 time_shift: int = 0, embeds: torch.Tensor | None = None):
+                 time_shift: int = 0, embeds: torch.Tensor | None = None, prefix_in_place: bool = False):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.target, self.inputs, self.kv, self.needs = target, inputs, kv, needs
@@ -201,7 +202,7 @@ class PrefillJob:
         if prefix is not None:
             if not prefix.matches(self.ids, target.video_token_id):
                 raise ValueError("this video prefix was prefilled for a different prompt start")
-            self.cursor = prefix.load_into(kv)
+            self.cursor = prefix.take_in_place(kv) if prefix_in_place else prefix.load_into(kv)
             time_shift = prefix.time_shift      # a live window's text sits later in time
         # The prompt's positions (before any time shift, kept for video_prefix): after a prefix that
         # carries its own, only the text after it is placed (VideoPrefix.positions_for).
@@ -336,7 +337,7 @@ def finish_together(jobs: list[PrefillJob]) -> None:
         job._took(b, rows, out.logits[0, i])
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)          # weakly held by KVArena residents
 class VideoPrefix:
     """The prompt up to and including its last video token, prefilled once. The system
     prompt and the video fix these tokens, so later questions about the same video start
@@ -406,4 +407,13 @@ class VideoPrefix:
         """Copy the prefix into a fresh KV cache (the cached tensors are never written)."""
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             kv.update(k, v, i)
+        return self.length
+
+    def take_in_place(self, kv) -> int:
+        """The prefix's rows are a fresh KV cache's first rows already (a KV arena slot given
+        back holding them: KVArena.allocate's prefix): they join the cache without a copy."""
+        for layer in kv.layers:
+            if layer.length:
+                raise ValueError("a prefix is taken in place only by an empty cache")
+            layer.advance(self.length)
         return self.length
