@@ -51,6 +51,7 @@ ABOUT = {
     "compiled-steps": "plain and Sparrow with eager and compiled target steps",
     "attention-paths": "each CPU verify attention path's time beside the one chosen",
     "serve-load": "plain and Sparrow under load: request rates, TTFT/ITL/E2E percentiles, goodput, sustained rate",
+    "serve-load-v2": "the same on world v2: timed narrations of 40-170 tokens and short questions, the v2 probe pair",
     "tuning-stall": "a new pod's path tuner beside a 25k stream and an 8k arrival: gaps and TTFT, gated and ungated",
     "ragged-one-call": "a ragged batch's attention in one call against one call a request, 1 and 8 streams at 0.5k",
     "grpc-hand-over": "8 gRPC streams with a turn's events handed to the event loop at once against one by one",

@@ -60,3 +60,21 @@ def world_ladder(world: str = "v1") -> tuple[tuple[int, int], ...]:
     from sparrow.world.scenes import LADDER
 
     return LADDER
+
+
+def visual_tokens(side: int, length: int, world: str = "v1") -> int:
+    """A world video's visual tokens with the world target (28 px patches merged 2x2, 2 frames a
+    temporal patch): `length` frames (v1) or seconds at 2 fps (v2)."""
+    return (side // 28) ** 2 * (length if world == "v2" else length // 2)
+
+
+def world_short_questions(world: str = "v1") -> tuple[str, ...]:
+    """Questions about a video with short answers, that fit any video of the world (no template
+    to fill): v1's, but for its presence question; v2's counts, orders, yes/no and the like."""
+    if world == "v2":
+        from sparrow.world.v2.questions_v2 import QUESTIONS_V2
+
+        return tuple(q for kind, qs in QUESTIONS_V2.items() if kind != "narrate" for q in qs if "{" not in q)
+    from sparrow.world.scenes import QUESTIONS
+
+    return tuple(q for kind, qs in QUESTIONS.items() if kind != "present" for q in qs)

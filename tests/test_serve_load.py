@@ -85,6 +85,24 @@ def test_workload_keeps_each_videos_questions():
     assert 1.0 < timed[-1].at < 6.0        # 11 gaps of mean 0.25 s (a loose bound: able to fail)
 
 
+def test_v2_workload_asks_a_narration_first_and_no_template(tmp_path):
+    from sparrow.world.v2.questions_v2 import QUESTIONS_V2
+    got = asks(4, 3, seed=11, world="v2")
+    firsts = {}
+    for a in got:
+        firsts.setdefault(a.video, a.prompt)
+    assert all(p in QUESTIONS_V2["narrate"] for p in firsts.values()) and len(firsts) == 4
+    assert all("{" not in a.prompt for a in got) and not any(a.prompt in CAPTION_PROMPTS for a in got)
+    out, raw = tmp_path / "BENCH.md", tmp_path / "load.json"
+    assert main(["--smoke", "--world", "v2", "--rates", "4", "--threads", "1", "--seed", "321", "--json", str(raw),
+                 "--out", str(out), "--plot", str(tmp_path / "load.png")]) == 0
+    result, markdown = json.loads(raw.read_text()), out.read_text()
+    assert "<!-- serve-load-v2:begin -->" in markdown and "<!-- serve-load:begin -->" not in markdown
+    assert "world v2 videos" in markdown and "of 1 x 72, 1 x 128 visual tokens" in markdown
+    asked = [x["prompt"] for r in result["runs"] for x in r["per_request"]]
+    assert asked and any(p in QUESTIONS_V2["narrate"] for p in asked)
+
+
 def _trace(ttft: float, gap: float, tokens: int, prompt: int = 1000, cached: int = 0) -> Trace:
     times = [ttft + i * gap for i in range(tokens)]
     return Trace(0.0, times, [[1]] * tokens, times[-1], tokens, 0, cached, prompt, tokens)

@@ -21,8 +21,9 @@ from benchmarks.serve_load.load_config import METHODS, SMOKE_MIX, LoadConfig, Ob
 from benchmarks.serve_load.load_run import run_benchmark  # noqa: E402
 from benchmarks.serve_load.load_table import plot, report  # noqa: E402
 from benchmarks.tiny_models import save_tiny_models  # noqa: E402
+from benchmarks.world_videos import WORLDS  # noqa: E402
 
-PLOT = "benchmarks/serve_load.png"
+PLOT, PLOT_V2 = "benchmarks/serve_load.png", "benchmarks/serve_load_v2.png"
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -44,13 +45,13 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     objective = Objective(args.slo_ttft_s, args.slo_prefill_s_per_1k, args.slo_tpot_ms, args.attain)
     defaults = LoadConfig()
     return LoadConfig(
-        models=args.models,
+        models=args.models, world=args.world,
         mix=_mix(args.mix) if args.mix else SMOKE_MIX if smoke else defaults.mix,
         questions=args.questions or (2 if smoke else defaults.questions),
         rates=_floats(args.rates) if args.rates is not None else (2.0, 8.0) if smoke else defaults.rates,
         concurrency=tuple(int(c) for c in _floats(args.concurrency)) if args.concurrency else (),
         methods=tuple(m for m in args.methods.split(",") if m),
-        max_new_tokens=args.max_new_tokens or (12 if smoke else defaults.max_new_tokens),
+        max_new_tokens=args.max_new_tokens or (12 if smoke else 320 if args.world == "v2" else defaults.max_new_tokens),
         temperature=args.temperature, seed=args.seed, objective=objective,
         request_timeout_s=args.request_timeout_s, warmup_tokens=2 if smoke else defaults.warmup_tokens)
 
@@ -59,12 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__)
     ap.add_argument("--models", default="models", help="DIR with world/{target,draft}")
     ap.add_argument("--smoke", action="store_true", help="tiny random models, 4 requests at two rates: seconds")
-    ap.add_argument("--mix", help="videos as SIDExFRAMES:COUNT,... (default 168x28:4,168x448:2,168x1392:1)")
+    ap.add_argument("--world", choices=WORLDS, default="v1",
+                    help="v2: world v2 videos (--mix lengths in seconds) and questions, a narration first; its "
+                         "own section (serve-load-v2)")
+    ap.add_argument("--mix", help="videos as SIDExFRAMES:COUNT,... (default 168x28:4,168x448:2,168x1392:1; "
+                                  "v2: SIDExSECONDS)")
     ap.add_argument("--questions", type=int, help="questions per video (default 3)")
     ap.add_argument("--rates", help="request rates per second, increasing (default 0.25,0.5,1); '' for none")
     ap.add_argument("--concurrency", help="closed-loop client counts, e.g. 1,4,8")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--max-new-tokens", type=int, help="the cap of an answer (default 256)")
+    ap.add_argument("--max-new-tokens", type=int, help="the cap of an answer (default 256; v2 320)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, help="video and arrival seed (default: fresh each run)")
     ap.add_argument("--slo-ttft-s", type=float, default=2.0)
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         if result is None:
             return 2
         result["command"] = command
-    figure = args.plot or (PLOT if args.out else None)
+    v2 = result["config"].get("world") == "v2"
+    figure = args.plot or ((PLOT_V2 if v2 else PLOT) if args.out else None)
     if figure:
         plot(result, figure)
     text = report(result, os.path.relpath(figure, Path(args.out).parent) if figure and args.out else figure)
@@ -99,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
     if args.out:
-        write_section(args.out, "serve-load", "Serving under load (issue 46): plain vs Sparrow at request rates",
+        write_section(args.out, "serve-load-v2" if v2 else "serve-load",
+                      f"Serving under load (issue 46): plain vs Sparrow at request rates{', world v2' if v2 else ''}",
                       result["command"], text)
     return 0 if not any(r["failed"] for r in result["runs"]) else 1
 

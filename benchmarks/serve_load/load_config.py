@@ -6,14 +6,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from sparrow.world.scenes import CAPTION_PROMPTS, LADDER, QUESTIONS
+from benchmarks.world_videos import WORLDS, world_prompts, world_short_questions
+from sparrow.world.scenes import LADDER
 
 METHODS = ("plain", "sparrow")
 # (side px, frames, videos): 504, 8,064 and 25,056 visual tokens with the world target
 MIX = ((LADDER[0][0], LADDER[0][1], 4), (LADDER[2][0], LADDER[2][1], 2), (LADDER[-1][0], LADDER[-1][1], 1))
-SMOKE_MIX = ((84, 8, 1), (112, 8, 1))          # tiny models: 36 and 64 visual tokens
-# Questions about one video: a caption (an answer of tens of tokens) first, then short ones.
-ASKS = (*CAPTION_PROMPTS, *(q for kind, qs in QUESTIONS.items() if kind != "present" for q in qs))
+SMOKE_MIX = ((84, 8, 1), (112, 8, 1))          # tiny models: 36 and 64 visual tokens (v2: 72 and 128)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +36,8 @@ class Objective:
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
     models: str = "models"                               # DIR with world/{target,draft}
-    mix: tuple[tuple[int, int, int], ...] = MIX          # (side px, frames, videos of that size)
+    mix: tuple[tuple[int, int, int], ...] = MIX          # (side px, frames (v2: seconds), videos of that size)
+    world: str = "v1"                                    # the videos' and questions' world (benchmarks.world_videos)
     questions: int = 3                                   # asked about each video (the first is cold)
     rates: tuple[float, ...] = (0.25, 0.5, 1.0)          # requests/s, Poisson arrivals
     concurrency: tuple[int, ...] = ()                    # closed loop: N clients, each sends its next when done
@@ -50,6 +50,8 @@ class LoadConfig:
     warmup_tokens: int = 8                               # one untimed request per method first
 
     def __post_init__(self) -> None:
+        if self.world not in WORLDS:
+            raise ValueError(f"unknown world {self.world!r}; choose from {WORLDS}")
         if not self.mix or any(n < 1 for _, _, n in self.mix) or self.questions < 1:
             raise ValueError("need a non-empty mix of videos (>= 1 each) and questions >= 1")
         if not (self.rates or self.concurrency):
@@ -78,12 +80,15 @@ def fresh_seed() -> int:
     return 5 * 10**9 + random.SystemRandom().randrange(10**9)
 
 
-def asks(num_videos: int, questions: int, seed: int) -> list[Ask]:
-    """Every video asked `questions` questions (a caption first), in a shuffled order in which
-    each video's questions keep their order: repeats arrive while the video is cached."""
+def asks(num_videos: int, questions: int, seed: int, world: str = "v1") -> list[Ask]:
+    """Every video asked `questions` questions (a caption, in v2 a timed narration, first; then
+    short ones, or further captions), in a shuffled order in which each video's questions keep
+    their order: repeats arrive while the video is cached."""
     rng = random.Random(seed)
-    per_video = [[CAPTION_PROMPTS[rng.randrange(len(CAPTION_PROMPTS))]]
-                 + [ASKS[rng.randrange(len(ASKS))] for _ in range(questions - 1)] for _ in range(num_videos)]
+    long, short = world_prompts(world), world_short_questions(world)
+    rest = (*long, *short)
+    per_video = [[long[rng.randrange(len(long))]]
+                 + [rest[rng.randrange(len(rest))] for _ in range(questions - 1)] for _ in range(num_videos)]
     order = [v for v in range(num_videos) for _ in range(questions)]
     rng.shuffle(order)
     taken = [0] * num_videos

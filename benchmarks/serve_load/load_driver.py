@@ -16,7 +16,7 @@ from typing import Callable
 from benchmarks.concurrency.streams import Trace, grpc_call
 from benchmarks.engines import SERVED, BenchConfig, Models, build_engine
 from benchmarks.serve_load.load_config import Ask, LoadConfig
-from benchmarks.world_videos import world_video
+from benchmarks.world_videos import visual_tokens, world_video
 from sparrow.prefix_cache import PrefixCache
 from sparrow.services.client import SparrowClient
 from sparrow.services.config import ServiceConfig
@@ -70,17 +70,17 @@ class Servers:
 
 
 def max_tokens(cfg: LoadConfig) -> int:
-    return max((side // 28) ** 2 * (frames // 2) for side, frames, _ in cfg.mix)
+    return max(visual_tokens(side, length, cfg.world) for side, length, _ in cfg.mix)
 
 
 def make_videos(cfg: LoadConfig, seed: int, clients: dict[str, SparrowClient]) -> list[LoadVideo]:
     """Fresh world videos of the mix (seeds from `seed`), uploaded to every server."""
     out = []
-    for i, (side, frames, count) in enumerate(cfg.mix):
+    for i, (side, length, count) in enumerate(cfg.mix):
         for j in range(count):
-            video, _ = world_video(side, frames, seed + 1000 * i + j)
+            video, _ = world_video(side, length, seed + 1000 * i + j, cfg.world)
             ids = {m: c.upload(video.data, timeout=cfg.request_timeout_s) for m, c in clients.items()}
-            out.append(LoadVideo(video.data, video.fps, (side // 28) ** 2 * (frames // 2), ids))
+            out.append(LoadVideo(video.data, video.fps, visual_tokens(side, length, cfg.world), ids))
     return out
 
 

@@ -27,16 +27,16 @@ def _pcts(values: list[float], name: str) -> dict[str, float]:
 
 
 def request_row(r: Record, objective: Objective) -> dict:
-    """One request's measures (ms) and whether it met the objective."""
-    t = r.trace
+    """One request's measures (ms), what it asked, and whether it met the objective."""
+    t, asked = r.trace, {"video": r.ask.video, "prompt": r.ask.prompt}
     if t is None or not t.times:
-        return {"ok": False, "good": False, "tokens": 0, "error": r.error or "no tokens"}
+        return {**asked, "ok": False, "good": False, "tokens": 0, "error": r.error or "no tokens"}
     tokens = len(t.token_ids)
     ttft = t.ttft
     tpot = (t.end - t.times[0]) / (tokens - 1) if tokens > 1 else 0.0
     uncached = max(0, t.prompt_tokens - t.cached_prompt_tokens)
     ttft_bound = objective.ttft_s + objective.prefill_s_per_1k * uncached / 1000
-    return {"ok": True, "tokens": tokens, "server_tokens": t.completion_tokens, "ttft_ms": 1e3 * ttft,
+    return {**asked, "ok": True, "tokens": tokens, "server_tokens": t.completion_tokens, "ttft_ms": 1e3 * ttft,
             "tpot_ms": 1e3 * tpot, "e2e_ms": 1e3 * (t.end - t.start), "itl_ms": [1e3 * g for g in t.gaps],
             "uncached_prompt_tokens": uncached, "cached": t.cached_prompt_tokens > 0, "steps": t.steps,
             "accepted": t.accepted, "good": ttft <= ttft_bound and 1e3 * tpot <= objective.tpot_ms}

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from benchmarks.serve_load.load_stats import PCTS
+from benchmarks.world_videos import visual_tokens
 
 HEAD = ("load", "method", "requests (failed)", "prefix hits", "out tok/s", "x plain", "TTFT p50/p95/p99 ms",
         "ITL p50/p95/p99 ms", "TPOT p50/p95/p99 ms", "E2E p50/p95/p99 s", "goodput req/s (share)", "tau")
@@ -37,7 +38,10 @@ def table(runs: list[dict], methods: list[str]) -> str:
 
 def report(result: dict, plot: str | None = None) -> str:
     cfg = result["config"]
-    mix = ", ".join(f"{n} x {(s // 28) ** 2 * (f // 2)}" for s, f, n in cfg["mix"])
+    world = cfg.get("world", "v1")
+    mix = ", ".join(f"{n} x {visual_tokens(s, f, world)}" for s, f, n in cfg["mix"])
+    first = "a timed narration first, then short questions or more narrations" if world == "v2" else \
+        "a caption first, then short questions"
     sustained = ", ".join(f"{m} {'none' if r is None else f'{r:g} req/s'}" for m, r in result["sustained"].items())
     parts = [
         f"Machine: {result['machine']}; load average {result['load_before'][0]:.1f} before, "
@@ -45,8 +49,8 @@ def report(result: dict, plot: str | None = None) -> str:
         f"Target: {result['target']}. Methods: {', '.join(cfg['methods'])} (Sparrow: the default engine, k chosen "
         f"per step), each behind its own embedded gRPC server, the same requests in the same order at each load, "
         f"prefix caches emptied before each.",
-        f"Workload: fresh world videos (seed {result['seed']}) of {mix} visual tokens, {cfg['questions']} questions "
-        f"each (a caption first, then short questions; a repeat question reuses the video's prefill: 'prefix hits'), "
+        f"Workload: fresh world {world} videos (seed {result['seed']}) of {mix} visual tokens, {cfg['questions']} "
+        f"questions each ({first}; a repeat question reuses the video's prefill: 'prefix hits'), "
         f"answers to their own end (at most {cfg['max_new_tokens']} tokens), T={cfg['temperature']:g}. Open loop: "
         f"Poisson arrivals at each rate; closed loop: N clients each sending its next request when the last ends.",
         f"Objective: {result['objective']}. Highest rate sustained: {sustained}.",
