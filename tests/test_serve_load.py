@@ -93,6 +93,10 @@ def test_v2_workload_asks_a_narration_first_and_no_template(tmp_path):
         firsts.setdefault(a.video, a.prompt)
     assert all(p in QUESTIONS_V2["narrate"] for p in firsts.values()) and len(firsts) == 4
     assert all("{" not in a.prompt for a in got) and not any(a.prompt in CAPTION_PROMPTS for a in got)
+    only_long = asks(4, 3, seed=11, world="v2", long_share=1.0)
+    assert all(a.prompt in QUESTIONS_V2["narrate"] for a in only_long)
+    narrations = [a.video for a in asks(4, 3, seed=11, world="v2", long_share=0.0) if a.prompt in QUESTIONS_V2["narrate"]]
+    assert sorted(narrations) == [0, 1, 2, 3]              # each video's first question only
     out, raw = tmp_path / "BENCH.md", tmp_path / "load.json"
     assert main(["--smoke", "--world", "v2", "--rates", "4", "--threads", "1", "--seed", "321", "--json", str(raw),
                  "--out", str(out), "--plot", str(tmp_path / "load.png")]) == 0

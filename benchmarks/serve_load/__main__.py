@@ -47,7 +47,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     return LoadConfig(
         models=args.models, world=args.world,
         mix=_mix(args.mix) if args.mix else SMOKE_MIX if smoke else defaults.mix,
-        questions=args.questions or (2 if smoke else defaults.questions),
+        questions=args.questions or (2 if smoke else defaults.questions), long_share=args.long_share,
         rates=_floats(args.rates) if args.rates is not None else (2.0, 8.0) if smoke else defaults.rates,
         concurrency=tuple(int(c) for c in _floats(args.concurrency)) if args.concurrency else (),
         methods=tuple(m for m in args.methods.split(",") if m),
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", help="videos as SIDExFRAMES:COUNT,... (default 168x28:4,168x448:2,168x1392:1; "
                                   "v2: SIDExSECONDS)")
     ap.add_argument("--questions", type=int, help="questions per video (default 3)")
+    ap.add_argument("--long-share", type=float, help="a repeat question's chance of a long answer (a caption or "
+                                                     "narration; default: drawn from every prompt alike)")
     ap.add_argument("--rates", help="request rates per second, increasing (default 0.25,0.5,1); '' for none")
     ap.add_argument("--concurrency", help="closed-loop client counts, e.g. 1,4,8")
     ap.add_argument("--methods", default=",".join(METHODS))

@@ -39,6 +39,8 @@ class LoadConfig:
     mix: tuple[tuple[int, int, int], ...] = MIX          # (side px, frames (v2: seconds), videos of that size)
     world: str = "v1"                                    # the videos' and questions' world (benchmarks.world_videos)
     questions: int = 3                                   # asked about each video (the first is cold)
+    long_share: float | None = None                      # a repeat question's chance of a long answer; None: drawn
+                                                         # from every prompt alike
     rates: tuple[float, ...] = (0.25, 0.5, 1.0)          # requests/s, Poisson arrivals
     concurrency: tuple[int, ...] = ()                    # closed loop: N clients, each sends its next when done
     methods: tuple[str, ...] = METHODS
@@ -50,6 +52,8 @@ class LoadConfig:
     warmup_tokens: int = 8                               # one untimed request per method first
 
     def __post_init__(self) -> None:
+        if self.long_share is not None and not 0.0 <= self.long_share <= 1.0:
+            raise ValueError(f"long_share must be in [0, 1], got {self.long_share}")
         if self.world not in WORLDS:
             raise ValueError(f"unknown world {self.world!r}; choose from {WORLDS}")
         if not self.mix or any(n < 1 for _, _, n in self.mix) or self.questions < 1:
@@ -80,15 +84,22 @@ def fresh_seed() -> int:
     return 5 * 10**9 + random.SystemRandom().randrange(10**9)
 
 
-def asks(num_videos: int, questions: int, seed: int, world: str = "v1") -> list[Ask]:
+def asks(num_videos: int, questions: int, seed: int, world: str = "v1", long_share: float | None = None) -> list[Ask]:
     """Every video asked `questions` questions (a caption, in v2 a timed narration, first; then
-    short ones, or further captions), in a shuffled order in which each video's questions keep
-    their order: repeats arrive while the video is cached."""
+    short ones, or further captions: a long one with chance `long_share`, or with None drawn from
+    every prompt alike), in a shuffled order in which each video's questions keep their order:
+    repeats arrive while the video is cached."""
     rng = random.Random(seed)
     long, short = world_prompts(world), world_short_questions(world)
     rest = (*long, *short)
-    per_video = [[long[rng.randrange(len(long))]]
-                 + [rest[rng.randrange(len(rest))] for _ in range(questions - 1)] for _ in range(num_videos)]
+
+    def repeat() -> str:
+        if long_share is None:
+            return rest[rng.randrange(len(rest))]
+        pool = long if rng.random() < long_share else short
+        return pool[rng.randrange(len(pool))]
+
+    per_video = [[long[rng.randrange(len(long))]] + [repeat() for _ in range(questions - 1)] for _ in range(num_videos)]
     order = [v for v in range(num_videos) for _ in range(questions)]
     rng.shuffle(order)
     taken = [0] * num_videos

@@ -23,7 +23,7 @@ def run_benchmark(cfg: LoadConfig, log: Callable[[str], None] = print) -> dict:
         servers = Servers(cfg, stack)
         videos = make_videos(cfg, seed, servers.clients)
         log(f"{len(videos)} videos ({', '.join(str(v.visual_tokens) for v in videos)} visual tokens), seed {seed}")
-        requests = asks(len(videos), cfg.questions, seed, cfg.world)
+        requests = asks(len(videos), cfg.questions, seed, cfg.world, cfg.long_share)
         if cfg.warmup_tokens:                     # untimed: each server's first call, on the smallest video
             for m, client in servers.clients.items():
                 call_for(cfg, client, m, videos[0], requests[0].prompt, cfg.warmup_tokens)()

@@ -40,8 +40,11 @@ def report(result: dict, plot: str | None = None) -> str:
     cfg = result["config"]
     world = cfg.get("world", "v1")
     mix = ", ".join(f"{n} x {visual_tokens(s, f, world)}" for s, f, n in cfg["mix"])
-    first = "a timed narration first, then short questions or more narrations" if world == "v2" else \
-        "a caption first, then short questions"
+    long = "narration" if world == "v2" else "caption"
+    share = cfg.get("long_share")
+    then = (f"then a {long} with chance {share:g}, else a short question" if share is not None
+            else f"then any prompt alike, short questions or {long}s")
+    first = f"a {'timed narration' if world == 'v2' else 'caption'} first, {then}"
     sustained = ", ".join(f"{m} {'none' if r is None else f'{r:g} req/s'}" for m, r in result["sustained"].items())
     parts = [
         f"Machine: {result['machine']}; load average {result['load_before'][0]:.1f} before, "
