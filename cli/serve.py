@@ -38,8 +38,7 @@ def app_settings(args: argparse.Namespace):
         spec=SpecConfig(draft_step=args.draft_step) if args.k is None else
         SpecConfig(num_draft_tokens=args.k, draft_step=args.draft_step),
         spec_given=frozenset() if args.k is None else frozenset({"num_draft_tokens"}),
-        service=service, engine=EngineConfig(kv_cache_bytes=args.kv_cache_mb * MiB, kv_prefault=not args.no_kv_prefault,
-                                             step_budget_s=None if args.step_budget_ms is None else args.step_budget_ms / 1e3),
+        service=service, engine=EngineConfig(kv_cache_bytes=args.kv_cache_mb * MiB, kv_prefault=not args.no_kv_prefault),
         target_deployment=deployments.get("target", {}), draft_deployment=deployments.get("draft", {}),
         dtype=args.dtype, device=args.device, device_map=args.device_map, verify_attention=args.verify_attention,
         target_step=args.target_step, served_model_name=args.served_model_name)
@@ -227,9 +226,6 @@ def add_command(sub, common) -> None:
                    "while their KV fits (default 2048)")
     p.add_argument("--no-kv-prefault", action="store_true", help="leave the KV memory unwritten until requests use it "
                    "(default: written at start, so no request pays the first touch of its pages)")
-    p.add_argument("--step-budget-ms", type=float, default=None, help="a decode step's time the draft policy keeps "
-                   "within while a decode step of the batch fits it: a time-per-token objective (a short answer's is one "
-                   "step); default none: drafts as deep as pays in tokens a second")
     p.add_argument("--max-video-mb", type=int, default=2048, help="largest video accepted, in MiB (default 2048)")
     p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message, in MiB (default 64; "
                                                                  "larger videos go through UploadVideo in chunks)")

@@ -202,10 +202,6 @@ class EngineConfig:
                          draft (each gets at most its equal share, however large its tree
                          could be); 0: no cap. Verify cost grows with the tokens scored, so a
                          batch gives each request a smaller tree (BENCHMARKS.md: verify cost).
-    step_budget_s        a decode step's time the draft policy keeps within while a decode step
-                         of the batch fits it (a latency objective: a short answer's time per
-                         token is one step; draft_policy.DraftPolicy); None: no bound, the policy
-                         maximises tokens a second
     """
 
     kv_cache_bytes: int = 2 << 30
@@ -218,7 +214,6 @@ class EngineConfig:
     prefill_share: float = 0.5
     step_draft_nodes: int = 0
     prepare_threads: int = 2
-    step_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "max_running", "prefill_chunk_tokens", "prepare_threads"):
@@ -228,7 +223,5 @@ class EngineConfig:
             raise InvalidRequest("max_waiting and queue_timeout_s must be >= 0")
         if self.step_draft_nodes < 0:
             raise InvalidRequest("step_draft_nodes must be >= 0")
-        if self.step_budget_s is not None and not self.step_budget_s > 0:
-            raise InvalidRequest(f"step_budget_s must be > 0 or None, got {self.step_budget_s}")
         if not self.prefill_slice_s > 0 or not 0 < self.prefill_share <= 1:
             raise InvalidRequest("need prefill_slice_s > 0 and 0 < prefill_share <= 1")

@@ -79,15 +79,6 @@ class DraftPolicy(_Laps):
     still expected ~0.4 a token from its engine's four good videos before, and drafted 3-4 deep
     (0.66-0.82x plain on that 25k video).
 
-    With a step budget (EngineConfig.step_budget_s: a latency objective), the choice is kept
-    within it while a decode step of the batch fits it: the drafts' deepest positions (the least
-    likely accepted) go first, one depth at a time, until the step's predicted time fits. Tokens
-    a second alone prefer the long step a deep draft makes at a big batch, which serves long
-    answers and fails a short one: a 2-token answer's time per token is one step (measured
-    under load on world v2: Sparrow's 2-token answers ~1.5x plain's, its long ones ~3x faster).
-    When not even a decode step fits, the best rate stands. Steps that sample the cost model
-    (`wants_sample`) are not bounded: they are what the predictions come from.
-
     A search that put every request at its cap is kept for the next step when that step
     accepted every draft and the cost model is unchanged (its `version`: MeasuredCosts redoes
     its fits together, one step in REFIT_EVERY): more accepted drafts raise each alpha, which
@@ -103,9 +94,8 @@ class DraftPolicy(_Laps):
     DECAY = 0.99               # per drafting step, on the engine's acceptance counts
     RECENT = 0.7               # per drafting step, on a request's own (a memory of ~3 steps)
 
-    def __init__(self, k_max: int, adaptive: bool, costs: CostModel | None = None, measure: bool = True,
-                 step_budget_s: float | None = None):
-        self.k_max, self.adaptive, self.step_budget_s = k_max, adaptive, step_budget_s
+    def __init__(self, k_max: int, adaptive: bool, costs: CostModel | None = None, measure: bool = True):
+        self.k_max, self.adaptive = k_max, adaptive
         # whether steps feed the cost model: not when nothing reads it (a fixed k, chains), where
         # its refits were ~0.2 ms of a 0.5k step
         self.measure = measure
@@ -123,7 +113,6 @@ class DraftPolicy(_Laps):
         self._chosen: tuple[int, ...] | None = None
         self._kept: tuple | None = None
         self.kept_steps = 0                # steps that kept the last search's ks (for operators and tests)
-        self.budget_cuts = 0               # searches whose choice the step budget lowered
 
     @property
     def engine_alpha(self) -> float:
@@ -180,9 +169,8 @@ class DraftPolicy(_Laps):
             self._chosen = self._kept[1]
             return caps
         self._chosen = None
-        ks = self._within_budget(batch, self._best(batch, caps, free), free)
-        if any(ks[i] for i in free) and not self.costs.knows_jump(ctx) \
-                and self._within_budget(batch, self._best(batch, caps, free, True), free, count=False) != ks:
+        ks = self._best(batch, caps, free)
+        if any(ks[i] for i in free) and not self.costs.knows_jump(ctx) and self._best(batch, caps, free, True) != ks:
             # the unknown jump could change the choice: decode steps between drafting ones measure it
             if next(self._probe_turns) % 2 == 0:
                 self.jump_probes += 1
@@ -241,27 +229,6 @@ class DraftPolicy(_Laps):
             if rate > best_rate:
                 best, best_rate = ks, rate
         return best
-
-    def _within_budget(self, batch: list[Request], ks: list[int], free: list[int], count: bool = True) -> list[int]:
-        """`ks` with the free requests' drafts cut, deepest positions first, until the step's
-        predicted time fits the step budget; `ks` as they are with no budget, when they fit, or
-        when a decode step of the batch does not fit either."""
-        if self.step_budget_s is None or not any(ks[i] for i in free):
-            return ks
-        ctx = [r.context for r in batch]
-
-        def step_s(choice: list[int]) -> float:
-            return self.costs.verify_s([k + 1 for k in choice], ctx) + self.costs.draft_s(
-                max(choice), sum(k > 0 for k in choice), ctx)
-
-        if step_s(ks) <= self.step_budget_s:
-            return ks
-        for depth in range(max(ks[i] for i in free) - 1, -1, -1):
-            cut = [min(k, depth) if i in free else k for i, k in enumerate(ks)]
-            if step_s(cut) <= self.step_budget_s:
-                self.budget_cuts += count
-                return cut
-        return ks
 
     def _hopeless(self, batch: list[Request], caps: list[int], gain: list[list[float]],
                   prices: dict[int, tuple[float, float, float]], draft_s) -> set[int]:

@@ -58,8 +58,7 @@ class Scheduler:
         spec, drafts = runner.spec, runner.proposer is not None
         self.trim = TreeTrim() if spec.adaptive_tree and drafts else None
         self.policy = DraftPolicy(spec.num_draft_tokens if drafts else 0, spec.adaptive_k, costs,
-                                  measure=spec.adaptive_k or self.trim is not None,   # costs read by k or the cut
-                                  step_budget_s=config.step_budget_s)
+                                  measure=spec.adaptive_k or self.trim is not None)   # costs read by k or the cut
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._ready: deque[Request] = deque()        # prepared, handed over by worker threads

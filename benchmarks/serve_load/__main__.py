@@ -50,7 +50,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         questions=args.questions or (2 if smoke else defaults.questions), long_share=args.long_share,
         rates=_floats(args.rates) if args.rates is not None else (2.0, 8.0) if smoke else defaults.rates,
         concurrency=tuple(int(c) for c in _floats(args.concurrency)) if args.concurrency else (),
-        methods=tuple(m for m in args.methods.split(",") if m), step_budget_ms=args.step_budget_ms,
+        methods=tuple(m for m in args.methods.split(",") if m),
         max_new_tokens=args.max_new_tokens or (12 if smoke else 320 if args.world == "v2" else defaults.max_new_tokens),
         temperature=args.temperature, seed=args.seed, objective=objective,
         request_timeout_s=args.request_timeout_s, warmup_tokens=2 if smoke else defaults.warmup_tokens)
@@ -70,10 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      "narration; default: drawn from every prompt alike)")
     ap.add_argument("--rates", help="request rates per second, increasing (default 0.25,0.5,1); '' for none")
     ap.add_argument("--concurrency", help="closed-loop client counts, e.g. 1,4,8")
-    ap.add_argument("--methods", default=",".join(METHODS[:2]),
-                    help=f"of {','.join(METHODS)} (sparrow-budget: Sparrow with a step budget)")
-    ap.add_argument("--step-budget-ms", type=float, default=None,
-                    help="sparrow-budget's step budget (default: 0.8 of --slo-tpot-ms)")
+    ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--max-new-tokens", type=int, help="the cap of an answer (default 256; v2 320)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, help="video and arrival seed (default: fresh each run)")

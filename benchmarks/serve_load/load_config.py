@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from benchmarks.world_videos import WORLDS, world_prompts, world_short_questions
 from sparrow.world.scenes import LADDER
 
-METHODS = ("plain", "sparrow", "sparrow-budget")     # sparrow-budget: Sparrow with a step budget (step_budget_s)
-BUDGET_SHARE = 0.8            # sparrow-budget's step budget without --step-budget-ms: this share of the TPOT objective
+METHODS = ("plain", "sparrow")
 # (side px, frames, videos): 504, 8,064 and 25,056 visual tokens with the world target
 MIX = ((LADDER[0][0], LADDER[0][1], 4), (LADDER[2][0], LADDER[2][1], 2), (LADDER[-1][0], LADDER[-1][1], 1))
 SMOKE_MIX = ((84, 8, 1), (112, 8, 1))          # tiny models: 36 and 64 visual tokens (v2: 72 and 128)
@@ -44,20 +43,13 @@ class LoadConfig:
                                                          # from every prompt alike
     rates: tuple[float, ...] = (0.25, 0.5, 1.0)          # requests/s, Poisson arrivals
     concurrency: tuple[int, ...] = ()                    # closed loop: N clients, each sends its next when done
-    methods: tuple[str, ...] = METHODS[:2]
-    step_budget_ms: float | None = None                  # sparrow-budget's (None: BUDGET_SHARE of the TPOT objective)
+    methods: tuple[str, ...] = METHODS
     max_new_tokens: int = 256                            # a cap: answers end at their own end of turn
     temperature: float = 0.0
     seed: int | None = None                              # None: fresh videos and arrivals every run
     objective: Objective = Objective()
     request_timeout_s: float = 600.0                     # each call's gRPC deadline
     warmup_tokens: int = 8                               # one untimed request per method first
-
-    @property
-    def step_budget_s(self) -> float:
-        """sparrow-budget's EngineConfig.step_budget_s."""
-        ms = self.step_budget_ms if self.step_budget_ms is not None else BUDGET_SHARE * self.objective.tpot_ms
-        return ms / 1e3
 
     def __post_init__(self) -> None:
         if self.long_share is not None and not 0.0 <= self.long_share <= 1.0:
@@ -74,8 +66,6 @@ class LoadConfig:
             raise ValueError(f"rates must be increasing, got {self.rates}")
         if not self.methods or any(m not in METHODS for m in self.methods):
             raise ValueError(f"methods must be a non-empty subset of {METHODS}")
-        if self.step_budget_ms is not None and not self.step_budget_ms > 0:
-            raise ValueError(f"step_budget_ms must be > 0, got {self.step_budget_ms}")
         if self.max_new_tokens < 2 or self.request_timeout_s <= 0:
             raise ValueError("need max_new_tokens >= 2 and a positive request timeout")
 

@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from benchmarks.concurrency.streams import Trace, grpc_call
@@ -50,16 +50,13 @@ class Servers:
 
     def __init__(self, cfg: LoadConfig, stack: contextlib.ExitStack):
         self.models = Models(cfg.models)
-        bench = BenchConfig(models=cfg.models, methods=("plain", *{"sparrow" if m == "sparrow-budget" else m
-                                                                    for m in cfg.methods}))
+        bench = BenchConfig(models=cfg.models, methods=("plain", *cfg.methods))
         videos = sum(n for _, _, n in cfg.mix)
         self.caches: dict[str, PrefixCache] = {}
         self.clients: dict[str, SparrowClient] = {}
         for m in cfg.methods:
             self.caches[m] = PrefixCache(max_bytes=64 << 30, max_entries=videos + 4)
-            budget = m == "sparrow-budget"
-            engine = build_engine("sparrow" if budget else m, self.models, bench, self.caches[m],
-                                  config=replace(SERVED, step_budget_s=cfg.step_budget_s) if budget else SERVED)
+            engine = build_engine(m, self.models, bench, self.caches[m], config=SERVED)
             service = SparrowService(engine, open_cache("memory"), ServiceConfig(
                 max_new_tokens=max(2048, cfg.max_new_tokens), max_concurrent=videos * cfg.questions + 8,
                 max_visual_tokens=max(32768, 2 * max_tokens(cfg))))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from benchmarks.serve_load.load_config import BUDGET_SHARE
 from benchmarks.serve_load.load_stats import PCTS
 from benchmarks.world_videos import visual_tokens
 
@@ -51,7 +50,7 @@ def report(result: dict, plot: str | None = None) -> str:
         f"Machine: {result['machine']}; load average {result['load_before'][0]:.1f} before, "
         f"{result['load_after'][0]:.1f} after (2 cores shared with other engineers' runs).",
         f"Target: {result['target']}. Methods: {', '.join(cfg['methods'])} (Sparrow: the default engine, k chosen "
-        f"per step{_budget(cfg)}), each behind its own embedded gRPC server, the same requests in the same order at each load, "
+        f"per step), each behind its own embedded gRPC server, the same requests in the same order at each load, "
         f"prefix caches emptied before each.",
         f"Workload: fresh world {world} videos (seed {result['seed']}) of {mix} visual tokens, {cfg['questions']} "
         f"questions each ({first}; a repeat question reuses the video's prefill: 'prefix hits'), "
@@ -88,11 +87,3 @@ def plot(result: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
-
-
-def _budget(cfg: dict) -> str:
-    """What sparrow-budget is, where the run has it."""
-    if "sparrow-budget" not in cfg["methods"]:
-        return ""
-    ms = cfg.get("step_budget_ms") or BUDGET_SHARE * cfg["objective"]["tpot_ms"]
-    return f"; sparrow-budget: the same with a {ms:g} ms step budget, EngineConfig.step_budget_s"
