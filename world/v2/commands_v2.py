@@ -2,6 +2,7 @@
 
     sparrow world train-target-v2 --out DIR [--stage short|narrate|long] [--init DIR]   resumable
     sparrow world eval-v2 --target DIR [--split test] [--scenes N] [--seconds 8,30]      held-out scores
+    sparrow world distill-v2 --student DIR --store STORE --out DIR                       a VLM on a store's answers
 
 A stage checkpoints into OUT/checkpoint every --save-every steps and the same command resumes
 from there (deterministic under --seed: the resumed steps are the unbroken run's); --max-minutes
@@ -114,8 +115,18 @@ def _cmd_eval_v2(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_distill_v2(args: argparse.Namespace) -> int:
+    from sparrow.world.v2.distill_v2 import DistillConfig, distill_v2
+
+    torch.set_num_threads(args.threads)
+    c = DistillConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed)
+    summary = distill_v2(args.student, args.store, args.out, c, log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def add_v2_commands(wsub, parents: list, add_config_options, config_from_args) -> None:
-    """Register train-target-v2 and eval-v2 on the `world` subparsers; the two helpers are the
+    """Register train-target-v2, eval-v2 and distill-v2 on the `world` subparsers; the two helpers are the
     command line's (training.commands): a dataclass's options, and the dataclass from them."""
     from sparrow.world.v2.target_v2 import STAGES_V2, V2_TARGET_HELP, V2_UNUSED, V2TargetConfig
 
@@ -144,3 +155,16 @@ def add_v2_commands(wsub, parents: list, add_config_options, config_from_args) -
     p.add_argument("--json", help="write the report here too")
     p.add_argument("--card", help="write the scores into this model card (between its eval-v2 markers)")
     p.set_defaults(func=_cmd_eval_v2)
+
+    p = wsub.add_parser("distill-v2", parents=parents,
+                        help="train a v2 VLM (the SpecVLM-style small one) on a feature store's answers, as the drafts are")
+    p.add_argument("--student", required=True, help="the v2 VLM to start from (save_pretrained folder)")
+    p.add_argument("--store", required=True, help="a feature store (sparrow build-features): its videos, prompts and answers")
+    p.add_argument("--out", required=True, help="where the trained VLM goes")
+    p.add_argument("--steps", type=int, default=800, help="optimizer steps (default 800, the drafts' budget)")
+    p.add_argument("--batch", type=int, default=4, help="answers a step (default 4)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    p.add_argument("--warmup", type=int, default=40, help="warmup steps (default 40)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.set_defaults(func=_cmd_distill_v2)
