@@ -57,7 +57,7 @@ ABOUT = {
     "grpc-hand-over": "8 gRPC streams with a turn's events handed to the event loop at once against one by one",
     "kv-resident": "A/B: a cached video's KV rows kept in its freed slot for the next question, against a copy each question",
     "world-v2-probe": "world v2's probe pair on narrations: speedup and tau at batch 1, 1 and 8 streams",
-    "world-v2-pair": "world v2's pair on the committed target: Sparrow, EAGLE-style and SpecVLM-style trained alike, batch 1",
+    "world-v2-pair": "world v2's pair on the committed target: Sparrow, EAGLE-style, SpecVLM-style and the ablations trained alike, batch 1",
     "step-budget": "A/B under load (not kept): a step-time budget in the draft policy against none, plain beside them",
 }
 
