@@ -60,7 +60,7 @@ from benchmarks.report import write_section  # noqa: E402
 from benchmarks.shared_prefix import no_video, share_prefix  # noqa: E402
 from benchmarks.speculative_report import plot, report  # noqa: E402
 from benchmarks.step_cost_projection import gpu_mode  # noqa: E402
-from benchmarks.world_videos import WORLDS, make_video, world_ladder, world_prompts  # noqa: E402
+from benchmarks.world_videos import WORLD_MODELS, WORLDS, make_video, world_ladder, world_prompts  # noqa: E402
 from sparrow import Engine, SamplingParams  # noqa: E402
 from sparrow.models.target import TargetModel  # noqa: E402
 from sparrow.prefix_cache import PrefixCache  # noqa: E402
@@ -257,12 +257,13 @@ def summarize(runs: list[dict], k: int) -> list[dict]:
 # ----- CLI ------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="models", help="DIR with world/{target,draft} and bench/ baselines")
+    ap.add_argument("--models", default=None, help="DIR with world/{target,draft} and bench/ baselines (default: "
+                                                   f"the world's pair, {WORLD_MODELS})")
     ap.add_argument("--quick", action="store_true", help="0.5k and 25k tokens, T=0, 2 reps, 48 new tokens")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {list(METHODS)}")
     ap.add_argument("--world", choices=WORLDS, default="v1",
                     help="whose videos and prompts: v1 (captions of ~20 tokens) or v2 (timed narrations of 60-270 "
-                         "tokens; --models then holds v2 models)")
+                         "tokens, on its own pair unless --models names another)")
     ap.add_argument("--videos", default=None, help="comma list of SIDExFRAMES (v2: SIDExSECONDS) (default: the "
                                                    "world's ladder; quick: its ends)")
     ap.add_argument("--temperatures", default=None, help="comma list (default 0,1; quick 0)")
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     q, ladder = args.quick, world_ladder(args.world)
     cfg = BenchConfig(
-        models=args.models,
+        models=args.models or WORLD_MODELS[args.world],
         videos=parse_videos(args.videos) if args.videos else ((ladder[0], ladder[-1]) if q else ladder),
         temperatures=tuple(float(t) for t in args.temperatures.split(",")) if args.temperatures else
         ((0.0,) if q else (0.0, 1.0)),

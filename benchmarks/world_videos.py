@@ -50,6 +50,10 @@ def world_prompts(world: str = "v1") -> tuple[str, ...]:
     return CAPTION_PROMPTS
 
 
+# each world's benchmark pair (DIR/world/{target,draft}, DIR/bench/ baselines), a benchmark's default --models
+WORLD_MODELS = {"v1": "models", "v2": "models/world-v2/pair"}
+
+
 def world_ladder(world: str = "v1") -> tuple[tuple[int, int], ...]:
     """The benchmark's lengths, (side px, frames) for v1 or (side px, seconds) for v2: 504 ...
     25,056 visual tokens (v1), 512 ... 25,024 (v2 at 224 px; its 784 s, 50k, by --videos)."""
