@@ -165,6 +165,6 @@ def add_v2_commands(wsub, parents: list, add_config_options, config_from_args) -
     p.add_argument("--batch", type=int, default=4, help="answers a step (default 4)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--warmup", type=int, default=40, help="warmup steps (default 40)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the answers' order (default 0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.set_defaults(func=_cmd_distill_v2)
