@@ -12,7 +12,7 @@ from sparrow import Engine, SamplingParams, SpecConfig
 from sparrow.cli.main import main
 from sparrow.models.target import TargetModel
 from sparrow.training.data import Sample
-from sparrow.training.feature_store import StoreConfig, build_store
+from sparrow.training.feature_store import FeatureStore, StoreConfig, build_store
 from sparrow.world.v2.distill_v2 import SUMMARY_FILE, store_answers
 from sparrow.world.v2.render_v2 import FPS, make_video
 from sparrow.world.v2.splits_v2 import split_seeds
@@ -31,7 +31,8 @@ def test_a_vlm_distilled_on_a_stores_answers_answers_as_the_target(tmp_path, mon
     monkeypatch.chdir(tmp_path)               # the store keeps the video's path as given: relative here
     cfg = StoreConfig(sampled=0, max_new_tokens=12, bridge_budgets=(4,), disk_dtype="float32", fps=FPS)
     build_store(teacher, [Sample("data/v.mp4", PROMPT)], "store", cfg)
-    (video, prompt, answer), = store_answers(tmp_path / "store")
+    (video, prompt, answer), = store_answers(FeatureStore(tmp_path / "store"))
+    assert FeatureStore(tmp_path / "store").video_options == cfg.options()
     assert video == tmp_path / "data" / "v.mp4" and prompt == PROMPT and answer
 
     assert main(["world", "distill-v2", "--student", "student", "--store", "store", "--out", "distilled",

@@ -333,6 +333,12 @@ class FeatureStore:
         return tuple(self.header["config"]["bridge_budgets"])
 
     @property
+    def video_options(self) -> VideoOptions:
+        """How the store's builder read its videos (StoreConfig.options), for a reader of the same frames."""
+        cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in self.header["config"].items()}
+        return StoreConfig(**cfg).options()
+
+    @property
     def visual(self) -> bool:
         """Whether it keeps the prompts' visual entries (StoreConfig.visual): context "all" trains on it."""
         return bool(self.header["config"].get("visual"))

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from sparrow.models.target import TargetModel
+from sparrow.training.feature_store import FeatureStore
 from sparrow.video import VideoOptions, load_frames
 from sparrow.world.target_data import PooledVideo, pooled_loss
-from sparrow.world.v2.render_v2 import FPS, LONGEST_TOKENS
 
 SUMMARY_FILE = "distill_v2.json"
 
@@ -39,20 +39,14 @@ class DistillConfig:
     seed: int = 0
 
 
-def store_answers(store: str | Path) -> list[tuple[Path, str, str]]:
+def store_answers(store: FeatureStore) -> list[tuple[Path, str, str]]:
     """(video file, prompt, answer text) for every response a store keeps. A context's video path
     is as the store's builder was given it: absolute, or relative to the directory it ran in (the
     current one, or one above the store)."""
-    store = Path(store)
-    index = json.loads((store / "index.json").read_text())
-    contexts = {r["id"]: r for r in index["records"] if r["type"] == "context"}
     out = []
-    for r in index["records"]:
-        if r["type"] == "response":
-            ctx = contexts[r["context"]]
-            out.append((_video_file(ctx["video"], store), ctx["prompt"], r["text"]))
-    if not out:
-        raise ValueError(f"{store} keeps no answers")
+    for r in store.responses:
+        ctx = store.contexts[r["context"]]
+        out.append((_video_file(ctx["video"], store.path), ctx["prompt"], r["text"]))
     return out
 
 
@@ -64,9 +58,8 @@ def _video_file(video: str, store: Path) -> Path:
 
 
 @torch.no_grad()
-def _pooled(vlm: TargetModel, video: Path) -> PooledVideo:
-    """The video's visual tokens from the VLM's own tower, read as serving reads a v2 video."""
-    options = VideoOptions(fps=FPS, max_frames=768, max_decoded_frames=1536, max_visual_tokens=LONGEST_TOKENS)
+def _pooled(vlm: TargetModel, video: Path, options: VideoOptions) -> PooledVideo:
+    """The video's visual tokens from the VLM's own tower, its frames read as the store's builder read them."""
     processed = vlm.processor.process(load_frames(video.read_bytes(), options))
     embeds = vlm.hf.model.visual(processed.pixel_values_videos, grid_thw=processed.model_kwargs["video_grid_thw"])
     embeds = embeds if torch.is_tensor(embeds) else embeds.pooler_output
@@ -79,8 +72,9 @@ def distill_v2(student: str | Path, store: str | Path, out: str | Path, c: Disti
     a summary (SUMMARY_FILE). Each step takes c.batch answers about videos of one length."""
     t0 = time.perf_counter()
     vlm = TargetModel.from_pretrained(student)
-    answers = store_answers(store)
-    pooled = {path: _pooled(vlm, path) for path in dict.fromkeys(p for p, _, _ in answers)}
+    feature_store = FeatureStore(store)
+    answers = store_answers(feature_store)
+    pooled = {path: _pooled(vlm, path, feature_store.video_options) for path in dict.fromkeys(p for p, _, _ in answers)}
     by_length = defaultdict(list)
     for i, (path, _, _) in enumerate(answers):
         by_length[pooled[path].embeds.shape[0]].append(i)
@@ -96,7 +90,7 @@ def distill_v2(student: str | Path, store: str | Path, out: str | Path, c: Disti
     groups = list(by_length.values())
     history = []
     for step in range(1, c.steps + 1):
-        group = groups[rng.randrange(len(groups))] if len(groups) > 1 else groups[0]
+        group = rng.choice(groups)
         picked = [answers[rng.choice(group)] for _ in range(c.batch)]
         loss = pooled_loss(vlm, [pooled[p] for p, _, _ in picked], [[(q, a)] for _, q, a in picked], decode=True)
         opt.zero_grad(set_to_none=True)
