@@ -302,6 +302,7 @@ class RemoteDraftStats:
     the target's process)."""
 
     failovers: int = 0              # calls that failed and were retried
+    timeouts: int = 0               # ... of them, calls that got no answer within the step's bound
     fallbacks: int = 0              # requests that finished with the colocated draft
     rebuilds: int = 0               # request parts a replica answered with need_context
     sessions: tuple[str, ...] = ()  # draft sessions of running requests, sorted
@@ -327,12 +328,13 @@ class RemoteDraftProposer:
         self.client_id = uuid.uuid4().hex   # this target replica's sessions all go where this id is routed
         self.device = next(fallback.draft.parameters()).device    # where acceptance reads the draft's q
         self.failovers = 0        # calls that failed and were retried (for operators)
+        self.timeouts = 0         # ... of them, calls that got no answer in time (a slow replica, not a lost one)
         self.fallbacks = 0        # requests that finished with the colocated draft
         self.rebuilds = 0         # request parts a replica answered with need_context (new to it, or stale)
         self.sessions: set[str] = set()   # draft sessions of running requests
 
     def stats(self) -> RemoteDraftStats:
-        return RemoteDraftStats(self.failovers, self.fallbacks, self.rebuilds, tuple(sorted(self.sessions)))
+        return RemoteDraftStats(self.failovers, self.timeouts, self.fallbacks, self.rebuilds, tuple(sorted(self.sessions)))
 
     def begin(self, start: BeginInput) -> RemoteDraftState:
         spec = self.spec
@@ -412,6 +414,7 @@ class RemoteDraftProposer:
         except Exception as exc:  # noqa: BLE001 - any transport failure: try another replica
             log.warning("draft replica failed (%s: %s); retrying", type(exc).__name__, exc)
             self.failovers += 1
+            self.timeouts += isinstance(exc, TimeoutError)
             for i in pending:
                 batch[i].state.failovers += 1
                 self._publish(batch[i].state)     # the sessions rebuild wherever the next call lands

@@ -114,7 +114,7 @@ class TargetDeployment(SparrowMethods):
                 **self.service.held(),          # requests, threads, engine_requests, live_sessions
                 "live_ended": dict(self.service.live_ended),
                 "last_released": self.service.last_released,        # time.monotonic(), same clock host-wide
-                "draft_failovers": draft.failovers, "draft_fallbacks": draft.fallbacks,
+                "draft_failovers": draft.failovers, "draft_timeouts": draft.timeouts, "draft_fallbacks": draft.fallbacks,
                 "draft_rebuilds": draft.rebuilds, "draft_sessions": list(draft.sessions)}
 
 

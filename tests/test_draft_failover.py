@@ -77,6 +77,7 @@ def test_a_hung_draft_deployment_costs_one_failover_then_none(models):
     assert waited and sum(took for _, took in waited) < 0.3 + 0.1           # all its calls within the budget
     assert all(timeout <= 0.3 for timeout, _ in waited)
     assert max(gaps) < 0.3 + 0.5 and proposer.fallbacks == 1
+    assert proposer.failovers >= 1 and proposer.stats().timeouts == proposer.failovers    # slow, not lost
 
     # A new request right after: drafted here at once, the replicas not called.
     calls = len(replicas.calls)
@@ -89,3 +90,23 @@ def test_a_hung_draft_deployment_costs_one_failover_then_none(models):
     out = engine.generate(video, PROMPT, GREEDY)
     assert out.token_ids == expected.token_ids
     assert len(replicas.calls) > calls and proposer.fallbacks == 2
+
+
+class Refusing(Hanging):
+    """Draft replicas whose calls fail at once (a replica gone: Serve's handle raises)."""
+
+    def step(self, batch, timeout_s):
+        self.calls.append((timeout_s, 0.0))
+        raise ConnectionError("replica gone")
+
+
+def test_a_failed_call_is_a_failover_but_not_a_timeout(models):
+    """Operators (and tests/test_ray_serve.py) tell a slow replica from a lost one: both are
+    failovers; only the call that got no answer within its bound is a timeout."""
+    target, draft, video = models
+    expected = Engine(target, draft, SPEC).generate(video, PROMPT, GREEDY)
+    proposer = RemoteDraftProposer(Refusing(draft), SparrowProposer(draft, SPEC), SPEC, MemoryStateCache(),
+                                   failover_s=0.3, retry_after_s=1.5)
+    assert Engine(target, spec=SPEC, proposer=proposer).generate(video, PROMPT, GREEDY).token_ids == expected.token_ids
+    stats = proposer.stats()
+    assert stats.failovers == 3 and stats.timeouts == 0 and stats.fallbacks == 1     # `attempts` calls, then here

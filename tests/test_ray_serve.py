@@ -176,11 +176,11 @@ def test_cancel_abort_and_deadline_free_state_on_ray(app, client, clips):
 
 def test_draft_calls_stay_on_one_draft_replica(app, client, clips, remote_reference_engine):
     """A target replica's draft calls reach the draft replica that holds its sessions (its client
-    id as Serve's multiplexed model id): with two draft replicas and nothing failing, sessions
-    are not answered need_context and rebuilt elsewhere. Serve's affinity is best effort: a
-    replica slow to answer Serve's queue-length probe (0.1 s; a loaded CI box: 2 rebuilds in one
-    run) is passed over for the other, where that session rebuilds once; calls routed at random
-    between the two would rebuild about every other step."""
+    id, ranked by rendezvous hashing: services/routing.py): with two draft replicas and neither
+    lost, sessions are not answered need_context and rebuilt elsewhere; calls routed at random
+    between the two would rebuild about every other step. No call fails; one may miss the
+    step's bound (draft_failover_s, 1 s) on a loaded CI box (seen: 1 in a run beside the parallel
+    suite), and is then a timeout, which republishes its sessions rather than moving them."""
     before, steps = app.stats(), 0
     for seed, name in enumerate("abcd"):
         sampling = dict(max_new_tokens=16, temperature=1.0, seed=seed) if seed % 2 else dict(max_new_tokens=16)
@@ -189,7 +189,8 @@ def test_draft_calls_stay_on_one_draft_replica(app, client, clips, remote_refere
         assert got.token_ids == expected.token_ids
         steps += got.completion.metrics.steps
     after = app.stats()
-    assert after["draft_failovers"] == before["draft_failovers"]
+    failed = after["draft_failovers"] - before["draft_failovers"]
+    assert failed == after["draft_timeouts"] - before["draft_timeouts"], "a draft call failed (not merely slow)"
     assert after["draft_rebuilds"] - before["draft_rebuilds"] <= steps // 4, (after["draft_rebuilds"], steps)
 
 
