@@ -84,7 +84,7 @@ from benchmarks.identity import first_difference  # noqa: E402
 from benchmarks.machine import describe_target, machine as describe_machine  # noqa: E402
 from benchmarks.report import write_section  # noqa: E402
 from benchmarks.tiny_models import save_tiny_models  # noqa: E402
-from benchmarks.world_videos import WORLDS, world_ladder  # noqa: E402
+from benchmarks.world_videos import WORLD_MODELS, WORLDS, world_ladder  # noqa: E402
 from sparrow import Engine, SamplingParams  # noqa: E402
 from sparrow.prefix_cache import PrefixCache  # noqa: E402
 from sparrow.services.client import SparrowClient  # noqa: E402
@@ -262,7 +262,7 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
         defaults.prefill_video if args.world == "v1" else ladder[3])
     reps = args.reps or (1 if tiny else 2 if quick else defaults.reps)
     return ConcurrencyConfig(
-        models=args.models, lengths=lengths,
+        models=args.models or WORLD_MODELS[args.world], lengths=lengths,
         streams=_ints(args.streams) if args.streams else (1, 2) if tiny else (1, 2, 4, 8) if quick else defaults.streams,
         tokens=args.tokens or (8 if tiny else 32 if quick else defaults.tokens), reps=reps,
         temperatures=tuple(float(x) for x in args.temperatures.split(",")), share_prefill=args.share_prefill,
@@ -279,7 +279,7 @@ def config_from_args(args: argparse.Namespace) -> ConcurrencyConfig:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="models", help="DIR with world/{target,draft}")
+    ap.add_argument("--models", help=f"DIR with world/{{target,draft}} (default: the world's pair, {WORLD_MODELS})")
     ap.add_argument("--quick", action="store_true", help="0.5k videos, 1-8 streams, 2 reps, 32 tokens, 1 prefill rep")
     ap.add_argument("--tiny", action="store_true", help="tiny random models in a temp dir, tiny videos (a smoke run)")
     ap.add_argument("--streams", help="comma list of concurrent stream counts (default 1,2,4,8,16)")

@@ -21,7 +21,7 @@ from benchmarks.serve_load.load_config import METHODS, SMOKE_MIX, LoadConfig, Ob
 from benchmarks.serve_load.load_run import run_benchmark  # noqa: E402
 from benchmarks.serve_load.load_table import plot, report  # noqa: E402
 from benchmarks.tiny_models import save_tiny_models  # noqa: E402
-from benchmarks.world_videos import WORLDS  # noqa: E402
+from benchmarks.world_videos import WORLD_MODELS, WORLDS  # noqa: E402
 
 PLOT, PLOT_V2 = "benchmarks/serve_load.png", "benchmarks/serve_load_v2.png"
 
@@ -45,7 +45,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     objective = Objective(args.slo_ttft_s, args.slo_prefill_s_per_1k, args.slo_tpot_ms, args.attain)
     defaults = LoadConfig()
     return LoadConfig(
-        models=args.models, world=args.world,
+        models=args.models or WORLD_MODELS[args.world], world=args.world,
         mix=_mix(args.mix) if args.mix else SMOKE_MIX if smoke else defaults.mix,
         questions=args.questions or (2 if smoke else defaults.questions), long_share=args.long_share,
         rates=_floats(args.rates) if args.rates is not None else (2.0, 8.0) if smoke else defaults.rates,
@@ -58,7 +58,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serve_load", description=__doc__)
-    ap.add_argument("--models", default="models", help="DIR with world/{target,draft}")
+    ap.add_argument("--models", help=f"DIR with world/{{target,draft}} (default: the world's pair, {WORLD_MODELS})")
     ap.add_argument("--smoke", action="store_true", help="tiny random models, 4 requests at two rates: seconds")
     ap.add_argument("--world", choices=WORLDS, default="v1",
                     help="v2: world v2 videos (--mix lengths in seconds) and questions, a narration first; its "
