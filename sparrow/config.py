@@ -197,12 +197,6 @@ class EngineConfig:
     prefill_share        ... and prefill gets about this share of the time while streams decode
                          (the rest goes to decode steps); alone, a prefill runs slices of about
                          4 x prefill_slice_s (scheduler.ALONE_SLICES), at most a chunk
-    prefill_burst_s      ... measured as a balance (sparrow/pacing.py): prefill that has not
-                         used its share lately may run this much ahead of it, so a burst of
-                         questions is prefilled in consecutive slices and starts decoding as
-                         one batch; a running stream then waits at most about
-                         prefill_burst_s / (1 - prefill_share) + one slice (0: strict
-                         alternation, one slice at most)
     prepare_threads      videos decoded at once (off the scheduler thread)
     step_draft_nodes     draft-tree nodes a whole step may verify, shared by the requests that
                          draft (each gets at most its equal share, however large its tree
@@ -218,7 +212,6 @@ class EngineConfig:
     prefill_chunk_tokens: int = 2048
     prefill_slice_s: float = 0.1
     prefill_share: float = 0.5
-    prefill_burst_s: float = 0.05
     step_draft_nodes: int = 0
     prepare_threads: int = 2
 
@@ -230,5 +223,5 @@ class EngineConfig:
             raise InvalidRequest("max_waiting and queue_timeout_s must be >= 0")
         if self.step_draft_nodes < 0:
             raise InvalidRequest("step_draft_nodes must be >= 0")
-        if not self.prefill_slice_s > 0 or not 0 < self.prefill_share <= 1 or not self.prefill_burst_s >= 0:
-            raise InvalidRequest("need prefill_slice_s > 0, 0 < prefill_share <= 1 and prefill_burst_s >= 0")
+        if not self.prefill_slice_s > 0 or not 0 < self.prefill_share <= 1:
+            raise InvalidRequest("need prefill_slice_s > 0 and 0 < prefill_share <= 1")

@@ -37,7 +37,6 @@ from .draft_policy import DraftPolicy, TreeTrim
 from .errors import ResourceExhausted
 from .model_runner import ModelRunner
 from .output import TokenDelta
-from .pacing import PrefillPacer
 from .prefix_cache import PrefillsInFlight, PrefixEntry
 from .request import Request
 from .scheduler_exit import stopped_at_exit
@@ -74,7 +73,7 @@ class Scheduler:
         self.turn_done: list[Callable[[], None]] = []  # called on this thread after each phase of a turn
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._pacer = PrefillPacer(config.prefill_share, config.prefill_burst_s)   # prefill's share while streams decode
+        self._next_slice_at = 0.0                    # perf_counter time the next prefill slice may run
         self._fresh_s_per_token = 0.0                # a first slice's seconds per position, last measured
         # Counters for operators and tests: decode steps, the largest batch, requests that had
         # to wait for KV memory, prefill slices run, prefills finished in a shared forward (with
@@ -231,13 +230,7 @@ class Scheduler:
                 self._admit()
                 with TUNING_GATE.serving():       # a path tuner's timed calls go between turns
                     # each phase's events go out as it ends: a first token is not held behind a step
-                    slices = self.stats["prefill_slices"]
-                    self._prefill_slice()
-                    self._phase_done()
-                    if self.stats["prefill_slices"] > slices and self._running and \
-                            self._pacer.may_run(time.perf_counter(), True):
-                        continue    # prefill has balance left: who arrived meanwhile is admitted, and prefilled first
-                    for phase in (self._run_task, self._decode_step):
+                    for phase in (self._prefill_slice, self._run_task, self._decode_step):
                         phase()
                         self._phase_done()
             except Exception as exc:  # noqa: BLE001 - a failed batched forward fails the requests in it
@@ -305,8 +298,8 @@ class Scheduler:
         for its first slice."""
         if not self._prefilling:
             return
-        cfg, decoding = self.config, bool(self._running)
-        if not self._pacer.may_run(time.perf_counter(), decoding):
+        cfg, now = self.config, time.perf_counter()
+        if self._running and now < self._next_slice_at:
             return
         request = self._next_prefill()
         if request.aborted.is_set():
@@ -319,7 +312,7 @@ class Scheduler:
         elif per_token:                          # alone: longer slices, still short enough for a newcomer
             limit = max(16, int(ALONE_SLICES * cfg.prefill_slice_s / per_token))
         if request.job.short:
-            self._finish_short(request, limit, decoding)
+            self._finish_short(request, limit)
             return
         if limit is not None and request.prefill_last_slice:
             limit = min(limit, SLICE_GROWTH * request.prefill_last_slice)
@@ -338,13 +331,13 @@ class Scheduler:
         request.prefill_turn_at = time.perf_counter()
         if first:
             self._fresh_s_per_token = request.prefill_s_per_token
-        self._pacer.ran(t0, t0 + spent, decoding)
+        self._next_slice_at = time.perf_counter() + spent * (1 - cfg.prefill_share) / cfg.prefill_share
         self.stats["prefill_slices"] += 1
         if done:
             self._prefilling.remove(request)
             self._start_decoding(request)
 
-    def _finish_short(self, first: Request, limit: int | None, decoding: bool) -> None:
+    def _finish_short(self, first: Request, limit: int | None) -> None:
         """`first`'s prefill is short (at most TOGETHER_ROWS positions left: a question after a
         cached video): it finishes in one forward with every other short prefill (fewest positions
         first) that fits in about one slice's positions (`limit`; None: no bound), as decode
@@ -379,14 +372,14 @@ class Scheduler:
                 self._finish(request, error=exc)
             return
         spent = time.perf_counter() - t0
-        per_token = spent / rows
+        cfg, per_token = self.config, spent / rows
         for request in ready:
             request.prefill_last_slice = max(1, positions[request.id])
             request.metrics.prefill_seconds += per_token * positions[request.id]
             request.prefill_s_per_token = per_token
         if fresh:
             self._fresh_s_per_token = per_token
-        self._pacer.ran(t0, t0 + spent, decoding)
+        self._next_slice_at = time.perf_counter() + spent * (1 - cfg.prefill_share) / cfg.prefill_share
         self.stats["prefill_slices"] += 1
         self.stats["prefills_together"] += len(ready) if len(ready) > 1 else 0
         for request in ready:
@@ -415,8 +408,7 @@ class Scheduler:
 
     def _run_task(self) -> None:
         """One call_soon task (the next key's turn), paced like a prefill slice while streams decode."""
-        decoding = bool(self._running)
-        if not self._tasks or not self._pacer.may_run(time.perf_counter(), decoding):
+        if not self._tasks or (self._running and time.perf_counter() < self._next_slice_at):
             return
         with self._cv:
             # The key whose turn it is goes to the back of the turns (a dict keeps insertion order).
@@ -432,7 +424,9 @@ class Scheduler:
             future.set_result(fn())
         except BaseException as exc:  # noqa: BLE001 - the caller's error, handed back to it
             future.set_exception(exc)
-        self._pacer.ran(t0, time.perf_counter(), decoding)
+        spent = time.perf_counter() - t0
+        cfg = self.config
+        self._next_slice_at = time.perf_counter() + spent * (1 - cfg.prefill_share) / cfg.prefill_share
         self.stats["tasks"] += 1
 
     def _decode_step(self) -> None:
