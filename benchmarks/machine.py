@@ -10,6 +10,18 @@ import torch
 from sparrow.models.target import TargetModel
 
 
+def vector_isa() -> str:
+    """The CPU's widest vector instructions (what -march=native builds the kernels for: an AVX2 CPU
+    runs them at half an AVX-512 one's width), and AMX where it has it; "" where it cannot be read."""
+    try:
+        flags = set(next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
+                          if line.startswith(("flags", "Features"))), []))
+    except OSError:
+        return ""
+    widest = next((name for name in ("avx512f", "avx2", "avx", "sve", "asimd") if name in flags), "")
+    return " + ".join(filter(None, [widest.upper(), "AMX" if "amx_tile" in flags else ""]))
+
+
 def machine() -> str:
     try:
         model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
@@ -17,6 +29,8 @@ def machine() -> str:
     except OSError:
         model = platform.processor() or platform.machine()
     gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", CPU only"
+    isa = vector_isa()
+    model = f"{model} ({isa})" if isa else model
     return (f"{model}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads), load average "
             f"{os.getloadavg()[0]:.1f} at start, torch {torch.__version__}{gpu}")
 

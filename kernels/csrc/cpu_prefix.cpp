@@ -1,12 +1,13 @@
 // Unmasked attention of every query row of a kv head over its cached prefix, on the CPU: the
 // prefix part of kernels/packed.py. One pass over the keys serves all R rows (the G query heads
 // of the kv head times the step's nq tokens): keys and values are read once, a block of BN at a
-// time (K transposed to fp32 by 16 x 16 register tiles, fp32 V read in place, bf16 converted),
+// time (K transposed to fp32 by W x W register tiles, fp32 V read in place, bf16 converted),
 // while the block AHEAD blocks on is prefetched into L2 in slices between the row groups, so the
 // loads overlap the arithmetic. Rows go RB at a time (each key / value load serves RB rows);
 // each row keeps its running max / sum / accumulator (online softmax, base 2, exp2 by a
-// polynomial). Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them on
-// what -march=native gives (one AVX-512 register, two AVX2 ones, ...). Work items are (batch,
+// polynomial). Vectors are GCC/Clang vector extensions of one register of what -march=native
+// gives: 16 floats with AVX-512, 8 otherwise (a 16-float vector on an AVX2 CPU is lowered to
+// spills and half-register moves: 4-10x slower than torch's op on a Zen 3). Work items are (batch,
 // kv head, split): with fewer (batch, kv head) pairs than torch threads the keys are cut into
 // splits, merged at the end by log-sum-exp. Returns the normalised outputs (B, Hkv, R, Dv) and
 // the rows' natural log-sum-exps (B, Hkv, R), both fp32.
@@ -27,14 +28,20 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
 
 constexpr int BN = 128;                      // keys per block
-constexpr int W = 16;                        // floats per vector (one AVX-512 register, two AVX2 ones)
-constexpr int NV = BN / W;                   // vectors per block of scores
+#if defined(__AVX512F__)
+constexpr int W = 16;                        // floats per vector: one register (32 of them)
 constexpr int TV = 2;                        // vectors of keys scored at a time by RB rows (2 TV by fewer)
+#else
+constexpr int W = 8;                         // one AVX2 register (16 of them: RB x TV accumulators fit)
+constexpr int TV = 1;
+#endif
+constexpr int NV = BN / W;                   // vectors per block of scores
 constexpr int AHEAD = 6;                     // blocks between the one computed and the one prefetched
 constexpr int RB = 8;                        // rows sharing each load of a key or value
 constexpr float LOG2E = 1.4426950408889634f;
@@ -42,10 +49,12 @@ constexpr float LN2 = 0.6931471805599453f;
 constexpr float FLOOR = -1e30f;              // the running max before any key (finite: no inf - inf)
 
 // GCC/Clang vector extensions: the compiler maps them onto the widest registers -march gives
-typedef float vf __attribute__((vector_size(W * 4), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(W * 4), aligned(4)));
+typedef float vf __attribute__((vector_size(W * 4)));   // naturally aligned: memory is read by memcpy (loadv)
+typedef int32_t vi __attribute__((vector_size(W * 4)));
 
-inline vf splat(float x) { return vf{} + x; }
+// x in every lane. Not `vf{} + x`: adding +0 is not a no-op (-0 + 0 = +0), so the compiler keeps a
+// scalar add before each broadcast; x - 0 is x exactly and folds away.
+inline vf splat(float x) { return x - vf{}; }
 inline vf loadv(const float* p) { vf r; std::memcpy(&r, p, sizeof r); return r; }
 inline void storev(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
 
@@ -95,49 +104,56 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 
-typedef uint16_t vh __attribute__((vector_size(W * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(W * 4), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
 
 inline vf load_row(const float* p) { return loadv(p); }
-inline vf load_row(const c10::BFloat16* p) {      // 16 bf16 -> fp32: the bits shifted up
+inline vf load_row(const c10::BFloat16* p) {      // W bf16 -> fp32: the bits shifted up
   vh h;
   std::memcpy(&h, p, sizeof h);
   return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
-// 16 x 16 transpose in registers: at each stage, bit b of the row index and of the column index
-// trade places (two-source shuffles), so after the four stages a[i][c] holds the old a[c][i].
-inline void transpose16(vf* a) {
+// W x W transpose in registers: at each stage, bit b of the row index and of the column index
+// trade places (two-source shuffles), so after log2(W) stages a[i][c] holds the old a[c][i].
+// Stage b's masks: lane c takes x[c] / y[c - b] (lo) where bit b of c is clear / set, and
+// x[c + b] / y[c] (hi); y's lanes are numbered from W.
+constexpr int stage_lane(int b, bool hi, int c) {
+  return (c & b) ? (hi ? c + W : c - b + W) : (hi ? c + b : c);
+}
+
+template <int... C>
+constexpr vi stage_mask(int b, bool hi, std::integer_sequence<int, C...>) {
+  return vi{stage_lane(b, hi, C)...};
+}
+
+template <int B>
+inline void transpose_stage(vf* a) {
+  constexpr vi lo = stage_mask(B, false, std::make_integer_sequence<int, W>()),   // constants: one shuffle each
+               hi = stage_mask(B, true, std::make_integer_sequence<int, W>());
+  for (int i = 0; i < W; ++i) {
+    if (i & B) continue;
+    const vf x = a[i], y = a[i | B];
+    a[i] = __builtin_shuffle(x, y, lo);
+    a[i | B] = __builtin_shuffle(x, y, hi);
+  }
+}
+
+inline void transpose_tile(vf* a) {
 #if defined(__clang__)                           // clang's shuffle takes constant indices only
   float t[W][W];
   for (int i = 0; i < W; ++i) storev(t[i], a[i]);
   for (int i = 0; i < W; ++i)
     for (int c = 0; c < W; ++c) a[i][c] = t[c][i];
 #else
-  const auto stage = [a](int b, vi lo, vi hi) {
-    for (int i = 0; i < W; ++i) {
-      if (i & b) continue;
-      const vf x = a[i], y = a[i | b];
-      a[i] = __builtin_shuffle(x, y, lo);
-      a[i | b] = __builtin_shuffle(x, y, hi);
-    }
-  };
-  const vi lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const vi hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-  const vi lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const vi hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  const vi lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const vi hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-  const vi lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  stage(1, lo1, hi1);
-  stage(2, lo2, hi2);
-  stage(4, lo4, hi4);
-  stage(8, lo8, hi8);
+  transpose_stage<1>(a);
+  transpose_stage<2>(a);
+  transpose_stage<4>(a);
+  if constexpr (W > 8) transpose_stage<8>(a);
 #endif
 }
 
-// Rows j0 .. j0 + n of K into kt (D x BN, fp32): 16 x 16 tiles transposed in registers where D
+// Rows j0 .. j0 + n of K into kt (D x BN, fp32): W x W tiles transposed in registers where D
 // is whole vectors and the block is whole tiles; element by element otherwise.
 template <typename T>
 inline void load_keys_t(const T* k, int64_t k_stride, int64_t n, int64_t D, float* kt) {
@@ -146,7 +162,7 @@ inline void load_keys_t(const T* k, int64_t k_stride, int64_t n, int64_t D, floa
       for (int64_t e = 0; e < D; e += W) {
         vf a[W];
         for (int i = 0; i < W; ++i) a[i] = load_row(k + (g + i) * k_stride + e);
-        transpose16(a);
+        transpose_tile(a);
         for (int i = 0; i < W; ++i) storev(kt + (e + i) * BN + g, a[i]);
       }
     return;
