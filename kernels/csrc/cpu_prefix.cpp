@@ -3,7 +3,8 @@
 // of the kv head times the step's nq tokens): keys and values are read once, a block of BN at a
 // time (K transposed to fp32 by W x W register tiles, fp32 V read in place, bf16 converted),
 // while the block AHEAD blocks on is prefetched into L2 in slices between the row groups, so the
-// loads overlap the arithmetic. Rows go RB at a time (each key / value load serves RB rows);
+// loads overlap the arithmetic. Rows go in groups of at most RB, as even as they split (each key
+// / value load serves a whole group: 10 rows are one group of 10, not 8 and a slow 2);
 // each row keeps its running max / sum / accumulator (online softmax, base 2, exp2 by a
 // polynomial). Vectors are GCC/Clang vector extensions of one register of what -march=native
 // gives: 16 floats with AVX-512, 8 otherwise (a 16-float vector on an AVX2 CPU is lowered to
@@ -36,14 +37,15 @@ namespace {
 constexpr int BN = 128;                      // keys per block
 #if defined(__AVX512F__)
 constexpr int W = 16;                        // floats per vector: one register (32 of them)
-constexpr int TV = 2;                        // vectors of keys scored at a time by RB rows (2 TV by fewer)
+constexpr int ACC = 16;                      // accumulator registers a row group may hold
+constexpr int RB = 8;                        // rows sharing each load of a key or value, at most
 #else
-constexpr int W = 8;                         // one AVX2 register (16 of them: RB x TV accumulators fit)
-constexpr int TV = 1;
+constexpr int W = 8;                         // one AVX2 register (16 of them)
+constexpr int ACC = 12;                      // 12 accumulators, a key vector and a broadcast: 14 of 16
+constexpr int RB = 12;
 #endif
 constexpr int NV = BN / W;                   // vectors per block of scores
 constexpr int AHEAD = 6;                     // blocks between the one computed and the one prefetched
-constexpr int RB = 8;                        // rows sharing each load of a key or value
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float FLOOR = -1e30f;              // the running max before any key (finite: no inf - inf)
@@ -177,7 +179,7 @@ template <int NR, int DC>
 inline void rows_block(const float* q, int64_t d_rt, int64_t dvp, int64_t n, const float* kt, const float* vb,
                        int64_t vs, float* m, float* l, float* acc, float* p) {
   const int64_t D = DC > 0 ? DC : d_rt;
-  constexpr int TN = NR >= 8 ? TV : 2 * TV;          // vectors a row: NR x TN accumulators in registers
+  constexpr int TN = ACC / NR >= 4 ? 4 : ACC / NR >= 2 ? 2 : 1;   // vectors a row: NR x TN accumulators
   for (int c0 = 0; c0 < NV; c0 += TN) {             // scores, TN vectors of keys at a time: NR x TN registers
     vf s[NR][TN];
     for (int r = 0; r < NR; ++r)
@@ -233,6 +235,17 @@ inline void rows_block(const float* q, int64_t d_rt, int64_t dvp, int64_t n, con
   }
 }
 
+// rows_block for a group of nr rows (1 .. RB): one instance a size, so every group's accumulators
+// stay in registers.
+template <int DC, int NR = 1>
+inline void rows_group(int nr, const float* q, int64_t d_rt, int64_t dvp, int64_t n, const float* kt,
+                       const float* vb, int64_t vs, float* m, float* l, float* acc, float* p) {
+  if constexpr (NR < RB) {
+    if (nr != NR) return rows_group<DC, NR + 1>(nr, q, d_rt, dvp, n, kt, vb, vs, m, l, acc, p);
+  }
+  rows_block<NR, DC>(q, d_rt, dvp, n, kt, vb, vs, m, l, acc, p);
+}
+
 // One (batch, kv head, key range) item. q: R x D rows (fp32, already times scale * log2 e);
 // k, v: the head's first key row and the stride between key rows. Writes the range's normalised
 // output rows (R x Dv) and base-2 log-sum-exps (R).
@@ -249,7 +262,7 @@ void attend_range(const float* q, int64_t rows, int64_t d_rt, int64_t dv, const 
   // The block AHEAD blocks on is prefetched into L2 while this one is computed, its lines spread
   // over the row groups (slots), so the loads overlap the arithmetic instead of preceding it.
   const int64_t lk = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64, lv = (dv * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  const int64_t slots = 1 + rows / RB + 3;
+  const int64_t slots = 2 + (rows + RB - 1) / RB;      // one before the groups, one a group, one after
   int64_t next_line = 0, next_total = 0, next_j = 0, next_c = 0;   // next_line = (next_j - first) * (lk + lv) + next_c
   const auto prefetch_upto = [&](int64_t upto) {
     for (; next_line < std::min(upto, next_total); ++next_line) {
@@ -275,19 +288,13 @@ void attend_range(const float* q, int64_t rows, int64_t d_rt, int64_t dv, const 
         for (int64_t d = 0; d < dv; ++d) vb[j * dvp + d] = to_float(v[(j0 + j) * v_stride + d]);
     load_keys_t(k + j0 * k_stride, k_stride, n, D, kt.data());
     const float* vblock = v_direct ? reinterpret_cast<const float*>(v + j0 * v_stride) : vb.data();
-    int64_t r = 0;                             // rows by RB, the rest by 4, 2, 1
-    const auto group = [&](auto nr) {
-      constexpr int NR = decltype(nr)::value;
-      for (; r + NR <= rows; r += NR) {
-        prefetch_upto(next_total * ++slot / slots);
-        rows_block<NR, DC>(q + r * D, D, dvp, n, kt.data(), vblock, vs, m.data() + r, l.data() + r,
-                           acc.data() + r * dvp, p.data());
-      }
-    };
-    group(std::integral_constant<int, RB>());
-    group(std::integral_constant<int, 4>());
-    group(std::integral_constant<int, 2>());
-    group(std::integral_constant<int, 1>());
+    for (int64_t r = 0; r < rows;) {           // groups as even as they split: 18 rows are 9 + 9
+      const int64_t left = rows - r, nr = (left + (left + RB - 1) / RB - 1) / ((left + RB - 1) / RB);
+      prefetch_upto(next_total * ++slot / slots);
+      rows_group<DC>(static_cast<int>(nr), q + r * D, D, dvp, n, kt.data(), vblock, vs, m.data() + r, l.data() + r,
+                     acc.data() + r * dvp, p.data());
+      r += nr;
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.f / l[r];
