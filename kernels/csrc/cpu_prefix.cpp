@@ -2,8 +2,8 @@
 // prefix part of kernels/packed.py. One pass over the keys serves all R rows (the G query heads
 // of the kv head times the step's nq tokens): keys and values are read once, a block of BN at a
 // time (K transposed to fp32 by W x W register tiles, fp32 V read in place, bf16 converted),
-// while the block AHEAD blocks on is prefetched into L2 in slices between the row groups, so the
-// loads overlap the arithmetic. Rows go in groups of at most RB, as even as they split (each key
+// while the block AHEAD blocks on is prefetched into L2 a few lines at a time from inside the
+// arithmetic, so the loads overlap it. Rows go in groups of at most RB, as even as they split (each key
 // / value load serves a whole group: 10 rows are one group of 10, not 8 and a slow 2);
 // each row keeps its running max / sum / accumulator (online softmax, base 2, exp2 by a
 // polynomial). Vectors are GCC/Clang vector extensions of one register of what -march=native
@@ -173,11 +173,40 @@ inline void load_keys_t(const T* k, int64_t k_stride, int64_t n, int64_t D, floa
     for (int64_t d = 0; d < D; ++d) kt[d * BN + j] = to_float(k[j * k_stride + d]);
 }
 
+// The lines of one block of keys and values (AHEAD blocks past the one computed), prefetched into
+// L2 a few at a time from inside the arithmetic (the value loop), so that memory streams while
+// the core computes. Issued in one burst a block, they filled the core's miss buffers and the
+// arithmetic waited behind them: cold, 5 rows over 25k keys cost the 1-row time plus the
+// warm compute, not the larger of the two.
+struct Prefetch {
+  const char* k;
+  const char* v;
+  int64_t k_stride, v_stride;     // bytes between key rows, value rows
+  int64_t lk, lv;                 // cache lines a key row, a value row
+  int64_t j = 0, c = 0;           // the next line: row j, line c (keys' lines first)
+  int64_t left = 0;               // lines of the block not yet issued
+
+  void start(int64_t row, int64_t rows) {
+    j = row;
+    c = 0;
+    left = rows * (lk + lv);
+  }
+  inline void some(int64_t count) {
+    for (count = std::min(count, left); count > 0; --count, --left) {
+      __builtin_prefetch(c < lk ? k + j * k_stride + c * 64 : v + j * v_stride + (c - lk) * 64, 0, 2);
+      if (++c == lk + lv) {
+        c = 0;
+        ++j;
+      }
+    }
+  }
+};
+
 // NR rows (r0 ..) against the block in kt (D x BN, K transposed) and vb (BN x DVP): scores,
 // the online-softmax update of m, l and the accumulators acc (rows x DVP).
 template <int NR, int DC>
 inline void rows_block(const float* q, int64_t d_rt, int64_t dvp, int64_t n, const float* kt, const float* vb,
-                       int64_t vs, float* m, float* l, float* acc, float* p) {
+                       int64_t vs, float* m, float* l, float* acc, float* p, Prefetch& pf, int64_t share) {
   const int64_t D = DC > 0 ? DC : d_rt;
   constexpr int TN = ACC / NR >= 4 ? 4 : ACC / NR >= 2 ? 2 : 1;   // vectors a row: NR x TN accumulators
   for (int c0 = 0; c0 < NV; c0 += TN) {             // scores, TN vectors of keys at a time: NR x TN registers
@@ -217,12 +246,14 @@ inline void rows_block(const float* q, int64_t d_rt, int64_t dvp, int64_t n, con
     m[r] = mx;
     l[r] = l[r] * alpha[r] + hsum(sum);
   }
+  const int64_t passes = (dvp + TN * W - 1) / (TN * W), per_key = (share + passes * n - 1) / (passes * n);
   for (int64_t d0 = 0; d0 < dvp; d0 += TN * W) {      // accumulators in registers, NV vectors a row at a time
     const int nc = static_cast<int>(std::min<int64_t>(TN, (dvp - d0) / W));
     vf a[NR][TN];
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < nc; ++c) a[r][c] = loadv(acc + r * dvp + d0 + c * W) * alpha[r];
     for (int64_t j = 0; j < n; ++j) {
+      pf.some(per_key);
       vf vj[TN];
       for (int c = 0; c < nc; ++c) vj[c] = loadv(vb + j * vs + d0 + c * W);
       for (int r = 0; r < NR; ++r) {
@@ -239,11 +270,12 @@ inline void rows_block(const float* q, int64_t d_rt, int64_t dvp, int64_t n, con
 // stay in registers.
 template <int DC, int NR = 1>
 inline void rows_group(int nr, const float* q, int64_t d_rt, int64_t dvp, int64_t n, const float* kt,
-                       const float* vb, int64_t vs, float* m, float* l, float* acc, float* p) {
+                       const float* vb, int64_t vs, float* m, float* l, float* acc, float* p, Prefetch& pf,
+                       int64_t share) {
   if constexpr (NR < RB) {
-    if (nr != NR) return rows_group<DC, NR + 1>(nr, q, d_rt, dvp, n, kt, vb, vs, m, l, acc, p);
+    if (nr != NR) return rows_group<DC, NR + 1>(nr, q, d_rt, dvp, n, kt, vb, vs, m, l, acc, p, pf, share);
   }
-  rows_block<NR, DC>(q, d_rt, dvp, n, kt, vb, vs, m, l, acc, p);
+  rows_block<NR, DC>(q, d_rt, dvp, n, kt, vb, vs, m, l, acc, p, pf, share);
 }
 
 // One (batch, kv head, key range) item. q: R x D rows (fp32, already times scale * log2 e);
@@ -259,40 +291,27 @@ void attend_range(const float* q, int64_t rows, int64_t d_rt, int64_t dv, const 
   // fp32 values of whole vectors are read where they lie; others are converted / padded into vb
   const bool v_direct = std::is_same<T, float>::value && dv % W == 0;
   const int64_t vs = v_direct ? v_stride : dvp;
-  // The block AHEAD blocks on is prefetched into L2 while this one is computed, its lines spread
-  // over the row groups (slots), so the loads overlap the arithmetic instead of preceding it.
-  const int64_t lk = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64, lv = (dv * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  const int64_t slots = 2 + (rows + RB - 1) / RB;      // one before the groups, one a group, one after
-  int64_t next_line = 0, next_total = 0, next_j = 0, next_c = 0;   // next_line = (next_j - first) * (lk + lv) + next_c
-  const auto prefetch_upto = [&](int64_t upto) {
-    for (; next_line < std::min(upto, next_total); ++next_line) {
-      const char* line = next_c < lk ? reinterpret_cast<const char*>(k + next_j * k_stride) + next_c * 64
-                                     : reinterpret_cast<const char*>(v + next_j * v_stride) + (next_c - lk) * 64;
-      __builtin_prefetch(line, 0, 2);
-      if (++next_c == lk + lv) {
-        next_c = 0;
-        ++next_j;
-      }
-    }
-  };
+  // The block AHEAD blocks on is prefetched into L2 while this one is computed, its lines shared
+  // among the row groups and issued from inside their arithmetic (Prefetch).
+  Prefetch pf{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v),
+              k_stride * static_cast<int64_t>(sizeof(T)), v_stride * static_cast<int64_t>(sizeof(T)),
+              (D * static_cast<int64_t>(sizeof(T)) + 63) / 64, (dv * static_cast<int64_t>(sizeof(T)) + 63) / 64};
+  const int64_t groups = (rows + RB - 1) / RB;
   for (int64_t j0 = begin; j0 < end; j0 += BN) {
     const int64_t n = std::min<int64_t>(BN, end - j0);
-    prefetch_upto(next_total);                 // what is left of the last block's share
-    next_j = j0 + AHEAD * BN;
-    next_total = next_j < end ? std::min<int64_t>(BN, end - next_j) * (lk + lv) : 0;
-    next_line = next_c = 0;
-    int64_t slot = 1;
-    prefetch_upto(next_total * slot / slots);
+    pf.some(pf.left);                          // what is left of the last block's share
+    const int64_t ahead = j0 + AHEAD * BN;
+    pf.start(ahead, ahead < end ? std::min<int64_t>(BN, end - ahead) : 0);
     if (!v_direct)                             // the block, fp32: V as is, K transposed (D x BN)
       for (int64_t j = 0; j < n; ++j)
         for (int64_t d = 0; d < dv; ++d) vb[j * dvp + d] = to_float(v[(j0 + j) * v_stride + d]);
     load_keys_t(k + j0 * k_stride, k_stride, n, D, kt.data());
     const float* vblock = v_direct ? reinterpret_cast<const float*>(v + j0 * v_stride) : vb.data();
+    const int64_t share = (pf.left + groups - 1) / groups;
     for (int64_t r = 0; r < rows;) {           // groups as even as they split: 18 rows are 9 + 9
       const int64_t left = rows - r, nr = (left + (left + RB - 1) / RB - 1) / ((left + RB - 1) / RB);
-      prefetch_upto(next_total * ++slot / slots);
       rows_group<DC>(static_cast<int>(nr), q + r * D, D, dvp, n, kt.data(), vblock, vs, m.data() + r, l.data() + r,
-                     acc.data() + r * dvp, p.data());
+                     acc.data() + r * dvp, p.data(), pf, share);
       r += nr;
     }
   }
