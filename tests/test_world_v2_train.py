@@ -152,3 +152,32 @@ def test_a_one_object_stage_asks_its_kinds_about_one_object_scenes_only(tmp_path
                         lambda *a, **k: [v for v in whole(*a, **k) if len(v.scene.objects) > 1])
     with pytest.raises(ValueError, match="one-object"):
         V2Data(c, tmp_path / "pool.pt").prepare(target, stages, lambda _: None)
+
+
+def test_replay_steps_draw_the_second_pools_videos_at_its_side_and_batch(tmp_path, monkeypatch):
+    """--replay-prob: that share of mixed steps is a batch of replay_batch videos from a second
+    pool (its own side, lengths and scenes, cached beside the main pool); the rest are the main
+    pool's; focus steps never replay."""
+    import random
+
+    import sparrow.world.v2.target_v2 as target_v2
+    from sparrow.world.target_data import training_stages
+
+    c = V2TargetConfig(**{**TINY, "batch": 1, "side": 112, "pool": 2, "replay_prob": 0.5, "replay_pool": 3,
+                          "replay_side": 56, "replay_seconds": (8,), "replay_batch": 3})
+    stages = training_stages(c, V2Data.kinds)
+    target = new_v2_target(c)
+    data = V2Data(c, tmp_path / "pool.pt")
+    data.prepare(target, stages, lambda _: None)
+    assert (tmp_path / "replay-seed50-56px-3.pt").is_file()
+    assert {v.scene.seed for v in data.replay}.isdisjoint({v.scene.seed for v in data.pool})
+    drawn: list = []
+    monkeypatch.setattr(target_v2, "pooled_loss", lambda t, videos, chats, *a, **k: drawn.append(videos))
+    rng = random.Random(0)
+    for _ in range(40):
+        data.loss(target, stages[0], 0, False, rng)
+    sizes = [(len(videos), videos[0].embeds.shape[0]) for videos in drawn]
+    assert set(sizes) == {(1, 128), (3, 32)}           # 112 px 8 s: 128 tokens; 56 px: 32
+    assert 10 <= sizes.count((3, 32)) <= 30
+    for v in data.replay:
+        assert v.embeds.shape == (32, 64)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -65,6 +65,12 @@ class V2TargetConfig(WorldTargetConfig):
     side: int = 112                              # frame side in px (a multiple of 28)
     seconds: tuple[int, ...] = (8, 12, 16, 24, 30)   # pooled video lengths, in turn
     eval_every: int = 500
+    # Replay against forgetting: a share of steps drawn from a second pool (the earlier stages' side and lengths)
+    replay_prob: float = 0.0
+    replay_pool: int = 400
+    replay_side: int = 112
+    replay_seconds: tuple[int, ...] = (8, 30)
+    replay_batch: int = 8
     eval_videos: int = 4                         # test-split videos per periodic check (8 s and 30 s each)
     save_every: int = 100
     log_every: int = 25
@@ -92,6 +98,11 @@ V2_TARGET_HELP = {
     "pool": "videos rendered once and reused with fresh questions",
     "side": "frame side in px (a multiple of 28; 224 is the benchmark's)",
     "seconds": "pooled video lengths in seconds, comma-separated, in turn",
+    "replay_prob": "share of steps drawn from the replay pool (the earlier stages' videos, against forgetting; 0: off)",
+    "replay_pool": "videos in the replay pool (their seeds apart from the main pool's)",
+    "replay_side": "the replay pool's frame side in px",
+    "replay_seconds": "the replay pool's video lengths in seconds, comma-separated, in turn",
+    "replay_batch": "videos a replay step",
     "eval_videos": "test-split videos per periodic accuracy check (at 8 s and 30 s)",
     "attend_weight": "weight of the attention objective: one head, at an answer about one object, asked to look at "
                      "that object's visual tokens (world/v2/attend_v2.py; 0: off)",
@@ -130,6 +141,14 @@ class PooledScene(PooledVideo):
     """A pooled v2 video; `events` is unused, `scene` is its truth."""
 
     scene: Scene | None = None
+
+
+REPLAY_SEED_OFFSET = 50       # the replay pool draws as config seed + 50 does: no scene of the main pool
+
+
+def replay_config(c: V2TargetConfig) -> V2TargetConfig:
+    """The config whose pool is c's replay pool (scene_pool reads pool, seed, side and seconds)."""
+    return replace(c, pool=c.replay_pool, side=c.replay_side, seconds=c.replay_seconds, seed=c.seed + REPLAY_SEED_OFFSET)
 
 
 def pool_seed(c: V2TargetConfig, i: int) -> int:
@@ -203,6 +222,8 @@ class V2Data:
         self.c, self.cache, self.eval_seconds = c, cache, eval_seconds
         self.pool: list[PooledScene] = []
         self.same_length: list[list[int]] | None = None
+        self.replay: list[PooledScene] = []
+        self.replay_same: list[list[int]] | None = None
         # the pool's scenes of at most N objects, for the stages that ask about them (':one', ':two', ...)
         self.few_objects: dict[int, tuple[list[PooledScene], list[list[int]] | None]] = {}
 
@@ -214,6 +235,12 @@ class V2Data:
                 raise ValueError(f"attention heads {sorted(wanted)}: the language model has {n} (0-{n - 1})")
         self.pool = scene_pool(target, self.c, log, self.cache)
         self.same_length = length_groups(self.pool) if self.c.length_batches else None
+        if self.c.replay_prob:
+            replay = replay_config(self.c)
+            cache = None if self.cache is None else Path(self.cache).with_name(f"replay-seed{replay.seed}-{replay.side}px-"
+                                                                               f"{replay.pool}.pt")
+            self.replay = scene_pool(target, replay, log, cache)
+            self.replay_same = length_groups(self.replay) if self.c.length_batches else None
         for most in sorted({s.objects for s in stages if s.objects}):
             few = [v for v in self.pool if len(v.scene.objects) <= most]
             if not few:
@@ -225,6 +252,8 @@ class V2Data:
         c = self.c
         if focus and stage.objects:              # scenes of few objects (a curriculum's first steps)
             videos = pool_batch(*self.few_objects[stage.objects], rng, c.batch)
+        elif self.replay and rng.random() < c.replay_prob:
+            videos = pool_batch(self.replay, self.replay_same, rng, c.replay_batch)
         else:
             videos = pool_batch(self.pool, self.same_length, rng, c.batch)
         kinds = stage.kinds if focus else c.kinds
