@@ -7,17 +7,14 @@ import platform
 
 import torch
 
+from sparrow.kernels.native import cpu_flags
 from sparrow.models.target import TargetModel
 
 
 def vector_isa() -> str:
     """The CPU's widest vector instructions (what -march=native builds the kernels for: an AVX2 CPU
     runs them at half an AVX-512 one's width), and AMX where it has it; "" where it cannot be read."""
-    try:
-        flags = set(next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
-                          if line.startswith(("flags", "Features"))), []))
-    except OSError:
-        return ""
+    flags = cpu_flags()
     widest = next((name for name in ("avx512f", "avx2", "avx", "sve", "asimd") if name in flags), "")
     return " + ".join(filter(None, [widest.upper(), "AMX" if "amx_tile" in flags else ""]))
 

@@ -53,18 +53,28 @@ OK_MARKER = "built.ok"         # written after the module is complete: its prese
 OWNER_LOCK = "owner.lock"      # flock held by the one live builder; holds its pid
 
 
-def cpu_tag() -> str:
-    """This CPU's instruction set (-march=native), hashed: a cache shared by machines of other CPUs
-    never loads a binary built for another one."""
-    flags = platform.machine()
+def cpu_flags_line() -> str:
+    """The flags line of /proc/cpuinfo as written ("flags" on x86, "Features" on Arm; "" where it
+    cannot be read): the instruction set -march=native builds for."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                flags += line
-                break
+                return line
     except OSError:
         pass
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags (avx2, avx512f, amx_tile, asimd, ...); empty where unknown."""
+    line = cpu_flags_line()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
+def cpu_tag() -> str:
+    """This CPU's instruction set (-march=native), hashed: a cache shared by machines of other CPUs
+    never loads a binary built for another one."""
+    return hashlib.sha1((platform.machine() + cpu_flags_line()).encode()).hexdigest()[:10]
 
 
 def build_key(source: Path, cflags: list[str]) -> str:
