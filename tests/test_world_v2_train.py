@@ -181,3 +181,41 @@ def test_replay_steps_draw_the_second_pools_videos_at_its_side_and_batch(tmp_pat
     assert 10 <= sizes.count((3, 32)) <= 30
     for v in data.replay:
         assert v.embeds.shape == (32, 64)
+
+
+def test_sigterm_mid_run_checkpoints_after_the_step_and_stops(tmp_path, monkeypatch):
+    """A SIGTERM during a step: the step ends, the checkpoint is written there and the run stops
+    (the resumed run goes on from it); the handler is the previous one again from the first
+    signal (a second acts as it would have) and after the run."""
+    import os
+    import signal
+
+    c = V2TargetConfig(steps=4, save_every=0, **TINY)
+    data = V2Data(c, tmp_path / "pool.pt")
+    seen: list = []
+
+    def before(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        real = data.loss
+        handlers: list = []
+
+        def loss(target, stage, step, focus, rng):
+            if step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+                handlers.append(signal.getsignal(signal.SIGTERM))
+            return real(target, stage, step, focus, rng)
+
+        monkeypatch.setattr(data, "loss", loss)
+        ckpt = tmp_path / "checkpoint"
+        _, history = train_world_target(c, log=lambda _: None, target=new_v2_target(c), data=data, checkpoint=ckpt)
+        assert history[-1] == {"stopped": 2} and torch.load(ckpt / STATE_FILE, weights_only=False)["step"] == 2
+        assert seen == [] and handlers == [before]      # the first signal was the run's; then the old handler
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _, history = train_world_target(c, log=lambda _: None, target=resume_target(ckpt), data=V2Data(c, tmp_path / "pool.pt"),
+                                    checkpoint=ckpt)
+    assert [h["step"] for h in history if "loss" in h] == [1, 2, 3, 4]

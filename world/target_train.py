@@ -9,8 +9,12 @@ import json
 import math
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -42,7 +46,43 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
     from its step (`target` must then be the checkpoint's weights: `resume_target`), and the
     steps after it are the ones an unbroken run takes. `deadline` (time.time()): past it the run
     writes the checkpoint and stops early, its history ending with {"stopped": step}; so does
-    `stop_at` (a step count) when it comes before the end."""
+    `stop_at` (a step count) when it comes before the end, and so does a SIGTERM or SIGINT
+    (Ctrl-C) in the main thread: the step under way ends, then the checkpoint and the stop (a
+    second signal acts as it would have: a run of many hours is not killed mid-step by accident,
+    nor kept from ending)."""
+    with stop_signals() as stop:
+        return _train(c, log, target, out, data, checkpoint, deadline, stop_at, stop)
+
+
+@contextmanager
+def stop_signals() -> Iterator[threading.Event]:
+    """An event set by the first SIGTERM or SIGINT while inside (the previous handlers are back
+    after it, and after the block); in a thread other than the main one, an event nothing sets."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    # a signal the process ignores stays ignored (SIGINT in a shell's background job, nohup)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+
+    def asked(signum, frame):
+        stop.set()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    for sig in previous:
+        signal.signal(sig, asked)
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _train(c: WorldTargetConfig, log: Callable[[str], None] | None, target: TargetModel | None, out: str | Path | None,
+           data: WorldData | None, checkpoint: str | Path | None, deadline: float | None, stop_at: int | None,
+           stop: threading.Event) -> tuple[TargetModel, list[dict]]:
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     data = data if data is not None else WorldData(c)
     target = target or new_world_target(c)
@@ -97,7 +137,7 @@ def train_world_target(c: WorldTargetConfig, log: Callable[[str], None] | None =
         if out is not None and c.save_every and (step + 1) % c.save_every == 0:
             target.save_pretrained(out)
         late = step + 1 < total and (deadline is not None and time.time() > deadline
-                                     or stop_at is not None and step + 1 >= stop_at)
+                                     or stop_at is not None and step + 1 >= stop_at or stop.is_set())
         if checkpoint is not None and (late or c.save_every and (step + 1) % c.save_every == 0):
             save_checkpoint(checkpoint, target, opt, sched, step + 1, run, history)
         if late:

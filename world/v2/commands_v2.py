@@ -6,7 +6,8 @@
 
 A stage checkpoints into OUT/checkpoint every --save-every steps and the same command resumes
 from there (deterministic under --seed: the resumed steps are the unbroken run's); --max-minutes
-(or --stop-at STEP) stops it at a checkpoint. When the stage's steps are done the target is saved to OUT with its
+(or --stop-at STEP, or a SIGTERM or Ctrl-C: after the step under way) stops it at a checkpoint.
+When the stage's steps are done the target is saved to OUT with its
 held-out scores (eval-v2 on --final-eval-scenes test scenes) in OUT/world_target_v2.json and the
 checkpoint is removed, so the next stage (`--stage narrate --init OUT --out OUT`) starts from
 OUT; each run's span is appended to OUT/train_runs.jsonl.
