@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.machine import machine
+from benchmarks.machine import load_average, machine
 from benchmarks.report import write_section
 from benchmarks.world_videos import make_video
 from sparrow import SamplingParams, SpecConfig
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     clock = KernelClock()
     clock.wrap()
-    load_before = _load()
+    load_before = load_average()
     table = ["| visual tokens | batch | CPU ms a step (commit + propose) | of which the kernel | the rest (Python, "
              f"torch ops) | x batch {batches[0]} (CPU) | wall ms a step |", "|---|---|---|---|---|---|---|"]
     print("\n".join(table), flush=True)
@@ -163,18 +163,13 @@ def main(argv: list[str] | None = None) -> int:
             f"step, draft_step {spec.draft_step!r} (the kernel or torch's levels as the tuner measured), one thread; "
             f"median of {args.reps} steps a cell, batch sizes alternating; CPU time is the thread's own "
             f"(time.thread_time: on a shared machine wall time also holds waits for a core). Load average {load_before} before, "
-            f"{_load()} after (1 / 5 / 15 min; 2 cores shared with other engineers' runs).")
+            f"{load_average()} after (1 / 5 / 15 min; 2 cores shared with other engineers' runs).")
     print("\n" + " ".join(notes) + "\n\n" + head)
     if args.out:
         write_section(args.out, "draft-batch", "The draft at batch 8 against batch 1 (issue 46)",
                       "python -m benchmarks.draft_batch " + " ".join(argv if argv is not None else sys.argv[1:]),
                       head + "\n\n" + "\n".join(table) + "\n\n" + " ".join(notes) + "\n\n" + FINDINGS)
     return 0
-
-
-def _load() -> str:
-    import os
-    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ def vector_isa() -> str:
     return " + ".join(filter(None, [widest.upper(), "AMX" if "amx_tile" in flags else ""]))
 
 
+def load_average() -> str:
+    """The load average over 1 / 5 / 15 minutes, as a benchmark states it before and after a run."""
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def machine() -> str:
     try:
         model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),

@@ -60,6 +60,7 @@ ABOUT = {
     "world-v2-pair": "world v2's pair on the committed target: Sparrow, EAGLE-style, SpecVLM-style and the ablations trained alike, batch 1",
     "step-budget": "A/B under load (not kept): a step-time budget in the draft policy against none, plain beside them",
     "cpu-prefix-avx2": "the CPU prefix kernel rewritten for AVX2, in the engine: 8 streams of 25k questions with and without it",
+    "policy-batch": "the draft policy's adaptive k against fixed k at batch 8, paired in process on one engine",
     "burst-pacing": "A/B in process (not kept): a burst of 8 questions about cached videos, prefill paced strictly against a balance",
 }
 
