@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     policies = {arm: arm_policy(arm, scheduler.policy.k_max) for arm in arms}
 
     def use(arm: str) -> None:
-        while scheduler.num_running or scheduler._prefilling:      # between bursts: the scheduler is idle
+        while not scheduler.idle():      # between bursts
             time.sleep(0.01)
         scheduler.policy = policies[arm]
 

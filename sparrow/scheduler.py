@@ -127,6 +127,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running) + len(self._prefilling)
 
+    def idle(self) -> bool:
+        """Nothing held: no request being prepared, waiting, prefilling or decoding, no task queued."""
+        with self._cv:
+            return not (self._to_prepare or self._in_flight.waiting() or self._ready or self._waiting
+                        or self._prefilling or self._running or self._tasks)
+
     def close(self) -> None:
         with self._cv:
             self._closed = True

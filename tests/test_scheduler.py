@@ -118,12 +118,14 @@ def test_requests_wait_for_memory_and_are_refused_past_the_arena_or_the_timeout(
 def test_a_long_prefill_is_sliced_between_running_streams_steps(qwen_target):
     """While a long video prefills in slices, a running stream keeps getting tokens."""
     engine = Engine(qwen_target, spec=SpecConfig(method="none"), config=EngineConfig(prefill_chunk_tokens=32))
+    assert engine.scheduler.idle()
     short_times = []
     short = engine.submit(synthetic_frames(4, 56, 56, seed=1), PROMPTS[0],
                           SamplingParams(max_new_tokens=2000, ignore_eos=True),
                           sink=lambda item: short_times.append(time.monotonic()))
     while len(short_times) < 3:
         time.sleep(0.01)
+    assert not engine.scheduler.idle()
     long_video = synthetic_frames(64, 112, 112, seed=4)                 # 512 visual tokens: 17+ slices
     submitted = time.monotonic()
     long = engine.stream(long_video, PROMPTS[0], SamplingParams(max_new_tokens=4))
@@ -131,6 +133,10 @@ def test_a_long_prefill_is_sliced_between_running_streams_steps(qwen_target):
     first_at = time.monotonic()
     rest = [t for d in long for t in d.token_ids]
     short.abort()
+    deadline = time.monotonic() + 10
+    while not engine.scheduler.idle() and time.monotonic() < deadline:   # the aborted stream leaves at its next step
+        time.sleep(0.01)
+    assert engine.scheduler.idle()
     assert engine.scheduler.stats["prefill_slices"] >= 17
     during = [t for t in short_times if submitted < t < first_at]
     assert len(during) >= 10                                            # the stream did not freeze
