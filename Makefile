@@ -85,8 +85,8 @@ bench: setup
 	$(PY) -m benchmarks.video --out BENCHMARKS.md
 	$(PY) -m benchmarks.speculative --quick --out BENCHMARKS.md
 
-# Speculative decoding side by side on the whole visual-token ladder (0.5k-25k), T=0 and T=1,
-# and the world pair's accuracy and tau by video length.
+# Speculative decoding side by side on world v2's whole visual-token ladder (0.5k-25k), T=0 and T=1,
+# and the world v1 pair's accuracy and tau by video length.
 bench-full: setup
 	$(PY) -m benchmarks.speculative --out BENCHMARKS.md --json benchmarks/speculative.json
 	$(PY) -m benchmarks.world_accuracy --out BENCHMARKS.md

@@ -32,8 +32,9 @@ ABOUT = {
     "kernels": "verify and draft attention kernels against their references",
     "serving": "what gRPC and Ray Serve add over the in-process engine",
     "world": "the synthetic world pair's QA accuracy and tau by video length",
-    "speculative": "plain, EAGLE-style, SpecVLM-style and Sparrow side by side: decode speedup and tau "
-                   "by video length (the README's headline)",
+    "speculative": "plain, EAGLE-style, SpecVLM-style and Sparrow side by side on world v2: decode speedup and "
+                   "tau by video length (the README's headline)",
+    "speculative-v1": "the same on world v1's ~20-token captions, where tau is at its ceiling",
     "trees-batch": "every method at batch 1 and batch 8, five lengths, T = 0 and 1",
     "trees-batch-eagle": "EAGLE-style at batch 1 and 8 after the sliced draft begin",
     "verify-cost": "a target step's cost by tokens scored, chains and trees",

@@ -16,6 +16,7 @@ from pathlib import Path
 from benchmarks.engines import ABLATIONS, FIXED, method_keys, method_label, method_of
 from benchmarks.report import HEADLINE, between, markers, replace_between
 from benchmarks.step_cost_projection import gpu_lines
+from benchmarks.world_videos import DEFAULT_WORLD
 
 PAPER_ABLATION_TAU = {"none": (3.95, 2.95), "window": (3.95, 3.86), "mtp": (4.44, 3.51),
                       "bridge": (4.53, 1.21), "all three": (4.51, 4.37)}   # DESIGN.md, 0.5k / 25k
@@ -85,7 +86,7 @@ def _x(v: float | None) -> str:
 HEADLINE_METHODS = ("sparrow", "sparrow-tree", "specvlm", "eagle")
 
 
-def headline_table(speedups: dict[tuple[float, int, str], float], machine: str, date: str) -> str:
+def headline_table(speedups: dict[tuple[float, int, str], float], machine: str, date: str, world: str) -> str:
     """The README's headline: decode speedup over plain decoding by method (rows) and video
     length (columns), "T = 0 / T = 1" in each cell; `speedups` maps (temperature, visual tokens,
     method) to the speedup. Between the headline markers, so README.md can quote it whole."""
@@ -94,7 +95,7 @@ def headline_table(speedups: dict[tuple[float, int, str], float], machine: str, 
     methods = [key for m in HEADLINE_METHODS for key in (m, m + FIXED) if any(k[2] == key for k in speedups)]
     both = " / ".join(f"T = {t:g}" for t in temps)
     lines = [f"Decode speedup over plain decoding (prefill excluded), {both}, by video length in visual tokens; "
-             f"the synthetic world pair, every method's tokens equal to plain decoding's; a method under the engine's "
+             f"the synthetic world {world} pair, every method's tokens equal to plain decoding's; a method under the engine's "
              f"adaptive policy (k chosen per step) unless its row says fixed k. {machine}; {date}.", "",
              "| method | " + " | ".join(f"{n:,}" for n in sizes) + " |", "|---|" + "---|" * len(sizes)]
     for m in methods:
@@ -108,7 +109,8 @@ def headline(result: dict, date: str | None = None) -> str:
     """The headline of a run, from its summary."""
     speedups = {(r["temperature"], r["visual_tokens"], r["method"]): r["decode_speedup"]
                 for r in result["summary"] if r["decode_speedup"] is not None}
-    return headline_table(speedups, result["machine"], date or datetime.date.today().isoformat())
+    return headline_table(speedups, result["machine"], date or datetime.date.today().isoformat(),
+                          result["config"].get("world", "v1"))
 
 
 _T_BLOCK = re.compile(r"^\*\*T = ([0-9.]+)\.\*\*", re.MULTILINE)
@@ -133,7 +135,9 @@ def headline_from_section(section: str) -> str:
     date = re.search(r"^Command: `.*` \((\d{4}-\d{2}-\d{2})", section, re.MULTILINE)
     if machine is None or date is None:
         raise ValueError("not a written 'speculative' section: no Machine or dated Command line")
-    return headline_table(speedups_from_section(section), machine.group(1), date.group(1))
+    world = re.search(r"videos of world (v\d)", section)
+    return headline_table(speedups_from_section(section), machine.group(1), date.group(1),
+                          world.group(1) if world else "v1")
 
 
 def refresh_headline(path: str | Path) -> None:
@@ -158,7 +162,10 @@ def report(result: dict, plot_path: str | None = None) -> str:
     cfg, summary = result["config"], result["summary"]
     keys = method_keys(tuple(cfg["methods"]), tuple(cfg.get("policies", ("adaptive",))))
     shown = [m for m in keys if m in {r["method"] for r in summary} and not method_of(m).ablation]
-    lines = [headline(result), "", f"Machine: {result['machine']}.", f"Target: {result['target']}. k = {cfg['k']}, window {cfg['window']}, "
+    table = headline(result)          # the default world's run carries the README's headline; others a plain table
+    if cfg.get("world", "v1") != DEFAULT_WORLD:
+        table = between(table, HEADLINE).strip("\n")
+    lines = [table, "", f"Machine: {result['machine']}.", f"Target: {result['target']}. k = {cfg['k']}, window {cfg['window']}, "
              f"anchors {cfg['anchors']}, glimpse: the draft's own (sparrow-glimpse {cfg['glimpse']}, sparrow-text 0); "
              f"{cfg['max_new_tokens']} new "
              f"tokens (answers end at the end of turn), {cfg['reps']} reps, methods interleaved per rep, medians; fresh "

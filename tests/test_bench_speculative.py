@@ -155,6 +155,14 @@ def test_cli_exit_status(models_dir, monkeypatch, tmp_path, capsys):
     assert sb.main(args) == 0
     assert "<!-- speculative:begin -->" in out.read_text() and (tmp_path / "p.png").exists()
     assert json.loads((tmp_path / "r.json").read_text())["identical"] is True
+    # world v2 is the default; a v1 run writes a section of its own, and only the default's holds the headline
+    assert sb.main(args + ["--world", "v1"]) == 0
+    text = out.read_text()
+    assert "<!-- speculative-v1:begin -->" in text and text.count("<!-- headline:begin -->") == 1
+    from benchmarks.report import between
+    assert "synthetic world v2 pair" in between(between(text, "speculative"), "headline")
+    assert "synthetic world v1 pair" in between(text, "speculative-v1")
+    assert "| 128 |" in between(text, "speculative") and "| 64 |" in between(text, "speculative-v1")
 
     _corrupt_speculative(monkeypatch)
     out.unlink()

@@ -68,7 +68,7 @@ def _result() -> dict:
     summary = [row(m, t, n, 1.0 if m == "plain" else 1.0 + i / 3 + n / 1e5 + t / 7, 1.0 + i / 2)
                for t in (0.0, 1.0) for n in (504, 25056) for i, m in enumerate(methods)]
     return {"config": {"methods": list(methods), "k": 4, "window": 16, "anchors": 32, "glimpse": 16,
-                       "max_new_tokens": 64, "reps": 1, "seed": 1, "temperatures": [0.0, 1.0]},
+                       "max_new_tokens": 64, "reps": 1, "seed": 1, "temperatures": [0.0, 1.0], "world": "v2"},
             "machine": "a test box, 2 cores", "target": "tiny", "skipped": {}, "identical": True,
             "mismatches": [], "summary": summary}
 
