@@ -141,7 +141,7 @@ class PathTuner:
         """Time the candidates now, on this thread; the choice is kept and returned."""
         full = (*key, candidates)
         make = bench()
-        ms = _time({name: make(name) for name in candidates}, self._clock)
+        ms = _time({name: make(name) for name in candidates}, self._clock, self._stop.is_set)
         best = min(ms, key=ms.get)
         self._chosen[full], self._times[full] = best, ms
         log.info("%s %s: %s (%s)", self.name, key, best, ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()))
@@ -173,6 +173,8 @@ class PathTuner:
         try:
             if not self._stop.is_set():
                 self.measure(full[:-1], candidates, bench)
+        except Abandoned:
+            pass                          # stopped (the process is ending): nothing chosen, nothing kept
         except Exception as exc:  # noqa: BLE001 - a failed measurement leaves the default serving
             log.warning("%s: could not time %s (%s: %s); the default serves", self.name, full,
                         type(exc).__name__, exc)
@@ -221,12 +223,21 @@ def _untuple(key):
     return tuple(tuple(k) if isinstance(k, list) else k for k in key)
 
 
-def _time(runs: dict[str, Callable[[], object]], clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+class Abandoned(Exception):
+    """A measurement given up between two timed calls because its tuner was stopped."""
+
+
+def _time(runs: dict[str, Callable[[], object]], clock: Callable[[], float] = time.perf_counter,
+          stopped: Callable[[], bool] = lambda: False) -> dict[str, float]:
     """Median ms of each run() by `clock` after a warm-up, the candidates interleaved in every
     round (a load that comes and goes moves them alike), MIN_REPS..MAX_REPS rounds within about
     BUDGET_S (wall) a candidate; CLOSE_FACTOR times that where the two fastest came within CLOSE
-    of each other."""
+    of each other. Raises Abandoned before any call once `stopped()`: a measurement of a long
+    shape runs for seconds, and the process must not end with a call under way (torch's
+    teardown under a running op aborts it)."""
     for run in runs.values():
+        if stopped():
+            raise Abandoned
         with GATE.tuning():
             run()
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -234,6 +245,8 @@ def _time(runs: dict[str, Callable[[], object]], clock: Callable[[], float] = ti
     start = time.perf_counter()
     while True:
         for name, run in runs.items():
+            if stopped():
+                raise Abandoned
             with GATE.tuning():          # between serving turns, never beside one (sparrow/tuning_gate.py)
                 t0 = clock()
                 run()
@@ -297,10 +310,14 @@ class _Worker:
 WORKER = _Worker()
 
 
+# How long the exit hook waits for the call under way (a measurement stops before its next one).
+EXIT_JOIN_S = 30.0
+
+
 def _stop_all() -> None:
     for tuner in list(TUNERS):
         tuner.stop()
-    WORKER.join(timeout=1.0)
+    WORKER.join(timeout=EXIT_JOIN_S)
 
 
 TUNERS: list[PathTuner] = []

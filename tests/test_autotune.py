@@ -208,3 +208,34 @@ def test_a_timing_reads_its_keys_cold(monkeypatch):
     for _ in range(packed.COLD_SETS + 1):
         run()
     assert len(set(seen)) == packed.COLD_SETS                               # capped
+
+
+EXIT_PROBE = """
+import time, torch
+from sparrow.kernels import autotune
+t = autotune.tuner("exit-probe", lambda: None)
+a = torch.randn(1200, 1200)
+ran = []
+def bench():
+    return lambda name: (lambda: ran.append(name) or a @ a @ a @ a)
+t.choice(("k",), ("x", "y", "z"), bench)
+while not ran:
+    time.sleep(0.01)
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_ending_during_a_measurement_exits_cleanly():
+    """A tuner measuring (seconds at a long shape) when its process ends stops before its next
+    timed call and the exit waits for the one under way: torch's teardown under a running op
+    aborted the process (SIGABRT, 'terminate called without an active exception')."""
+    import os
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    env = {**os.environ, "SPARROW_AUTOTUNE": "1"}          # the suite's default is off (conftest)
+    done = subprocess.run([sys.executable, "-c", EXIT_PROBE], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "exiting" and "terminate" not in done.stderr
+    assert time.monotonic() - t0 < 60
