@@ -137,3 +137,26 @@ def test_a_fresh_run_starts_its_own_log(qwen_target, tmp_path):
     # the geometry it was trained with travels with the checkpoint (tests/test_draft_geometry.py)
     trained = SparrowDraft.from_pretrained(tmp_path).trained_with
     assert (trained["window"], trained["anchors"], trained["num_draft_tokens"]) == (8, 16, CFG.eval_draft_tokens)
+
+
+def test_step0_over_every_entry_skips_the_mask_and_equals_the_masked_forward(signals, monkeypatch):
+    """Context "all" (every key out of the window pinned, no prefix): step 0 is the plain causal
+    mask, run without building it (n x n at 25k entries); its outputs equal the masked forward's."""
+    from sparrow.training.unroll import plainly_causal, step0_mask, unroll
+
+    draft, _, sig = signals
+    n, window = sig.num_entries, 4
+    pinned = torch.ones(n, dtype=torch.bool)
+    assert plainly_causal(0, pinned, window) and plainly_causal(0, torch.zeros(n, dtype=torch.bool), n)
+    assert not plainly_causal(2, pinned, window)
+    assert not plainly_causal(0, anchor_flags(n, sig.num_prompt, 2), window)
+    chains = torch.arange(sig.num_prompt, n - 3)
+    import sparrow.training.unroll as unroll_module
+    built = []
+    monkeypatch.setattr(unroll_module, "step0_mask", lambda *a: built.append(a) or step0_mask(*a))
+    with torch.no_grad():
+        fast = unroll(draft, sig.token_ids, sig.features, pinned, sig.prefix(0), chains, 3, window)
+        masked = unroll(draft, sig.token_ids, sig.features, pinned, sig.prefix(0), chains, 3, window, keep_masks=True)
+    assert len(built) == 1 and not fast.masks and masked.masks[0].shape == (len(chains), n)   # the masked run's only
+    for a, b in zip(fast.logits, masked.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

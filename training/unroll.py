@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from sparrow.models.attention import get_backend
 from sparrow.models.draft import SparrowDraft
@@ -57,10 +58,15 @@ def context_attention(context: str, num_entries: int, num_prompt: int, anchors: 
 def step0_mask(num_prefix: int, pinned: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prefix + all entries, committed: every query sees what window_mask allows.
     Returns mask (G+N, G+N), positions (G+N,), pinned (G+N,)."""
+    pos, pin = step0_keys(num_prefix, pinned)
+    return window_mask(pos, pos, pin, window), pos, pin
+
+
+def step0_keys(num_prefix: int, pinned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 0's key positions (G+N,) (the prefix at -1) and pinned flags (G+N,)."""
     n, device = pinned.shape[0], pinned.device
     pos = torch.cat([torch.full((num_prefix,), -1, device=device), torch.arange(n, device=device)])
-    pin = torch.cat([torch.ones(num_prefix, dtype=torch.bool, device=device), pinned])
-    return window_mask(pos, pos, pin, window), pos, pin
+    return pos, torch.cat([torch.ones(num_prefix, dtype=torch.bool, device=device), pinned])
 
 
 def chain_mask(step: int, chains: torch.Tensor, num_prefix: int, pinned: torch.Tensor,
@@ -68,7 +74,7 @@ def chain_mask(step: int, chains: torch.Tensor, num_prefix: int, pinned: torch.T
     """Mask (C, G + N + step*C) of step `step` >= 1 over keys [prefix | entries | steps 1..step]
     and the key positions. Chain c (start s) queries at s + step."""
     n, c, device = pinned.shape[0], chains.shape[0], pinned.device
-    _, pos0, pin0 = step0_mask(num_prefix, pinned, window)
+    pos0, pin0 = step0_keys(num_prefix, pinned)
     spec_pos = torch.cat([chains + k for k in range(1, step + 1)])              # (step*C,)
     k_pos = torch.cat([pos0, spec_pos])
     k_pin = torch.cat([pin0, torch.zeros_like(spec_pos, dtype=torch.bool)])
@@ -83,10 +89,24 @@ def chain_mask(step: int, chains: torch.Tensor, num_prefix: int, pinned: torch.T
     return window_mask(chains + step, k_pos, k_pin, window) & in_cache, k_pos
 
 
-def _layers(draft: SparrowDraft, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+def plainly_causal(num_prefix: int, pinned: torch.Tensor, window: int) -> bool:
+    """Whether step 0's mask is the plain causal one: no prefix, and every key that falls out of
+    a query's window is pinned (a draft that reads every entry, context "all")."""
+    n = pinned.shape[0]
+    return num_prefix == 0 and (window >= n or bool(pinned[: n - window].all()))
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None) -> torch.Tensor:
+    """Step 0 over n entries with the causal mask, without building it: n x n at 25k entries is
+    625M mask entries, which sent SDPA to its unfused path (minutes a sample)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _layers(draft: SparrowDraft, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None,
             past: list[tuple[torch.Tensor, torch.Tensor]] | None) -> tuple[torch.Tensor, list]:
-    """Run entries x (n, H) at pos (n,) through the draft layers over past keys (per layer)."""
-    attn = get_backend(draft.attention_backend)
+    """Run entries x (n, H) at pos (n,) through the draft layers over past keys (per layer);
+    mask None: causal among x (no past)."""
+    attn = _causal if mask is None else get_backend(draft.attention_backend)
     kv = []
     for i, layer in enumerate(draft.layers):
         pk, pv = past[i] if past is not None else (None, None)
@@ -101,7 +121,10 @@ def unroll(draft: SparrowDraft, token_ids: torch.Tensor, features: torch.Tensor,
     """token_ids (N,), features (N, F*H), pinned (N,), prefix (G, H) bridge visual states,
     chains (C,) chain starts. Returns the draft's hidden states and logits for steps 0..steps-1."""
     n, g = token_ids.shape[0], prefix.shape[0]
-    mask, pos, _ = step0_mask(g, pinned, window)
+    if plainly_causal(g, pinned, window) and not keep_masks:
+        mask, pos = None, step0_keys(g, pinned)[0]
+    else:
+        mask, pos, _ = step0_mask(g, pinned, window)
     z = torch.cat([draft.inputs_from_glimpse(prefix), draft.inputs_from_target(token_ids, features)])
     out, past = _layers(draft, z, pos, mask, None)
     hidden = out[g:][chains]                                             # (C, H) step 0
