@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=BENCH_SEED)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on a shared 2-core box)")
     ap.add_argument("--out", default=None, help="write the 'speculative' section of this markdown file")
-    ap.add_argument("--plot", default="benchmarks/speculative.png", help="PNG written with --out")
+    ap.add_argument("--plot", default=None, help="PNG written with --out (default benchmarks/<its section>.png)")
     ap.add_argument("--json", default=None, help="raw results")
     ap.add_argument("--target-step", choices=("eager", "compiled"), default="eager",
                     help="the target's decode/verify steps (TargetModel.target_step); compiled: built before timing")
@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     command = "python -m benchmarks.speculative " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(result, args.plot if args.out else None)
+    plot_path = args.plot or f"benchmarks/{SECTIONS[args.world][0]}.png"
+    text = report(result, plot_path if args.out else None)
     print(text)
     print(f"({result['wall_seconds']:.0f} s)")
     if not result["identical"]:
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         print("FAILED: speculative output differs from plain decoding (nothing written)", file=sys.stderr)
         return 1
     if args.out:
-        plot(result, args.plot)
+        plot(result, plot_path)
         write_section(args.out, *SECTIONS[args.world], command, text)
     return 0
 
