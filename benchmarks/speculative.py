@@ -213,7 +213,9 @@ def tau_ceiling(answer_tokens: list[int], k: int) -> float:
 def summarize(runs: list[dict], k: int) -> list[dict]:
     """Per (temperature, visual tokens, method key): medians over reps of the timings, pooled
     acceptance counts, tau's ceiling for the answers' lengths, and ratios against plain of the
-    same cell (ratio of medians)."""
+    same cell: the median over reps of each rep's ratio (the methods of a rep ran interleaved on
+    one video, so a rep pairs them; a ratio of medians mixed reps whose plain step differed by up
+    to 1.5x on a drifting box)."""
     cells: dict[tuple, list[dict]] = {}
     for r in runs:
         cells.setdefault((r["temperature"], r["visual_tokens"], r["method"]), []).append(r)
@@ -247,11 +249,16 @@ def summarize(runs: list[dict], k: int) -> list[dict]:
             "draft_kv_bytes": max(mem) if mem else None,
             "draft_max_keys": max(m["draft_max_keys"] for m in ms),
         })
-    plain = {(r["temperature"], r["visual_tokens"]): r for r in rows if r["method"] == "plain"}
-    for r in rows:
-        p = plain.get((r["temperature"], r["visual_tokens"]))
-        r["decode_speedup"] = p["decode_ms_per_token"] / r["decode_ms_per_token"] if p else None
-        r["e2e_speedup"] = p["e2e_seconds"] / r["e2e_seconds"] if p else None
+    by_rep = {(r["temperature"], r["visual_tokens"], r["method"], r.get("rep", 0)): r for r in runs}
+
+    def decode_ms(run: dict) -> float:
+        return run["metrics"]["decode_seconds"] * 1e3 / max(1, run["metrics"]["completion_tokens"] - 1)
+
+    for row in rows:
+        pairs = [(by_rep[(t, n, "plain", rep)], run) for (t, n, m, rep), run in by_rep.items()
+                 if (t, n, m) == (row["temperature"], row["visual_tokens"], row["method"]) and (t, n, "plain", rep) in by_rep]
+        row["decode_speedup"] = statistics.median(decode_ms(p) / decode_ms(r) for p, r in pairs) if pairs else None
+        row["e2e_speedup"] = statistics.median(p["e2e_seconds"] / r["e2e_seconds"] for p, r in pairs) if pairs else None
     return rows
 
 
@@ -292,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-step", choices=("eager", "compiled"), default="eager",
                     help="the target's decode/verify steps (TargetModel.target_step); compiled: built before timing")
     ap.add_argument("--gpu", action="store_true", help="also time a 7B-shaped target on CUDA (projection)")
+    ap.add_argument("--from-json", default=None, help="no run: summarise and report the raw results a --json wrote")
     args = ap.parse_args(argv)
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        result["summary"] = summarize(result["runs"], result["config"]["k"])
+        args.world = result["config"].get("world", "v1")
+        return _report(result, args, argv)
     torch.set_num_threads(args.threads)
     q, ladder = args.quick, world_ladder(args.world)
     cfg = BenchConfig(
@@ -316,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         result["gpu"] = gpu_mode(cfg.k, [3.0, 3.8] + taus)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return _report(result, args, argv)
+
+
+def _report(result: dict, args, argv: list[str] | None) -> int:
     command = "python -m benchmarks.speculative " + " ".join(argv if argv is not None else sys.argv[1:])
     plot_path = args.plot or f"benchmarks/{SECTIONS[args.world][0]}.png"
     text = report(result, plot_path if args.out else None)

@@ -168,7 +168,7 @@ def report(result: dict, plot_path: str | None = None) -> str:
     lines = [table, "", f"Machine: {result['machine']}.", f"Target: {result['target']}. k = {cfg['k']}, window {cfg['window']}, "
              f"anchors {cfg['anchors']}, glimpse: the draft's own (sparrow-glimpse {cfg['glimpse']}, sparrow-text 0); "
              f"{cfg['max_new_tokens']} new "
-             f"tokens (answers end at the end of turn), {cfg['reps']} reps, methods interleaved per rep, medians; fresh "
+             f"tokens (answers end at the end of turn), {cfg['reps']} reps, methods interleaved per rep, medians (a speedup: the median of each rep's ratio to plain); fresh "
              f"videos of world {cfg.get('world', 'v1')} (seeds from {cfg['seed']}), "
              f"{'narration' if cfg.get('world') == 'v2' else 'caption'} prompts. Policies: every drafting method under "
              f"{' and '.join(cfg.get('policies', ('adaptive',)))} ('adaptive': k in [0, {cfg['k']}] chosen per step from the "

@@ -164,6 +164,11 @@ def test_cli_exit_status(models_dir, monkeypatch, tmp_path, capsys):
     assert "synthetic world v1 pair" in between(text, "speculative-v1")
     assert "| 128 |" in between(text, "speculative") and "| 64 |" in between(text, "speculative-v1")
 
+    # the raw results (the v1 run's, the last written) report again without a run, into their world's section
+    again = tmp_path / "AGAIN.md"
+    assert sb.main(["--from-json", str(tmp_path / "r.json"), "--out", str(again), "--plot", str(tmp_path / "q.png")]) == 0
+    assert "| 64 |" in between(again.read_text(), "speculative-v1") and "--from-json" in again.read_text()
+
     _corrupt_speculative(monkeypatch)
     out.unlink()
     assert sb.main(args) == 1                                    # a mismatch fails the run
@@ -179,3 +184,17 @@ def test_step_costs_smoke_on_cpu():
     c = step_costs(torch.device("cpu"), torch.float32, shape, context=300, k=3, reps=2)
     assert c["decode_ms"] > 0 and c["verify_ms"] > 0 and c["draft_step_ms"] > 0 and c["draft_commit_ms"] > 0
     assert c["draft_step_ms"] == pytest.approx(c["draft_propose_ms"] / 3)
+
+
+def test_speedups_pair_each_rep_with_its_own_plain_run():
+    """A rep's methods ran on one video, interleaved: the speedup is the median of each rep's ratio
+    (here 2.0 and 0.5 -> 1.25), not a ratio of medians across reps (15 / 22.5 ms)."""
+    def run(method, rep, ms):
+        return {"temperature": 0.0, "visual_tokens": 64, "method": method, "rep": rep, "e2e_seconds": ms / 10,
+                "metrics": {"decode_seconds": ms * 10 / 1e3, "completion_tokens": 11, "steps": 10, "accepted_tokens": 0,
+                            "accepted_per_position": [], "draft_seconds": 0.0, "verify_seconds": ms * 10 / 1e3,
+                            "draft_max_keys": 0}, "draft_kv_bytes": None}
+    rows = sb.summarize([run("plain", 0, 10.0), run("sparrow", 0, 5.0), run("plain", 1, 20.0), run("sparrow", 1, 40.0)], 4)
+    row = next(r for r in rows if r["method"] == "sparrow")
+    assert row["decode_speedup"] == pytest.approx(1.25) and row["e2e_speedup"] == pytest.approx(1.25)
+    assert next(r for r in rows if r["method"] == "plain")["decode_speedup"] == 1.0
