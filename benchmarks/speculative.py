@@ -249,14 +249,14 @@ def summarize(runs: list[dict], k: int) -> list[dict]:
             "draft_kv_bytes": max(mem) if mem else None,
             "draft_max_keys": max(m["draft_max_keys"] for m in ms),
         })
-    by_rep = {(r["temperature"], r["visual_tokens"], r["method"], r.get("rep", 0)): r for r in runs}
+    plain = {(r["temperature"], r["visual_tokens"], r.get("rep", 0)): r for r in runs if r["method"] == "plain"}
 
     def decode_ms(run: dict) -> float:
         return run["metrics"]["decode_seconds"] * 1e3 / max(1, run["metrics"]["completion_tokens"] - 1)
 
     for row in rows:
-        pairs = [(by_rep[(t, n, "plain", rep)], run) for (t, n, m, rep), run in by_rep.items()
-                 if (t, n, m) == (row["temperature"], row["visual_tokens"], row["method"]) and (t, n, "plain", rep) in by_rep]
+        pairs = [(plain[key], r) for r in cells[row["temperature"], row["visual_tokens"], row["method"]]
+                 if (key := (r["temperature"], r["visual_tokens"], r.get("rep", 0))) in plain]
         row["decode_speedup"] = statistics.median(decode_ms(p) / decode_ms(r) for p, r in pairs) if pairs else None
         row["e2e_speedup"] = statistics.median(p["e2e_seconds"] / r["e2e_seconds"] for p, r in pairs) if pairs else None
     return rows
