@@ -61,7 +61,9 @@ def test_redis_round_trip_exact(redis_url):
 
 
 def test_redis_chunks_at_most_8_mib_and_manifest_describes_them(redis_url, redis_server):
-    cache = RedisStateCache(redis_url)
+    # This test is about the layout, not the timeout: a loaded 2-core CI box once stalled a
+    # 20 MiB read past the default 1 s socket timeout, which the cache rightly calls a miss.
+    cache = RedisStateCache(redis_url, socket_timeout_s=10.0)
     big = {"video": torch.randint(0, 255, (20 * 1024 * 1024,), dtype=torch.uint8)}   # 20 MiB -> 3 chunks
     assert cache.put("video:big", big)
     client = redis_server.client()
