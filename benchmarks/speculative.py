@@ -46,6 +46,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -327,13 +328,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu:
         taus = sorted({round(r["tau"], 2) for r in result["summary"] if r["method"] == "sparrow"}) or [3.0]
         result["gpu"] = gpu_mode(cfg.k, [3.0, 3.8] + taus)
+    result["command"] = _command(argv)
+    result["date"] = time.strftime("%Y-%m-%d")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return _report(result, args, argv)
 
 
+def _command(argv: list[str] | None) -> str:
+    return "python -m benchmarks.speculative " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
 def _report(result: dict, args, argv: list[str] | None) -> int:
-    command = "python -m benchmarks.speculative " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = _command(argv)
+    if args.from_json and "command" in result:       # the run's own command and day, then how it was reported
+        command = f"{result['command']}` (run {result['date']}), reported by `{command}"
     plot_path = args.plot or f"benchmarks/{SECTIONS[args.world][0]}.png"
     text = report(result, plot_path if args.out else None)
     print(text)

@@ -168,6 +168,8 @@ def test_cli_exit_status(models_dir, monkeypatch, tmp_path, capsys):
     again = tmp_path / "AGAIN.md"
     assert sb.main(["--from-json", str(tmp_path / "r.json"), "--out", str(again), "--plot", str(tmp_path / "q.png")]) == 0
     assert "| 64 |" in between(again.read_text(), "speculative-v1") and "--from-json" in again.read_text()
+    command = next(line for line in again.read_text().splitlines() if line.startswith("Command:"))
+    assert "--max-new-tokens 6" in command and "--world v1" in command    # the run's own command is kept
 
     _corrupt_speculative(monkeypatch)
     out.unlink()
