@@ -51,7 +51,7 @@ def world_prompts(world: str = "v1") -> tuple[str, ...]:
 
 
 # each world's benchmark pair (DIR/world/{target,draft}, DIR/bench/ baselines), a benchmark's default --models
-WORLD_MODELS = {"v1": "models", "v2": "models/world-v2/pair-stage3"}
+WORLD_MODELS = {"v1": "models", "v2": "models/world-v2/pair-long"}
 DEFAULT_WORLD = "v2"     # the benchmark's default: narrations of real length, where tau is not at its ceiling
 
 
