@@ -47,3 +47,39 @@ def test_a_vlm_distilled_on_a_stores_answers_answers_as_the_target(tmp_path, mon
     taught, target = answer_of(TargetModel.from_pretrained(tmp_path / "distilled")), answer_of(teacher)
     before = answer_of(TargetModel.from_pretrained(tmp_path / "student"))
     assert taught == target == answer and before != answer
+
+
+def test_a_step_one_answer_at_a_time_equals_the_padded_batch(tmp_path):
+    """distill-v2's step backs one answer at a time (no attention mask, so memory bounded at 25k);
+    its gradients and loss equal the padded batch's token mean over answers of different lengths."""
+    from sparrow.video import VideoOptions
+    from sparrow.world.target_data import pooled_loss
+    from sparrow.world.v2.distill_v2 import _pooled, accumulate_step
+
+    torch.manual_seed(0)
+    vlm = new_v2_target(V2TargetConfig(seed=7, **TINY))
+    paths = []
+    for i, seed in enumerate(split_seeds("train", 2, first=21)):
+        paths.append(tmp_path / f"v{i}.mp4")
+        paths[-1].write_bytes(make_video(seed, 8 + 8 * i, None, side=112).source)
+    videos = [_pooled(vlm, p, VideoOptions(fps=FPS)) for p in paths]
+    chats = [(PROMPT, "at 0 : 00 there is 1 object ."), (PROMPT, "at 0 : 00 there are 2 objects : a small red circle .")]
+    assert videos[0].embeds.shape[0] != videos[1].embeds.shape[0]
+    params = [p for p in vlm.hf.parameters() if p.requires_grad]
+
+    vlm.hf.zero_grad(set_to_none=True)
+    batch_loss = pooled_loss(vlm, videos, [[c] for c in chats], decode=True)
+    batch_loss.backward()
+    want = [p.grad.clone() if p.grad is not None else None for p in params]
+
+    vlm.hf.zero_grad(set_to_none=True)
+    got_loss = accumulate_step(vlm, [(v, q, a) for v, (q, a) in zip(videos, chats)], params)
+    assert abs(got_loss - float(batch_loss.detach())) < 1e-4
+    compared = 0
+    for p, w in zip(params, want):
+        if w is None:
+            assert p.grad is None or not p.grad.any()
+            continue
+        torch.testing.assert_close(p.grad, w, rtol=1e-3, atol=1e-5)
+        compared += 1
+    assert compared > 10

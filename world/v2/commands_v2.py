@@ -120,7 +120,8 @@ def _cmd_distill_v2(args: argparse.Namespace) -> int:
     from sparrow.world.v2.distill_v2 import DistillConfig, distill_v2
 
     torch.set_num_threads(args.threads)
-    c = DistillConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed)
+    c = DistillConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, seed=args.seed,
+                      draw=args.draw)
     summary = distill_v2(args.student, args.store, args.out, c, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(summary, indent=2))
     return 0
@@ -167,5 +168,8 @@ def add_v2_commands(wsub, parents: list, add_config_options, config_from_args) -
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--warmup", type=int, default=40, help="warmup steps (default 40)")
     p.add_argument("--seed", type=int, default=0, help="seed of the answers' order (default 0)")
+    p.add_argument("--draw", choices=("answers", "lengths"), default="answers",
+                   help="answers: each uniformly, as train-draft draws a store's (default); lengths: a video "
+                        "length uniformly, then its answers (the recipe before 2026-12-01)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.set_defaults(func=_cmd_distill_v2)

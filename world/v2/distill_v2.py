@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from sparrow.models.target import TargetModel
 from sparrow.training.feature_store import FeatureStore
 from sparrow.video import VideoOptions, load_frames
-from sparrow.world.target_data import PooledVideo, pooled_loss
+from sparrow.world.target_data import PooledVideo, pooled_logits
 
 SUMMARY_FILE = "distill_v2.json"
 
@@ -31,7 +32,9 @@ SUMMARY_FILE = "distill_v2.json"
 @dataclass(frozen=True, slots=True)
 class DistillConfig:
     steps: int = 800           # the drafts' step budget (train-draft --steps 800)
-    batch: int = 4             # answers a step, one video length each (the drafts: 4 accumulated)
+    batch: int = 4             # answers a step (the drafts: 4 accumulated)
+    draw: str = "answers"      # "answers": each uniformly, as train-draft draws a store's (at --length-balance 0);
+                               # "lengths": a video length uniformly, then its answers (before 2026-12-01)
     lr: float = 2e-3
     warmup: int = 40
     min_lr_share: float = 0.1  # the lr falls linearly to this share of its peak
@@ -48,6 +51,24 @@ def store_answers(store: FeatureStore) -> list[tuple[Path, str, str]]:
         ctx = store.contexts[r["context"]]
         out.append((_video_file(ctx["video"], store.path), ctx["prompt"], r["text"]))
     return out
+
+
+def accumulate_step(vlm: TargetModel, picked: list[tuple[PooledVideo, str, str]], params: list) -> float:
+    """Gradients of the step's mean token loss into `params`, one answer's forward and backward at
+    a time: a padded batch passes an attention mask that SDPA materialises (four 25k answers ran
+    out of 24 GiB), one answer passes none. Each answer's summed loss is backed, then the gradients
+    are divided by the step's token count: the padded batch's token mean (tested equal). Returns
+    that mean."""
+    total, tokens = 0.0, 0
+    for video, question, answer in picked:
+        logits, ids, pick = pooled_logits(vlm, [video], [[(question, answer)]], decode=True)
+        loss = F.cross_entropy(logits.float(), ids[:, 1:][pick], reduction="sum")
+        loss.backward()
+        total, tokens = total + float(loss.detach()), tokens + int(pick.sum())
+    for p in params:
+        if p.grad is not None:
+            p.grad /= max(1, tokens)
+    return total / max(1, tokens)
 
 
 def _video_file(video: str, store: Path) -> Path:
@@ -69,7 +90,7 @@ def _pooled(vlm: TargetModel, video: Path, options: VideoOptions) -> PooledVideo
 def distill_v2(student: str | Path, store: str | Path, out: str | Path, c: DistillConfig = DistillConfig(),
                log: Callable[[str], None] = print) -> dict:
     """Train `student` (a v2 VLM) on the store's answers for c.steps steps; save it to `out` with
-    a summary (SUMMARY_FILE). Each step takes c.batch answers about videos of one length."""
+    a summary (SUMMARY_FILE). Each step takes c.batch answers, drawn as c.draw says."""
     t0 = time.perf_counter()
     vlm = TargetModel.from_pretrained(student)
     feature_store = FeatureStore(store)
@@ -87,18 +108,19 @@ def distill_v2(student: str | Path, store: str | Path, out: str | Path, c: Disti
     opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, c.warmup)) * (
         1 - (1 - c.min_lr_share) * max(0, i - c.warmup) / max(1, c.steps - c.warmup)))
-    groups = list(by_length.values())
+    if c.draw not in ("answers", "lengths"):
+        raise ValueError(f"draw must be 'answers' or 'lengths', got {c.draw!r}")
+    groups = list(by_length.values()) if c.draw == "lengths" else [list(range(len(answers)))]
     history = []
     for step in range(1, c.steps + 1):
         group = rng.choice(groups)
         picked = [answers[rng.choice(group)] for _ in range(c.batch)]
-        loss = pooled_loss(vlm, [pooled[p] for p, _, _ in picked], [[(q, a)] for _, q, a in picked], decode=True)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = accumulate_step(vlm, [(pooled[p], q, a) for p, q, a in picked], params)
         torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
         opt.step()
         sched.step()
-        history.append(float(loss.detach()))
+        history.append(loss)
         if step % 50 == 0 or step == c.steps:
             log(f"step {step}/{c.steps} loss {sum(history[-50:]) / len(history[-50:]):.4f} "
                 f"lr {sched.get_last_lr()[0]:.2e} {time.perf_counter() - t0:.0f}s")
