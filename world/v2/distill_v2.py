@@ -91,6 +91,8 @@ def distill_v2(student: str | Path, store: str | Path, out: str | Path, c: Disti
                log: Callable[[str], None] = print) -> dict:
     """Train `student` (a v2 VLM) on the store's answers for c.steps steps; save it to `out` with
     a summary (SUMMARY_FILE). Each step takes c.batch answers, drawn as c.draw says."""
+    if c.draw not in ("answers", "lengths"):
+        raise ValueError(f"draw must be 'answers' or 'lengths', got {c.draw!r}")
     t0 = time.perf_counter()
     vlm = TargetModel.from_pretrained(student)
     feature_store = FeatureStore(store)
@@ -108,8 +110,6 @@ def distill_v2(student: str | Path, store: str | Path, out: str | Path, c: Disti
     opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, c.warmup)) * (
         1 - (1 - c.min_lr_share) * max(0, i - c.warmup) / max(1, c.steps - c.warmup)))
-    if c.draw not in ("answers", "lengths"):
-        raise ValueError(f"draw must be 'answers' or 'lengths', got {c.draw!r}")
     groups = list(by_length.values()) if c.draw == "lengths" else [list(range(len(answers)))]
     history = []
     for step in range(1, c.steps + 1):
