@@ -79,6 +79,18 @@ class DraftPolicy(_Laps):
     still expected ~0.4 a token from its engine's four good videos before, and drafted 3-4 deep
     (0.66-0.82x plain on that 25k video).
 
+    A request that stopped drafting tries again: its own record changes only on its drafting
+    steps, so a short run of rejections (acceptance comes in runs: at 25k a narration's hard
+    stretch, then easy text again) once stopped a request for 18-50 steps, until the cost model's
+    next sample drafted it again, where its drafts were mostly at once accepted (world v2 pair,
+    two 25k videos at T = 0: 139 of 291 steps decoded; fixed k drafted them at tau 3.2). So a request
+    PROBE_AFTER steps idle is valued again as one with no record of its own (the engine's
+    acceptance, at least PROBE_ALPHA) for a step, at most one draft deep (the cheapest question):
+    the search drafts it where that pays at such an acceptance (never where drafting cannot pay at
+    all). An accepted probe starts the request's own record afresh from it; a rejected one doubles
+    the wait (up to PROBE_AFTER_MAX), so a draft that has stopped paying for good costs one row
+    every PROBE_AFTER_MAX steps.
+
     A search that put every request at its cap is kept for the next step when that step
     accepted every draft and the cost model is unchanged (its `version`: MeasuredCosts redoes
     its fits together, one step in REFIT_EVERY): more accepted drafts raise each alpha, which
@@ -93,6 +105,8 @@ class DraftPolicy(_Laps):
     PROBE_ALPHA = 2 / 3        # what a request with no record of its own is worth at least
     DECAY = 0.99               # per drafting step, on the engine's acceptance counts
     RECENT = 0.7               # per drafting step, on a request's own (a memory of ~3 steps)
+    PROBE_AFTER = 12            # idle steps after which a request that stopped drafting is valued afresh ...
+    PROBE_AFTER_MAX = 64       # ... doubled after each probe that fails, up to this
 
     def __init__(self, k_max: int, adaptive: bool, costs: CostModel | None = None, measure: bool = True):
         self.k_max, self.adaptive = k_max, adaptive
@@ -122,9 +136,13 @@ class DraftPolicy(_Laps):
         """Per-token acceptance: accepted / (accepted + rejections), the engine's as a prior;
         with no record of its own, at least PROBE_ALPHA."""
         w = self.PRIOR_WEIGHT * self.PRIOR_STEPS / (self.PRIOR_STEPS + request.drafted)
-        if request.accepted + request.rejected == 0:
+        if request.accepted + request.rejected == 0 or self._due(request):
             return max(self.engine_alpha, self.PROBE_ALPHA)
         return (request.accepted + w * self.engine_alpha) / (request.accepted + request.rejected + w)
+
+    def _due(self, request: Request) -> bool:
+        """Whether a request with a record of its own has been idle long enough to be valued afresh."""
+        return request.idle >= (request.backoff or self.PROBE_AFTER) and request.accepted + request.rejected > 0
 
     def expected_tokens(self, request: Request) -> list[float]:
         """Tokens one step is expected to emit for this request at k = 0 .. k_max. Acceptance
@@ -153,7 +171,8 @@ class DraftPolicy(_Laps):
 
     @_timed
     def choose(self, batch: list[Request]) -> list[int]:
-        caps = [min(r.k, max(0, r.output.remaining - 1)) if r.draft_state is not None else 0 for r in batch]
+        caps = [min(r.k, max(0, r.output.remaining - 1), 1 if self._due(r) else r.k) if r.draft_state is not None else 0
+                for r in batch]
         free = [i for i, r in enumerate(batch) if not r.pinned_k and caps[i] > 0]
         if not self.adaptive or not free:
             return caps
@@ -264,20 +283,31 @@ class DraftPolicy(_Laps):
     def record(self, batch: list[Request], rows: list[int], verify_s: float, depth: int, draft_s: float,
                ks: list[int], accepted: list[int]) -> None:
         """What a step measured: its costs, and each drafting request's accepted drafts (a
-        rejection when fewer than its k), into the request's and the engine's acceptance."""
+        rejection when fewer than its k), into the request's and the engine's acceptance; a
+        request that did not draft, one step more idle."""
         if self.measure:
             self.costs.record(rows, [r.context for r in batch], verify_s, depth, draft_s)
         chosen, self._chosen, self._kept = self._chosen, None, None
         for request, k, n in zip(batch, ks, accepted):
-            if k > 0:
-                request.drafted += 1
-                request.accepted = self.RECENT * request.accepted + n
-                request.rejected = self.RECENT * request.rejected + (n < k)
-                self.accepted = self.DECAY * self.accepted + n
-                self.rejected = self.DECAY * self.rejected + (n < k)
-                for j in range(min(k, n + 1, self.k_max)):          # positions this step reached
-                    self.reached[j] = self.DECAY * self.reached[j] + 1
-                    self.passed[j] = self.DECAY * self.passed[j] + (j < n)
+            if k == 0:
+                request.idle += request.draft_state is not None
+                continue
+            if self._due(request):                           # a probe
+                if n > 0:                                     # accepted: its own record starts afresh
+                    request.accepted = request.rejected = 0.0
+                else:                                         # rejected: wait twice as long
+                    request.backoff = min(2 * (request.backoff or self.PROBE_AFTER), self.PROBE_AFTER_MAX)
+            if n > 0:
+                request.backoff = 0
+            request.idle = 0
+            request.drafted += 1
+            request.accepted = self.RECENT * request.accepted + n
+            request.rejected = self.RECENT * request.rejected + (n < k)
+            self.accepted = self.DECAY * self.accepted + n
+            self.rejected = self.DECAY * self.rejected + (n < k)
+            for j in range(min(k, n + 1, self.k_max)):          # positions this step reached
+                self.reached[j] = self.DECAY * self.reached[j] + 1
+                self.passed[j] = self.DECAY * self.passed[j] + (j < n)
         if chosen == tuple(ks) and all(n >= k for k, n in zip(ks, accepted)):
             self._kept = (_batch_key(batch), chosen, self.costs.version)
 

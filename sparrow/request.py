@@ -72,6 +72,8 @@ class Request:
     accepted: float = 0.0                   # its draft tokens accepted ...
     rejected: float = 0.0                   # ... and verify steps that rejected one (recent ones weigh most: DraftPolicy)
     drafted: int = 0                        # its drafting steps (the engine's record weighs less as they come)
+    idle: int = 0                           # steps since it last drafted (DraftPolicy: it tries again after ...
+    backoff: int = 0                        # ... this many; 0: the policy's first wait)
     decode_start: float = 0.0
     waited: bool = False                    # counted once in the scheduler's waited_for_memory
     prefill_s_per_token: float = 0.0        # measured on its last prefill slice

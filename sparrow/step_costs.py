@@ -52,7 +52,8 @@ that can be several times a warm step's. Measured: the first 25k steps after 0.5
 1.00-1.38 where fixed k had 4.6). So a new length costs four exploring steps, not two. Nor is a
 step OUTLIER times slower than the fit predicts, nor a draft OUTLIER times dearer than the
 step's verify (a compile of a new draft shape - its greedy chain and its sampled level compile
-at different steps -, a pause). The model says when it needs a sample it cannot get from the
+at different steps -, a pause). A step is called a one-off only where the fit has samples of its own
+length (_samples_near). The model says when it needs a sample it cannot get from the
 steps the policy would choose anyway (`wants_sample`): until it can tell a row's cost from the
 step's, and now and then so that a change of load is noticed.
 """
@@ -69,7 +70,8 @@ import numpy as np
 WINDOW = 64            # samples (and pairs) kept per fit
 NEAR = 1.0             # octaves of cached length within which samples make the model ready there
 LOCALITY = 0.5         # a verify sample d octaves of cached length away weighs 1 / (1 + (d / LOCALITY)^2)
-OUTLIER = 5.0          # a sample this many times the fit's prediction is a one-off, not a cost
+OUTLIER = 5.0          # a sample this many times the fit's prediction is a one-off, not a cost ...
+LOCAL_SAMPLES = 4      # ... where the fit has this many samples near the step's length (_samples_near)
 RESAMPLE_EVERY = 50    # steps between samples taken only to keep the fit current
 PAIR_GAP = 1.0         # seconds between two steps' ends within which their difference is a sample
 PAIR_OCTAVES = 0.1     # ... and how far apart their mean cached lengths may be (the same batch, a few tokens on)
@@ -233,7 +235,8 @@ class MeasuredCosts(CostModel):
                draft_s: float) -> None:
         total, octaves = int(sum(rows)), _octaves(contexts)
         size, refit = (total, round(octaves)), False
-        if size in self._seen_rows and not (self.ready(contexts) and verify_s > OUTLIER * self.verify_s(rows, contexts)):
+        if size in self._seen_rows and not (self._samples_near(octaves) and self.ready(contexts)
+                                            and verify_s > OUTLIER * self.verify_s(rows, contexts)):
             sample = (float(total), sum(contexts) / 1000.0, _attention(rows, contexts), float(sum(r > 1 for r in rows)),
                       octaves, float(len(rows)), float(verify_s))
             now = time.monotonic()
@@ -268,6 +271,15 @@ class MeasuredCosts(CostModel):
                     self._draft.clear()
                     self.version += 1
             self._seen_depths.add(depth)
+
+    def _samples_near(self, octaves: float) -> bool:
+        """Whether the window holds LOCAL_SAMPLES samples within NEAR octaves of this length: only a
+        fit that rests on them can call a step there a one-off. After a long answer at another
+        length has filled the window, the fit here rests on that length's samples alone (where a
+        and e are one line through a single length, apart by noise): it once priced a 0.5k decode
+        step at 0.6 ms where it took 8.5, and every real step, OUTLIER x that, was dropped, so the
+        price never moved and the engine drafted nothing on the next short video."""
+        return sum(abs(s[OCTAVES] - octaves) <= NEAR for s in self.verify_samples) >= LOCAL_SAMPLES
 
     def _fit_verify(self, octaves: float) -> tuple[float, ...]:
         """(a, b, e, c, j) weighted towards samples near `octaves` (log2 of the step's mean

@@ -48,7 +48,7 @@ def request(alpha: float, context: int, k: int = K, pinned: bool = False, remain
     """What the policy reads of a request (sparrow.request.Request has these)."""
     return SimpleNamespace(k=k, pinned_k=pinned, draft_state=object(), context=context,
                            accepted=round(alpha * 10_000), rejected=round((1 - alpha) * 10_000),   # its own record
-                           drafted=10_000,
+                           drafted=10_000, idle=0, backoff=0,
                            output=SimpleNamespace(remaining=remaining), sampling=SimpleNamespace(greedy=True))
 
 
@@ -161,6 +161,41 @@ def test_a_draft_that_stops_being_accepted_stops_drafting_within_a_few_steps():
     assert drafted <= 15, drafted      # 13: the deeper positions' chances are the engine's (they passed)
 
 
+def test_a_request_that_stopped_drafting_probes_one_deep_backing_off_while_its_probes_fail():
+    """Acceptance comes in runs: a request stopped by a few rejections is not stopped for good.
+    After PROBE_AFTER idle steps it drafts one token; a rejected probe doubles the wait, an
+    accepted one starts its record afresh and it drafts deep again. Where drafting cannot pay
+    at any acceptance it never probes."""
+    policy = DraftPolicy(K, adaptive=True, costs=StubCosts(a=0.010, b=0.0025, d=0.0005))    # 25k-like
+    for _ in range(50):
+        policy.record([request(0.9, 25_000)], [K + 1], 0.02, K, 0.002, [K], [K])          # the engine's draft does well
+    r = request(0.0, 25_000)
+    r.accepted, r.rejected, r.drafted = 0.1, 3.0, 20             # its own last steps all rejected
+
+    def idle_until_it_drafts(accepted: int) -> tuple[int, int]:
+        for idle in range(1000):
+            k = policy.choose([r])[0]
+            policy.record([r], [k + 1], 0.012, k, 0.0005 * k, [k], [min(k, accepted)])
+            if k:
+                return idle, k
+        raise AssertionError("never drafted again")
+
+    assert idle_until_it_drafts(0) == (DraftPolicy.PROBE_AFTER, 1)          # a probe, one deep, rejected
+    assert idle_until_it_drafts(0) == (2 * DraftPolicy.PROBE_AFTER, 1)      # ... so the next waits twice as long
+    assert idle_until_it_drafts(1) == (4 * DraftPolicy.PROBE_AFTER, 1)      # accepted: its record starts afresh
+    assert policy.choose([r]) == [K]
+    for _ in range(20 * DraftPolicy.PROBE_AFTER_MAX):                       # a failing draft: one row a
+        k = policy.choose([r])[0]                                           # PROBE_AFTER_MAX steps at most
+        policy.record([r], [k + 1], 0.012, k, 0.0005 * k, [k], [0])
+    assert r.backoff == DraftPolicy.PROBE_AFTER_MAX
+    stopped = request(0.0, 500)
+    stopped.accepted, stopped.rejected, stopped.drafted = 0.1, 3.0, 20
+    never = DraftPolicy(K, adaptive=True, costs=NEVER)
+    for _ in range(4 * DraftPolicy.PROBE_AFTER_MAX):
+        assert never.choose([stopped]) == [0]
+        never.record([stopped], [1], 0.001, 0, 0.0, [0], [0])
+
+
 def test_pinned_requests_keep_their_k_and_the_policy_can_be_off():
     batch = [request(0.9, 500, k=3, pinned=True), request(0.3, 500)]
     assert DraftPolicy(K, adaptive=True, costs=NEVER).choose(batch) == [3, 0]
@@ -199,6 +234,31 @@ def test_a_requests_marginal_costs_are_the_fits_differences():
     for ctx in (36, 520, 8_000, 25_056):
         one, two, three = (costs.verify_s([r], [ctx]) for r in (1, 2, 3))
         assert costs.marginal(ctx) == pytest.approx((three - two, two - one - (three - two), one), rel=1e-9, abs=1e-12)
+
+
+def test_back_at_a_length_whose_samples_were_evicted_the_steps_there_are_samples_not_outliers():
+    """0.5k steps, then a long 25k answer (its samples fill the window; its pairs, fewer, leave
+    0.5k's), then 0.5k again: the fit there rests on 25k samples alone (a and e collinear at one
+    length) and priced a 0.5k decode step at 1.3 ms where it took 8.5; every real 0.5k step,
+    OUTLIER x that, was dropped as a one-off, so the price never moved and the default engine drafted
+    nothing on the next short video (world v2 pair, fixed k 2.2x plain there). A step is an
+    outlier only against a fit with samples of its own length."""
+    def verify(rows: int, ctx: int) -> float:        # a 0.5k decode step 6.6 ms, a 25k one 18.3 ms
+        return 0.006 + 0.0003 * rows + 0.0004 * ctx / 1000 + 0.00008 * rows * ctx / 1000 + 0.001 * (rows > 1)
+
+    for seed in range(5):                            # 5% noise a step: the 25k samples alone fit a and e anyhow
+        rng = np.random.default_rng(seed)
+        costs = MeasuredCosts()
+        for i in range(40):
+            rows = (5, 3, 1)[i % 3]
+            costs.record([rows], [520 + i], verify(rows, 520 + i) * np.exp(rng.normal(0, 0.05)), rows - 1, 0.001)
+        for i in range(120):                          # a 25k answer: mostly 5 rows, now and then 3
+            rows = 3 if i % 20 == 0 else 5
+            costs.record([rows], [25_000 + i], verify(rows, 25_000 + i) * np.exp(rng.normal(0, 0.05)), rows - 1, 0.001)
+        assert all(s[4] > 14 for s in costs.verify_samples) and costs.ready([600])      # 0.5k's samples gone
+        for i in range(12):                           # decode steps back at 0.5k
+            costs.record([1], [600 + i], verify(1, 600 + i) * np.exp(rng.normal(0, 0.05)), 0, 0.0)
+        assert costs.marginal(612)[2] == pytest.approx(verify(1, 612), rel=0.3), seed
 
 
 def test_requests_whose_drafts_cannot_pay_are_left_out_of_the_search(monkeypatch):
@@ -378,9 +438,9 @@ def test_a_requests_acceptance_starts_from_the_engines():
     for _ in range(50):
         good.record([request(0.9, 500)], [K + 1], 0.01, K, 0.001, [K], [K])
         bad.record([request(0.9, 500)], [K + 1], 0.01, K, 0.001, [K], [0])
-    unlucky = SimpleNamespace(accepted=0, rejected=1, drafted=1)
+    unlucky = SimpleNamespace(accepted=0, rejected=1, drafted=1, idle=0, backoff=0)
     assert good.alpha(unlucky) > 0.6 and bad.alpha(unlucky) < 0.1
-    assert bad.engine_alpha < 0.1 and bad.alpha(SimpleNamespace(accepted=0, rejected=0, drafted=0)) == pytest.approx(2 / 3)
+    assert bad.engine_alpha < 0.1 and bad.alpha(SimpleNamespace(accepted=0, rejected=0, drafted=0, idle=0, backoff=0)) == pytest.approx(2 / 3)
     # where a row is dear (25k on a CPU), the failing engine's record alone would keep a new request
     # plain; its probe drafts, its failure stops it, its success keeps it drafting
     costs = StubCosts(a=0.010, b=0.0025, d=0.0005)
