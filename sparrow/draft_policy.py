@@ -105,7 +105,7 @@ class DraftPolicy(_Laps):
     PROBE_ALPHA = 2 / 3        # what a request with no record of its own is worth at least
     DECAY = 0.99               # per drafting step, on the engine's acceptance counts
     RECENT = 0.7               # per drafting step, on a request's own (a memory of ~3 steps)
-    PROBE_AFTER = 12            # idle steps after which a request that stopped drafting is valued afresh ...
+    PROBE_AFTER = 12           # idle steps after which a request that stopped drafting is valued afresh ...
     PROBE_AFTER_MAX = 64       # ... doubled after each probe that fails, up to this
 
     def __init__(self, k_max: int, adaptive: bool, costs: CostModel | None = None, measure: bool = True):
