@@ -141,8 +141,10 @@ class DraftPolicy(_Laps):
         return (request.accepted + w * self.engine_alpha) / (request.accepted + request.rejected + w)
 
     def _due(self, request: Request) -> bool:
-        """Whether a request with a record of its own has been idle long enough to be valued afresh."""
-        return request.idle >= (request.backoff or self.PROBE_AFTER) and request.accepted + request.rejected > 0
+        """Whether a request whose k adapts, with a record of its own, has been idle long enough
+        to be valued afresh (a pinned k or a fixed policy never probes)."""
+        return (request.idle >= (request.backoff or self.PROBE_AFTER) and request.accepted + request.rejected > 0
+                and self.adaptive and not request.pinned_k)
 
     def expected_tokens(self, request: Request) -> list[float]:
         """Tokens one step is expected to emit for this request at k = 0 .. k_max. Acceptance
@@ -171,7 +173,7 @@ class DraftPolicy(_Laps):
 
     @_timed
     def choose(self, batch: list[Request]) -> list[int]:
-        caps = [min(r.k, max(0, r.output.remaining - 1), 1 if self._due(r) else r.k) if r.draft_state is not None else 0
+        caps = [min(1 if self._due(r) else r.k, max(0, r.output.remaining - 1)) if r.draft_state is not None else 0
                 for r in batch]
         free = [i for i, r in enumerate(batch) if not r.pinned_k and caps[i] > 0]
         if not self.adaptive or not free:

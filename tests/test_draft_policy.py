@@ -188,6 +188,9 @@ def test_a_request_that_stopped_drafting_probes_one_deep_backing_off_while_its_p
         k = policy.choose([r])[0]                                           # PROBE_AFTER_MAX steps at most
         policy.record([r], [k + 1], 0.012, k, 0.0005 * k, [k], [0])
     assert r.backoff == DraftPolicy.PROBE_AFTER_MAX
+    pinned = request(0.0, 25_000, k=3, pinned=True)                         # an explicit k is never cut to a probe
+    pinned.accepted, pinned.rejected, pinned.idle = 0.1, 3.0, 100
+    assert policy.choose([pinned]) == [3]
     stopped = request(0.0, 500)
     stopped.accepted, stopped.rejected, stopped.drafted = 0.1, 3.0, 20
     never = DraftPolicy(K, adaptive=True, costs=NEVER)
