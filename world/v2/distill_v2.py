@@ -2,8 +2,9 @@
 Sparrow's and the EAGLE-style drafts are trained on (issue 47: every draft trained the same way).
 The store (training/feature_store.py) keeps each prompt's video, the prompt, and the target's
 own answers to it (greedy and sampled); here those answers are the labels, read by the VLM
-through its own frozen tower from the same mp4s, with the target's training loss
-(target_data.pooled_loss, answers at the engine's decode positions).
+through its own frozen tower from the same mp4s, with the target's training loss (its token
+mean, target_data.pooled_loss's at weighting "token", answers at the engine's decode positions),
+one answer's graph at a time (accumulate_step).
 
     sparrow world distill-v2 --student DIR --store STORE --out DIR [--steps 800 --batch 4]
 """
