@@ -98,6 +98,20 @@ def test_kernel_matches_the_reference(case, calls):
     assert calls and all(calls)
 
 
+def test_every_row_count_matches_plain_softmax_attention(kernel):
+    """Each row-group size is its own instance of the kernel's block function (1 .. RB rows, and
+    counts past RB split into even groups): every count from 1 to 27 rows over keys that are not
+    whole blocks, outputs and log-sum-exps against softmax(q k^T) v computed in float64."""
+    g = torch.Generator().manual_seed(11)
+    k, v = torch.randn(1, 2, 333, 32, generator=g), torch.randn(1, 2, 333, 32, generator=g)
+    for rows in range(1, 28):
+        q = torch.randn(1, 2, rows, 32, generator=g)
+        out, lse = kernel.prefix_attention(q, k, v, 32 ** -0.5)
+        scores = (q.double() @ k.double().transpose(-1, -2)) * 32 ** -0.5
+        torch.testing.assert_close(out.double(), torch.softmax(scores, -1) @ v.double(), atol=2e-6, rtol=2e-6)
+        torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.parametrize("case", [1, 3, 7, 9])
 def test_kernel_bf16_cache(case, calls):
     """bf16 K/V (a bf16 cache): the kernel reads them as they are and computes in fp32, so it
