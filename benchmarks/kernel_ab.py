@@ -37,9 +37,10 @@ from sparrow.kernels.native import NativeExtension
 
 def build_at(revision: str, workdir: Path) -> object:
     """The kernel built from its source at a git revision (cached like any build: by its key)."""
-    source = workdir / "cpu_prefix.cpp"
-    rel = cpu_prefix.EXTENSION.source.resolve().relative_to(Path(__file__).resolve().parents[1])
-    source.write_bytes(subprocess.run(["git", "show", f"{revision}:{rel}"], check=True, capture_output=True).stdout)
+    source, root = workdir / "cpu_prefix.cpp", Path(__file__).resolve().parents[1]
+    rel = cpu_prefix.EXTENSION.source.resolve().relative_to(root)
+    source.write_bytes(subprocess.run(["git", "show", f"{revision}:{rel}"], check=True, capture_output=True,
+                                      cwd=root).stdout)
     ext = NativeExtension(cpu_prefix.EXTENSION.name, source, cpu_prefix.EXTENSION.cflags, f"CPU prefix kernel at {revision}")
     module = ext.load()
     if module is None:
