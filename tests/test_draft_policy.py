@@ -461,12 +461,10 @@ def test_a_requests_acceptance_starts_from_the_engines():
 
 def test_tree_trim_reads_the_policys_costs():
     """With a row as dear as the step, a greedy tree is cut to nothing; free rows keep it whole."""
-    class Tree(SimpleNamespace):
-        def best(self, n):
-            return Tree(size=n, scores=self.scores[:n])
-
     import torch
-    tree = Tree(size=6, scores=torch.log(torch.tensor([0.9, 0.8, 0.5, 0.3, 0.2, 0.1])))
+
+    from sparrow.speculative.tree import DraftTree
+    tree = DraftTree(torch.arange(6), scores=torch.log(torch.tensor([0.9, 0.8, 0.5, 0.3, 0.2, 0.1])))
     batch = [request(0.9, 1000)]
     trim = TreeTrim()
     trim.cut(batch, [tree], None)                  # its first step explores

@@ -341,6 +341,27 @@ def test_tree_trim_follows_the_measured_verify_cost():
     assert hopeless == [None]                                                  # plain decoding beats any draft here
 
 
+def test_tree_trim_calibrates_each_depth_apart():
+    """Deep nodes accepted more often than their draft probabilities say (acceptance comes in
+    runs): once measured, the cut keeps a path three deep over a shallow sibling, where one
+    calibration for every depth kept the first node alone; what it keeps is a tree (here a chain)."""
+    from sparrow.draft_policy import TreeTrim
+    from sparrow.request import Request
+
+    def tree():
+        return DraftTree(torch.arange(4), None, torch.tensor([-1, 0, -1, 1]), torch.arange(4),
+                         scores=torch.log(torch.tensor([0.6, 0.42, 0.35, 0.294])))
+    batch = [Request(0, None, "q", SamplingParams(temperature=0.0), None, None, None, print)]
+    trim = TreeTrim()
+    next(trim._steps)                                       # past the first (exploring) step
+    assert trim.cut(batch, [tree()], fit=(0.010, 0.004))[0].tokens.tolist() == [0]
+    for _ in range(200):
+        trim.record([tree()], [3])                          # every step accepts the path 0 -> 1 -> 3
+    assert 0.9 < trim.calibration(1) < 1.1 and trim.calibration(2) == trim.calibration(3) == 2.0
+    cut = trim.cut(batch, [tree()], fit=(0.010, 0.004))[0]
+    assert cut.tokens.tolist() == [0, 1, 3] and cut.is_chain
+
+
 def test_adaptive_tree_greedy_equals_hf_generate(any_target, large_video):
     target = any_target
     spec = SpecConfig(adaptive_k=False, num_draft_tokens=4, window=8, anchors=16, tree_width=2, tree_branch=2, adaptive_tree=True)

@@ -93,14 +93,24 @@ class DraftTree:
         if self.scores is None:
             raise ValueError("a tree without scores cannot be cut to its best nodes")
         order = sorted(range(self.size), key=lambda i: (-float(self.scores[i]), i))[:n]
-        keep = sorted(order)
+        return self.subtree(order, "the best nodes do not hold their ancestors (scores must not rise along a path)")
+
+    def subtree(self, nodes: list[int], why: str = "the nodes kept do not hold their ancestors") -> "DraftTree":
+        """These nodes (each with its ancestors among them), re-indexed in their order; a single
+        path comes back as a chain. The same determinism caveat as `best`."""
+        keep = sorted(nodes)
+        if self.parents is None:
+            if keep != list(range(len(keep))):
+                raise ValueError(why)
+            return DraftTree(self.tokens[:len(keep)], self.probs[:len(keep)] if self.probs is not None else None,
+                             scores=self.scores[:len(keep)] if self.scores is not None else None)
         new = {old: i for i, old in enumerate(keep)}
         parents = [int(self.parents[i]) for i in keep]
         if any(p >= 0 and p not in new for p in parents):
-            raise ValueError("the best nodes do not hold their ancestors (scores must not rise along a path)")
+            raise ValueError(why)
         idx = torch.tensor(keep, dtype=torch.long)
         parents_t = torch.tensor([new[p] if p >= 0 else -1 for p in parents], dtype=torch.long)
-        tokens, scores = self.tokens[idx], self.scores[idx]
+        tokens, scores = self.tokens[idx], self.scores[idx] if self.scores is not None else None
         if all(int(p) == i - 1 for i, p in enumerate(parents_t.tolist())) and self.probs is None:
             return DraftTree(tokens, None, scores=scores)                 # a single path: a chain
         draw = self.draw[idx] if self.draw is not None else idx
