@@ -83,7 +83,7 @@ class SpecConfig:
     tree_width/tree_branch/tree_budget: the shape of the draft tree (see the fields).
     adaptive_tree: each step, greedy requests' trees (chains too) are cut to the nodes worth
     their verify cost: the step's measured verify cost per token against each node's chance
-    of acceptance (its path's draft probability, calibrated by what was accepted), shared
+    of acceptance (its path's draft probability, calibrated by what was accepted at its depth), shared
     across the batch (draft_policy.TreeTrim). Off by default; sampled requests keep their trees.
     window/anchors/glimpse: the draft's text-anchored window attention sees at most
     `anchors` prompt text tokens + the last `window` tokens + `glimpse` bridge-layer visual
